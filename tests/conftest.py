@@ -1,0 +1,47 @@
+"""Test set-up: one faked 8-device CPU mesh for the whole suite."""
+
+import os
+
+# Before jax initialises its backend: eight CPU devices, and no TPU probing by
+# libtpu (installed for ahead-of-time TPU compilation only).
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ['XLA_FLAGS'] = (
+    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
+NUM_DEVICES = 8
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _check_devices():
+  assert len(jax.devices()) == NUM_DEVICES, jax.devices()
+
+
+def needs_devices(n: int):
+  return pytest.mark.skipif(len(jax.devices()) < n, reason=f'needs {n} devices')
+
+
+@pytest.fixture(params=['explicit', 'auto'])
+def mesh(request):
+  """An 8-device mesh with one axis 'data', of Explicit or Auto type."""
+  kind = AxisType.Explicit if request.param == 'explicit' else AxisType.Auto
+  return jax.make_mesh((NUM_DEVICES,), ('data',), axis_types=(kind,))
+
+
+@pytest.fixture
+def auto_mesh():
+  return jax.make_mesh((NUM_DEVICES,), ('data',), axis_types=(AxisType.Auto,))
+
+
+@pytest.fixture
+def explicit_mesh():
+  return jax.make_mesh((NUM_DEVICES,), ('data',))
+
+
+@pytest.fixture(autouse=True)
+def _doctest_namespace(doctest_namespace):
+  doctest_namespace['jax'] = jax

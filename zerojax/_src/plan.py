@@ -1,0 +1,326 @@
+"""The ZeRO plan: NamedSharding layouts for params, grads and optimizer state."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from zerojax._src import mesh as mesh_lib
+from zerojax._src import rules
+from zerojax._src import validation
+
+STAGES = (0, 1, 2, 3)
+
+
+def check_stage(stage: Any) -> int:
+  if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or stage not in STAGES:
+    raise ValueError(
+        f'`stage` must be 0, 1, 2 or 3 (the ZeRO stages), got {stage!r}.'
+    )
+  return int(stage)
+
+
+def check_policy(policy: Any) -> str:
+  if policy not in rules.POLICIES:
+    raise ValueError(
+        f'`policy` must be one of {rules.POLICIES}, got {policy!r}.'
+    )
+  return policy
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+  """One leaf of the plan, for printing and accounting."""
+
+  group: str  # 'params' or 'opt_state'
+  path: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  at_rest: PartitionSpec
+  grads: PartitionSpec | None  # params rows only
+  reason: str | None  # why the leaf stays whole on the ZeRO axes, if it does
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ZeroPlan:
+  """Where every piece of the training state lives, for one ZeRO stage.
+
+  Attributes:
+    stage: the ZeRO stage, 0 to 3.
+    mesh: the device mesh.
+    axes: the mesh axes that ZeRO partitions over.
+    params: NamedSharding per parameter, at rest (sharded only at stage 3).
+    grads: NamedSharding per gradient, as reduced (sharded from stage 2).
+    opt_state: NamedSharding per optimizer-state leaf (sharded from stage 1).
+    param_shards: NamedSharding per parameter, fully sharded: the slice of the
+      update each device computes from stage 1 up.
+    rows: per-leaf records behind `str(plan)`.
+  """
+
+  stage: int
+  mesh: Mesh
+  axes: tuple[str, ...]
+  params: Any
+  grads: Any
+  opt_state: Any
+  param_shards: Any
+  rows: tuple[PlanRow, ...]
+
+  @property
+  def num_shards(self) -> int:
+    """Number of devices along the ZeRO axes."""
+    return mesh_lib.axes_size(self.mesh, self.axes)
+
+  def bytes_per_device(self) -> dict[str, int]:
+    """Bytes one device holds of params and optimizer state at rest, and of grads."""
+    out = {'params': 0, 'grads': 0, 'opt_state': 0}
+    for r in self.rows:
+      out[r.group] += rules.bytes_per_device(r.shape, r.dtype, r.at_rest, self.mesh)
+      if r.grads is not None:
+        out['grads'] += rules.bytes_per_device(r.shape, r.dtype, r.grads, self.mesh)
+    return out
+
+  def replicated(self) -> list[tuple[str, str, str]]:
+    """(group, path, reason) for each leaf that stays whole on the ZeRO axes."""
+    return [(r.group, r.path, r.reason) for r in self.rows if r.reason is not None]
+
+  def __str__(self) -> str:
+    return format_plan(self)
+
+
+def _fmt_bytes(n: int) -> str:
+  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
+    if n < 1024 or unit == 'TiB':
+      return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.2f} {unit}'
+    n /= 1024
+  raise AssertionError
+
+
+def _spec_str(spec: PartitionSpec) -> str:
+  return 'P(' + ', '.join(repr(e) if e is not None else 'None' for e in spec) + ')'
+
+
+def format_plan(plan: ZeroPlan) -> str:
+  """The per-leaf table that `str(plan)` prints."""
+  mesh = plan.mesh
+  axes = plan.axes[0] if len(plan.axes) == 1 else plan.axes
+  lines = [
+      f'ZeroPlan: stage {plan.stage} over mesh axis {axes!r} ({plan.num_shards} shards)'
+      f' of mesh {dict(mesh.shape)}'
+  ]
+  header = ('group', 'path', 'shape', 'dtype', 'spec at rest', 'grads spec', 'bytes/device')
+  table = []
+  for r in plan.rows:
+    nbytes = rules.bytes_per_device(r.shape, r.dtype, r.at_rest, mesh)
+    table.append((
+        r.group,
+        r.path or '(root)',
+        str(r.shape),
+        r.dtype.name,
+        _spec_str(r.at_rest),
+        _spec_str(r.grads) if r.grads is not None else '',
+        f'{nbytes:,}',
+    ))
+  widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
+  fmt = lambda row: '  '.join(c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+  lines.append(fmt(header))
+  lines.append('  '.join('-' * w for w in widths))
+  lines.extend(fmt(row) for row in table)
+  totals = plan.bytes_per_device()
+  total = sum(totals.values())
+  lines.append(
+      'per device: '
+      + ', '.join(f'{k} {_fmt_bytes(v)}' for k, v in totals.items())
+      + f'; total {_fmt_bytes(total)}'
+  )
+  reps = plan.replicated()
+  if reps:
+    lines.append(f'replicated over {axes!r} ({len(reps)}):')
+    lines.extend(f'  {g}{p}: {why}' for g, p, why in reps)
+  else:
+    lines.append(f'replicated over {axes!r}: none')
+  return '\n'.join(lines)
+
+
+def _spec_of(x: Any) -> PartitionSpec | None:
+  """The PartitionSpec a leaf already carries, if any."""
+  if isinstance(x, jax.core.Tracer):
+    sharding = jax.typeof(x).sharding
+  else:
+    sharding = getattr(x, 'sharding', None)
+  return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def _match_param(state_path: tuple, param_paths: dict[tuple, Any], shape) -> Any:
+  """The parameter whose key path ends `state_path`, with the same shape."""
+  for start in range(len(state_path) + 1):
+    hit = param_paths.get(tuple(state_path[start:]))
+    if hit is not None and hit[0].shape == shape:
+      return hit
+  return None
+
+
+def _paths(tree: Any) -> list[tuple[tuple, Any]]:
+  return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def make_plan(
+    params: optax.Params,
+    tx: optax.GradientTransformation | None = None,
+    *,
+    stage: int,
+    mesh: Mesh | None = None,
+    axis: mesh_lib.AxisName = 'data',
+    policy: rules.Policy = 'error',
+    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+    opt_state: optax.OptState | None = None,
+    param_specs: Any = None,
+) -> ZeroPlan:
+  """Computes the ZeRO layouts of `params`, their grads, and `tx`'s state.
+
+  Nothing is allocated: shapes are read from `params` (arrays or
+  `jax.ShapeDtypeStruct`s) and the optimizer state is evaluated abstractly.
+
+  Args:
+    params: the parameter tree (arrays, tracers or ShapeDtypeStructs). Leaves
+      already sharded over other mesh axes keep those axes.
+    tx: the optax transformation whose state to lay out (unwrapped).
+    stage: the ZeRO stage, 0 to 3.
+    mesh: the device mesh; defaults to the one set by `jax.set_mesh`.
+    axis: the mesh axis, or tuple of axes, to partition over.
+    policy: what to do with a large leaf no free dimension of which divides by
+      the axis size: 'error' (default) or 'replicate'.
+    replicate_below_bytes: such leaves smaller than this are replicated under
+      any policy, and listed in the plan.
+    opt_state: an optimizer state to lay out instead of evaluating `tx.init`.
+    param_specs: optional tree of PartitionSpecs (a prefix of `params`) giving
+      the tensor-parallel layout of each parameter; overrides the leaves' own.
+
+  Returns:
+    A `ZeroPlan`.
+
+  Raises:
+    ValueError: bad `stage`, `axis` or `policy`; no mesh; or, under
+      policy='error', leaves that must be split but cannot be.
+    TypeError: non-array leaves in `params`.
+
+  >>> import jax, jax.numpy as jnp, optax, zerojax
+  >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
+  >>> plan = zerojax.make_plan({'w': jnp.zeros((64, 16))}, optax.adam(1e-3),
+  ...                          stage=1, mesh=mesh)
+  >>> plan.opt_state[0].mu['w'].spec
+  PartitionSpec('data', None)
+  """
+  stage = check_stage(stage)
+  policy = check_policy(policy)
+  mesh = mesh_lib.resolve_mesh(mesh)
+  axes = mesh_lib.resolve_axes(mesh, axis)
+  abstract = validation.abstract_arrays(params, 'params')
+
+  if param_specs is not None:
+    specs = validation.broadcast_prefix(param_specs, params, 'param_specs')
+  else:
+    specs = jax.tree.map(_spec_of, params)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
+
+  def rule_for(shape, dtype, base):
+    return rules.leaf_rule(
+        shape, dtype, base, mesh=mesh, axes=axes, replicate_below_bytes=replicate_below_bytes
+    )
+
+  param_entries = _paths(abstract)
+  treedef = jax.tree.structure(abstract)
+  param_rules = [rule_for(x.shape, x.dtype, s) for (_, x), s in zip(param_entries, spec_leaves)]
+
+  if opt_state is not None:
+    state_abstract = validation.abstract_arrays(opt_state, 'opt_state')
+  elif tx is not None:
+    state_abstract = jax.eval_shape(tx.init, abstract)
+  else:
+    state_abstract = ()
+  state_entries = _paths(state_abstract)
+  state_treedef = jax.tree.structure(state_abstract)
+  by_path = {path: (x, rule) for (path, x), rule in zip(param_entries, param_rules)}
+  state_rules = []
+  for path, x in state_entries:
+    hit = _match_param(path, by_path, x.shape)
+    state_rules.append(hit[1] if hit is not None else rule_for(x.shape, x.dtype, None))
+
+  # The stage decides which groups must be split over the ZeRO axes.
+  must_split = {'params': stage >= 3, 'grads': stage >= 2, 'opt_state': stage >= 1}
+  offending = []
+  for (path, _), rule in zip(param_entries, param_rules):
+    if rule.indivisible and (must_split['params'] or must_split['grads']):
+      offending.append(('params', path, rule))
+  for (path, _), rule in zip(state_entries, state_rules):
+    if rule.indivisible and must_split['opt_state']:
+      offending.append(('opt_state', path, rule))
+  if offending and policy == 'error':
+    n = mesh_lib.axes_size(mesh, axes)
+    listing = '\n'.join(
+        f'  {group}{jax.tree_util.keystr(path)}: shape {r.shape}, {r.reason}'
+        for group, path, r in offending
+    )
+    raise ValueError(
+        f'{len(offending)} leaves cannot be split over mesh axis {axis!r} of size {n}'
+        f' for ZeRO stage {stage}:\n{listing}\n'
+        f"Pass `policy='replicate'` to keep them whole on every device, raise"
+        f' `replicate_below_bytes` above their size, or choose a mesh whose {axis!r}'
+        ' size divides one of their dimensions.'
+    )
+
+  def layout(rule: rules.LeafRule, split: bool) -> PartitionSpec:
+    return rule.sharded if split else rule.base
+
+  explicit = mesh_lib.any_explicit(mesh)
+
+  def named(spec: PartitionSpec) -> NamedSharding:
+    # Match the form JAX itself gives arrays on this kind of mesh, so that
+    # `array.sharding == plan_leaf` holds: Explicit meshes keep one entry per
+    # dimension, Auto meshes drop trailing Nones.
+    if not explicit:
+      entries = list(spec)
+      while entries and entries[-1] is None:
+        entries.pop()
+      spec = PartitionSpec(*entries)
+    return NamedSharding(mesh, spec)
+
+  def why(rule: rules.LeafRule, split: bool) -> str | None:
+    if not split or rule.dim is not None:
+      return None
+    return rule.reason + (" (policy='replicate')" if rule.indivisible else '')
+
+  rows = []
+  p_rest, p_grad, p_shard = [], [], []
+  for (path, x), rule in zip(param_entries, param_rules):
+    p_rest.append(named(layout(rule, must_split['params'])))
+    p_grad.append(named(layout(rule, must_split['grads'])))
+    p_shard.append(named(layout(rule, stage >= 1)))
+    rows.append(PlanRow(
+        'params', jax.tree_util.keystr(path), rule.shape, rule.dtype,
+        p_rest[-1].spec, p_grad[-1].spec,
+        why(rule, must_split['params'] or must_split['grads']),
+    ))
+  s_rest = []
+  for (path, x), rule in zip(state_entries, state_rules):
+    s_rest.append(named(layout(rule, must_split['opt_state'])))
+    rows.append(PlanRow(
+        'opt_state', jax.tree_util.keystr(path), tuple(x.shape), np.dtype(x.dtype),
+        s_rest[-1].spec, None, why(rule, must_split['opt_state']),
+    ))
+  return ZeroPlan(
+      stage=stage,
+      mesh=mesh,
+      axes=axes,
+      params=jax.tree.unflatten(treedef, p_rest),
+      grads=jax.tree.unflatten(treedef, p_grad),
+      opt_state=jax.tree.unflatten(state_treedef, s_rest),
+      param_shards=jax.tree.unflatten(treedef, p_shard),
+      rows=tuple(rows),
+  )
+

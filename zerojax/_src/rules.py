@@ -1,0 +1,123 @@
+"""Leaf rules: which dimension of an array carries the ZeRO axes.
+
+One rule serves every leaf, parameter or optimizer state: keep whatever the leaf
+is already sharded over (tensor parallelism), and put the ZeRO axes on the
+largest *free* dimension that divides by their size. A leaf with no such
+dimension is replicated when small, and otherwise handled by the user's policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+Policy = Literal['error', 'replicate']
+POLICIES: tuple[str, ...] = ('error', 'replicate')
+
+# Leaves below this size that cannot be split evenly are replicated without
+# complaint: biases and norms of odd width cost little, and splitting them would
+# cost a collective each.
+DEFAULT_REPLICATE_BELOW_BYTES = 1 << 18
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRule:
+  """How one array leaf is laid out.
+
+  Attributes:
+    shape: the leaf's global shape.
+    dtype: the leaf's dtype.
+    base: its layout without the ZeRO axes (tensor-parallel axes, if any).
+    sharded: its layout with the ZeRO axes added, or `base` if it could not be
+      split.
+    dim: the dimension carrying the ZeRO axes, or None.
+    reason: why the leaf is not split over the ZeRO axes, or None.
+    indivisible: True when the leaf is large and no free dimension divides.
+  """
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  base: PartitionSpec
+  sharded: PartitionSpec
+  dim: int | None
+  reason: str | None
+  indivisible: bool
+
+
+def normalize_spec(
+    spec: PartitionSpec | None, ndim: int, mesh: Mesh, drop: Sequence[str]
+) -> PartitionSpec:
+  """A spec with one entry per dimension, without the axes in `drop`.
+
+  Axes not in `mesh` are dropped too: a spec from another mesh cannot be kept.
+  """
+  entries = list(spec) if spec is not None else []
+  entries = (entries + [None] * ndim)[:ndim]
+  out = []
+  for entry in entries:
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    names = tuple(n for n in names if n in mesh.axis_names and n not in drop)
+    out.append(None if not names else names[0] if len(names) == 1 else names)
+  return PartitionSpec(*out)
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def bytes_per_device(
+    shape: Sequence[int], dtype, spec: PartitionSpec, mesh: Mesh
+) -> int:
+  """Bytes one device holds of an array of `shape` laid out as `spec`."""
+  size = np.dtype(dtype).itemsize
+  for d, entry in zip(shape, list(spec) + [None] * (len(shape) - len(spec))):
+    parts = math.prod(mesh.shape[a] for a in spec_axes(entry))
+    size *= -(-d // parts)
+  return size
+
+
+def leaf_rule(
+    shape: Sequence[int],
+    dtype,
+    base: PartitionSpec | None,
+    *,
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    replicate_below_bytes: int,
+) -> LeafRule:
+  """Decides the layout of one leaf; see the module docstring."""
+  shape = tuple(int(d) for d in shape)
+  dtype = np.dtype(dtype)
+  base = normalize_spec(base, len(shape), mesh, drop=axes)
+  n = math.prod(mesh.shape[a] for a in axes)
+  zero_entry = axes[0] if len(axes) == 1 else axes
+
+  free = [i for i, entry in enumerate(base) if entry is None]
+  divisible = [i for i in free if shape[i] % n == 0 and shape[i] >= n]
+  if n == 1 and free:
+    divisible = free
+  if divisible:
+    # Largest dimension first; ties go to the earliest dimension.
+    dim = max(divisible, key=lambda i: (shape[i], -i))
+    entries = list(base)
+    entries[dim] = zero_entry
+    return LeafRule(shape, dtype, base, PartitionSpec(*entries), dim, None, False)
+
+  nbytes = bytes_per_device(shape, dtype, base, mesh)
+  if not shape:
+    reason = 'scalar'
+  elif not free:
+    reason = 'every dimension is already sharded over other axes'
+  else:
+    reason = f'no free dimension of {shape} divides by {n}'
+  indivisible = nbytes >= replicate_below_bytes and bool(shape)
+  if not indivisible and shape:
+    reason += f' (small: {nbytes} B < replicate_below_bytes={replicate_below_bytes})'
+  return LeafRule(shape, dtype, base, base, None, reason, indivisible)

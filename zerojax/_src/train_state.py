@@ -1,0 +1,183 @@
+"""Flax train states laid out for a ZeRO stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import optax
+from flax.training import train_state as flax_train_state
+from jax.sharding import Mesh
+
+from zerojax._src import mesh as mesh_lib
+from zerojax._src import rules
+from zerojax._src import transform
+from zerojax._src import validation
+
+State = TypeVar('State', bound=flax_train_state.TrainState)
+
+
+def is_train_state(obj: Any) -> bool:
+  """Whether `obj` looks like a flax TrainState (params, opt_state and tx fields)."""
+  return isinstance(obj, flax_train_state.TrainState) or all(
+      hasattr(obj, f) for f in ('params', 'opt_state', 'tx', 'replace')
+  )
+
+
+def zero_train_state(
+    state: State,
+    stage: int,
+    *,
+    mesh: Mesh | None = None,
+    axis: mesh_lib.AxisName = 'data',
+    policy: rules.Policy = 'error',
+    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+    param_specs: Any = None,
+) -> State:
+  """Re-lays out a train state for ZeRO `stage`; see `zerojax.zero_stage`."""
+  if not isinstance(state.tx, optax.GradientTransformation):
+    raise TypeError(
+        f'`train_state.tx` must be an optax GradientTransformation, got'
+        f' {type(state.tx).__name__}: {state.tx!r:.80}. Create the state with'
+        ' TrainState.create(apply_fn=..., params=..., tx=optax.adam(1e-3)).'
+    )
+  tx = transform.zero_optimizer(
+      state.tx,
+      stage,
+      mesh=mesh,
+      axis=axis,
+      policy=policy,
+      replicate_below_bytes=replicate_below_bytes,
+      param_specs=param_specs,
+  )
+  plan = transform.plan_for(tx, state.params)
+  # Every check runs before anything is placed, so a failure leaves no
+  # half-placed state behind.
+  validation.abstract_arrays(state.opt_state, 'train_state.opt_state')
+  if jax.tree.structure(state.opt_state) != jax.tree.structure(plan.opt_state):
+    raise ValueError(
+        '`train_state.opt_state` does not have the structure of'
+        ' `train_state.tx.init(train_state.params)`: got'
+        f' {jax.tree.structure(state.opt_state)}, expected'
+        f' {jax.tree.structure(plan.opt_state)}. Build the state with'
+        ' TrainState.create, or pass the optimizer that made opt_state.'
+    )
+  params, opt_state = jax.device_put((state.params, state.opt_state), (plan.params, plan.opt_state))
+  return state.replace(tx=tx, params=params, opt_state=opt_state)
+
+
+def _layout(init_fn, init_args, *, tx, stage, mesh, axis, apply_fn, state_class, policy,
+            replicate_below_bytes, fields):
+  """The jittable builder of a zero train state, and the state's shardings."""
+  ztx = transform.zero_optimizer(
+      tx, stage, mesh=mesh, axis=axis, policy=policy, replicate_below_bytes=replicate_below_bytes
+  )
+  config = transform.config_of(ztx)
+  abstract_params = jax.eval_shape(init_fn, *init_args)
+  plan = config.plan(abstract_params)
+
+  def build(*args):
+    params = init_fn(*args)
+    params = mesh_lib.run_in_layout(
+        lambda p: mesh_lib.constrain(p, plan.params, config.mesh), config.mesh, plan.params
+    )(params)
+    return state_class.create(apply_fn=apply_fn, params=params, tx=ztx, **fields)
+
+  abstract_state = jax.eval_shape(build, *init_args)
+  rep = mesh_lib.replicated(config.mesh)
+  shardings = jax.tree.map(lambda _: rep, abstract_state).replace(
+      params=plan.params, opt_state=plan.opt_state
+  )
+  return build, abstract_state, shardings
+
+
+def create_train_state(
+    init_fn: Callable[..., optax.Params],
+    *init_args: Any,
+    tx: optax.GradientTransformation,
+    stage: int,
+    mesh: Mesh | None = None,
+    axis: mesh_lib.AxisName = 'data',
+    apply_fn: Callable[..., Any] | None = None,
+    state_class: type[State] = flax_train_state.TrainState,
+    policy: rules.Policy = 'error',
+    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+    **fields: Any,
+) -> State:
+  """Builds a train state directly in its ZeRO layout.
+
+  The parameters are created by `init_fn(*init_args)` inside one jitted program
+  whose outputs are already sharded, so no device ever holds a full copy of a
+  sharded part: the way to initialise models too large for one device.
+
+  Args:
+    init_fn: returns the parameter tree, e.g.
+      `lambda rng: model.init(rng, x)['params']`.
+    *init_args: arguments of `init_fn` (e.g. a PRNG key).
+    tx: the optax optimizer to wrap.
+    stage: the ZeRO stage, 0 to 3.
+    mesh: the device mesh; defaults to the one set by `jax.set_mesh`.
+    axis: the mesh axis, or tuple of axes, to partition over.
+    apply_fn: the model's apply function, stored in the state.
+    state_class: a TrainState class or subclass.
+    policy: see `zerojax.make_plan`.
+    replicate_below_bytes: see `zerojax.make_plan`.
+    **fields: extra fields of `state_class`, passed to its `create`; their
+      array leaves are replicated.
+
+  Returns:
+    A `state_class` whose params and opt_state carry the plan's shardings.
+
+  >>> import jax, jax.numpy as jnp, optax, zerojax
+  >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
+  >>> state = zerojax.create_train_state(
+  ...     lambda k: {'w': jax.random.normal(k, (64, 8))}, jax.random.key(0),
+  ...     tx=optax.adam(1e-3), stage=3, mesh=mesh)
+  >>> state.params['w'].sharding.spec
+  PartitionSpec('data', None)
+  """
+  build, _, shardings = _layout(
+      init_fn, init_args, tx=tx, stage=stage, mesh=mesh, axis=axis, apply_fn=apply_fn,
+      state_class=state_class, policy=policy, replicate_below_bytes=replicate_below_bytes,
+      fields=fields,
+  )
+  return jax.jit(build, out_shardings=shardings)(*init_args)
+
+
+def abstract_train_state(
+    init_fn: Callable[..., optax.Params],
+    *init_args: Any,
+    tx: optax.GradientTransformation,
+    stage: int,
+    mesh: Mesh | None = None,
+    axis: mesh_lib.AxisName = 'data',
+    apply_fn: Callable[..., Any] | None = None,
+    state_class: type[State] = flax_train_state.TrainState,
+    policy: rules.Policy = 'error',
+    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+    **fields: Any,
+) -> State:
+  """Like `create_train_state`, but allocates nothing.
+
+  Every array leaf is a `jax.ShapeDtypeStruct` carrying its planned sharding,
+  ready for `jax.jit(step).lower(state, batch).compile()`: check memory and
+  collectives of a model of any size, or for a TPU topology with no TPU. Arguments
+  as for `create_train_state`; `init_args` may be ShapeDtypeStructs.
+
+  >>> import jax, optax, zerojax
+  >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
+  >>> state = zerojax.abstract_train_state(
+  ...     lambda k: {'w': jax.random.normal(k, (1 << 16, 1 << 14))}, jax.random.key(0),
+  ...     tx=optax.adam(1e-3), stage=3, mesh=mesh)
+  >>> state.params['w'].sharding.spec, state.params['w'].dtype
+  (PartitionSpec('data', None), dtype('float32'))
+  """
+  _, abstract_state, shardings = _layout(
+      init_fn, init_args, tx=tx, stage=stage, mesh=mesh, axis=axis, apply_fn=apply_fn,
+      state_class=state_class, policy=policy, replicate_below_bytes=replicate_below_bytes,
+      fields=fields,
+  )
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
+  )

@@ -1,0 +1,188 @@
+"""`zero_optimizer`: an optax transformation rewritten for a ZeRO stage."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from zerojax._src import mesh as mesh_lib
+from zerojax._src import plan as plan_lib
+from zerojax._src import rules
+from zerojax._src import validation
+
+_CONFIG_ATTR = '_zerojax_config'
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ZeroConfig:
+  """What a zero-wrapped optimizer was built with.
+
+  Attributes:
+    inner: the optax transformation that was wrapped.
+    stage: the ZeRO stage.
+    mesh: the device mesh.
+    axes: the ZeRO mesh axes.
+    policy: the policy for large leaves that cannot be split.
+    replicate_below_bytes: the size under which such leaves are replicated.
+    param_specs: the tensor-parallel PartitionSpecs given, if any.
+  """
+
+  inner: optax.GradientTransformation
+  stage: int
+  mesh: Mesh
+  axes: tuple[str, ...]
+  policy: str
+  replicate_below_bytes: int
+  param_specs: Any = None
+  # Plans computed at `init`, by tree structure and shapes. Under an Auto mesh a
+  # jitted `update` cannot see its arguments' tensor-parallel layouts, so it
+  # reuses the plan that `init` derived from the concrete parameters.
+  _plans: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  def plan(self, params: optax.Params, opt_state: optax.OptState | None = None) -> plan_lib.ZeroPlan:
+    """The `ZeroPlan` of this optimizer for `params`."""
+    key = _signature(params)
+    cached = self._plans.get(key)
+    if cached is not None:
+      return cached
+    plan = plan_lib.make_plan(
+        params,
+        self.inner,
+        stage=self.stage,
+        mesh=self.mesh,
+        axis=self.axes,
+        policy=self.policy,
+        replicate_below_bytes=self.replicate_below_bytes,
+        opt_state=opt_state,
+        param_specs=self.param_specs,
+    )
+    if not _has_tracers(params):
+      self._plans[key] = plan
+    return plan
+
+
+def _signature(tree: Any) -> tuple:
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(tuple(getattr(x, 'shape', ())) for x in leaves)
+
+
+def _has_tracers(tree: Any) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
+def config_of(tx: Any) -> ZeroConfig | None:
+  """The `ZeroConfig` of a transformation made by `zero_stage`, else None."""
+  update = getattr(tx, 'update', None)
+  return getattr(update, _CONFIG_ATTR, None)
+
+
+def plan_for(tx: optax.GradientTransformation, params: optax.Params) -> plan_lib.ZeroPlan:
+  """The plan a zero-wrapped optimizer uses for `params`.
+
+  Args:
+    tx: a transformation returned by `zerojax.zero_stage`.
+    params: the parameters (arrays or ShapeDtypeStructs).
+
+  Raises:
+    TypeError: if `tx` was not made by `zero_stage`.
+  """
+  config = config_of(tx)
+  if config is None:
+    raise TypeError(
+        '`tx` was not made by zerojax.zero_stage; wrap it first:'
+        ' tx = zerojax.zero_stage(tx, stage, mesh=mesh).'
+    )
+  return config.plan(params)
+
+
+def zero_optimizer(
+    tx: optax.GradientTransformation,
+    stage: int,
+    *,
+    mesh: Mesh | None = None,
+    axis: mesh_lib.AxisName = 'data',
+    policy: rules.Policy = 'error',
+    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+    param_specs: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Rewrites an optax transformation for ZeRO `stage`; see `zerojax.zero_stage`."""
+  stage = plan_lib.check_stage(stage)
+  policy = plan_lib.check_policy(policy)
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(
+        f'`tx` must be an optax GradientTransformation, got {type(tx).__name__}.'
+    )
+  inner_config = config_of(tx)
+  if inner_config is not None:
+    raise ValueError(
+        f'`tx` is already wrapped by zero_stage (stage {inner_config.stage}); wrapping'
+        ' twice would shard twice. Wrap the original optimizer once, or use'
+        ' zerojax.unwrap(tx) to get it back.'
+    )
+  mesh = mesh_lib.resolve_mesh(mesh)
+  axes = mesh_lib.resolve_axes(mesh, axis)
+  inner = optax.with_extra_args_support(tx)
+  config = ZeroConfig(
+      inner=tx,
+      stage=stage,
+      mesh=mesh,
+      axes=axes,
+      policy=policy,
+      replicate_below_bytes=int(replicate_below_bytes),
+      param_specs=param_specs,
+  )
+
+  def init(params: optax.Params) -> optax.OptState:
+    validation.abstract_arrays(params, 'params')
+    plan = config.plan(params)
+
+    def body(p):
+      return mesh_lib.constrain(inner.init(p), plan.opt_state, mesh)
+
+    body = mesh_lib.run_in_layout(body, mesh, plan.opt_state)
+    if _has_tracers(params):
+      return body(params)
+    # Created directly in its layout: each device computes only its shards.
+    return jax.jit(body, out_shardings=plan.opt_state)(params)
+
+  def update(
+      updates: optax.Updates,
+      state: optax.OptState,
+      params: optax.Params | None = None,
+      **extra_args: Any,
+  ) -> tuple[optax.Updates, optax.OptState]:
+    validation.abstract_arrays(updates, 'grads')
+    if params is not None:
+      validation.check_like_params(updates, params, 'grads')
+    plan = config.plan(params if params is not None else updates, opt_state=state)
+
+    def body(grads, state, params):
+      # Reduce into the stage's gradient layout: from stage 2 the compiler
+      # emits a reduce-scatter here (XLA:CPU: all-reduce + dynamic-slice).
+      grads = mesh_lib.constrain(grads, plan.grads, mesh)
+      if stage >= 1:
+        # Each device updates only its shard of the parameters.
+        grads = mesh_lib.constrain(grads, plan.param_shards, mesh)
+        if params is not None:
+          params = mesh_lib.constrain(params, plan.param_shards, mesh)
+      new_updates, new_state = inner.update(grads, state, params, **extra_args)
+      # Stages 1-2 all-gather the updated shards; stage 3 keeps them sharded.
+      new_updates = mesh_lib.constrain(new_updates, plan.params, mesh)
+      new_state = mesh_lib.constrain(new_state, plan.opt_state, mesh)
+      return new_updates, new_state
+
+    body = mesh_lib.run_in_layout(body, mesh, (plan.params, plan.opt_state))
+    return body(updates, state, params)
+
+  setattr(update, _CONFIG_ATTR, config)
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def unwrap(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """The optax transformation that `zero_stage` wrapped (or `tx` itself)."""
+  config = config_of(tx)
+  return tx if config is None else config.inner

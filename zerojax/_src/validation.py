@@ -1,0 +1,98 @@
+"""Checks at the public boundary: every error names the argument, the path and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+_MAX_LISTED = 10
+
+
+def _listing(items: list[str]) -> str:
+  shown = items[:_MAX_LISTED]
+  more = len(items) - len(shown)
+  return '\n'.join(f'  {s}' for s in shown) + (f'\n  ... and {more} more' if more else '')
+
+
+def is_array_like(x: Any) -> bool:
+  return hasattr(x, 'shape') and hasattr(x, 'dtype')
+
+
+def abstract_arrays(tree: Any, name: str) -> Any:
+  """`tree` as ShapeDtypeStructs, after checking every leaf is an array.
+
+  Raises:
+    TypeError: listing each non-array leaf with its path.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  bad = [
+      f'{name}{jax.tree_util.keystr(path)}: {type(x).__name__} {x!r:.60}'
+      for path, x in leaves
+      if not is_array_like(x)
+  ]
+  if bad:
+    raise TypeError(
+        f'`{name}` must be a pytree of arrays, but {len(bad)} leaves are not:\n'
+        f'{_listing(bad)}\n'
+        f'Convert them with jnp.asarray, or keep non-array values out of `{name}`'
+        ' (for example in a static field of the train state).'
+    )
+  return jax.tree.unflatten(
+      treedef, [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for _, x in leaves]
+  )
+
+
+def check_like_params(tree: Any, params: Any, name: str) -> None:
+  """Checks `tree` has the structure and shapes of `params`.
+
+  Raises:
+    ValueError: naming the paths missing or extra, or each mismatching shape.
+  """
+  t_leaves = dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+  p_leaves = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+  if jax.tree.structure(tree) != jax.tree.structure(params):
+    missing = [jax.tree_util.keystr(k) for k in p_leaves if k not in t_leaves]
+    extra = [jax.tree_util.keystr(k) for k in t_leaves if k not in p_leaves]
+    detail = []
+    if missing:
+      detail.append(f'missing from `{name}`: {", ".join(missing[:_MAX_LISTED])}')
+    if extra:
+      detail.append(f'not in `params`: {", ".join(extra[:_MAX_LISTED])}')
+    if not detail:
+      detail.append(
+          f'`{name}` has structure {jax.tree.structure(tree)}, `params` has'
+          f' {jax.tree.structure(params)}'
+      )
+    raise ValueError(
+        f'`{name}` must have the tree structure of `params`; '
+        + '; '.join(detail)
+        + f'. Compute `{name}` with jax.grad over the same `params`.'
+    )
+  bad = [
+      f'{name}{jax.tree_util.keystr(k)}: shape {np.shape(t_leaves[k])} but params'
+      f'{jax.tree_util.keystr(k)} has shape {np.shape(p_leaves[k])}'
+      for k in p_leaves
+      if np.shape(t_leaves[k]) != np.shape(p_leaves[k])
+  ]
+  if bad:
+    raise ValueError(
+        f'`{name}` must have the shapes of `params`, but {len(bad)} leaves differ:\n'
+        f'{_listing(bad)}'
+    )
+
+
+def broadcast_prefix(prefix: Any, tree: Any, name: str) -> Any:
+  """Broadcasts a prefix tree of PartitionSpecs (or None) to the leaves of `tree`."""
+  is_spec = lambda s: s is None or isinstance(s, PartitionSpec)
+  try:
+    return jax.tree.map(
+        lambda spec, sub: jax.tree.map(lambda _: spec, sub), prefix, tree, is_leaf=is_spec
+    )
+  except ValueError as e:
+    raise ValueError(
+        f'`{name}` must be a PartitionSpec or a tree of them that is a prefix of'
+        f' `params`: {e}'
+    ) from None

@@ -1,0 +1,86 @@
+"""`zero_stage`: the one entry point, for optax optimizers and train states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+from jax.sharding import Mesh
+
+from zerojax._src import mesh as mesh_lib
+from zerojax._src import rules
+from zerojax._src import train_state
+from zerojax._src import transform
+
+
+def zero_stage(
+    target: Any,
+    stage: int,
+    *,
+    mesh: Mesh | None = None,
+    axis: mesh_lib.AxisName = 'data',
+    policy: rules.Policy = 'error',
+    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+    param_specs: Any = None,
+) -> Any:
+  """Applies ZeRO `stage` to an optax optimizer or a flax train state.
+
+  Stage 0 is plain data parallelism; stage 1 shards the optimizer state over
+  `axis`; stage 2 also reduce-scatters the gradients into shards; stage 3 also
+  keeps the parameters sharded at rest. Each leaf is split along its largest
+  dimension that divides by the axis size, keeping any sharding it already has
+  over other axes (tensor parallelism).
+
+  Args:
+    target: an optax `GradientTransformation`, or a
+      `flax.training.train_state.TrainState` (or subclass).
+    stage: the ZeRO stage, 0, 1, 2 or 3.
+    mesh: the device mesh (Explicit or Auto axes); defaults to the one set by
+      `jax.set_mesh`.
+    axis: the mesh axis, or tuple of axes, that ZeRO partitions over.
+    policy: what to do with a large leaf that has no dimension divisible by the
+      axis size: 'error' (default) or 'replicate'.
+    replicate_below_bytes: such leaves below this size are replicated under any
+      policy; the plan lists them.
+    param_specs: optional PartitionSpecs (a prefix tree of the params) for
+      tensor-parallel layouts, overriding those the params carry.
+
+  Returns:
+    For an optimizer: an `optax.GradientTransformationExtraArgs` whose `init`
+    returns the state already sharded and whose `update` lays gradients,
+    updates and state out for the stage, inside or outside `jax.jit`. For a
+    train state: the same class with `tx` wrapped and `params` and `opt_state`
+    placed per the plan.
+
+  Raises:
+    ValueError: `stage` not in 0-3; `axis` not in the mesh; no mesh; a large
+      leaf that cannot be split under policy='error'; `target` already wrapped.
+    TypeError: `target` is neither; a train state whose `tx` is not optax.
+
+  >>> import jax, jax.numpy as jnp, optax, zerojax
+  >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
+  >>> tx = zerojax.zero_stage(optax.adam(1e-3), stage=2, mesh=mesh)
+  >>> params = {'w': jnp.ones((64, 16))}
+  >>> state = tx.init(params)
+  >>> state[0].mu['w'].sharding.spec
+  PartitionSpec('data', None)
+  >>> updates, state = jax.jit(tx.update)(params, state, params)
+  >>> updates['w'].sharding.spec
+  PartitionSpec(None, None)
+  """
+  kwargs = dict(
+      mesh=mesh,
+      axis=axis,
+      policy=policy,
+      replicate_below_bytes=replicate_below_bytes,
+      param_specs=param_specs,
+  )
+  if isinstance(target, optax.GradientTransformation):
+    return transform.zero_optimizer(target, stage, **kwargs)
+  if train_state.is_train_state(target):
+    return train_state.zero_train_state(target, stage, **kwargs)
+  raise TypeError(
+      '`target` must be an optax GradientTransformation or a flax TrainState, got'
+      f' {type(target).__name__}. Wrap the optimizer: zero_stage(optax.adam(1e-3),'
+      ' stage, mesh=mesh).'
+  )
