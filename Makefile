@@ -17,7 +17,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check zerojax tests examples
-	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --durations=10 $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist loadgroup --durations=10 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache

@@ -5,6 +5,9 @@ import os
 # Before jax initialises its backend: eight CPU devices, and no TPU probing by
 # libtpu (installed for ahead-of-time TPU compilation only).
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# libtpu is only used to compile for TPU topologies ahead of time; test workers
+# may each load it.
+os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 os.environ['XLA_FLAGS'] = (
     os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
 ).strip()

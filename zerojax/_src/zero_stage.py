@@ -32,7 +32,8 @@ def zero_stage(
   over other axes (tensor parallelism).
 
   Args:
-    target: an optax `GradientTransformation`, or a
+    target: an optax `GradientTransformation` (or an object with its
+      `init`/`update` methods, such as `optax.MultiSteps`), or a
       `flax.training.train_state.TrainState` (or subclass).
     stage: the ZeRO stage, 0, 1, 2 or 3.
     mesh: the device mesh (Explicit or Auto axes); defaults to the one set by
@@ -79,6 +80,10 @@ def zero_stage(
     return transform.zero_optimizer(target, stage, **kwargs)
   if train_state.is_train_state(target):
     return train_state.zero_train_state(target, stage, **kwargs)
+  if callable(getattr(target, 'init', None)) and callable(getattr(target, 'update', None)):
+    # Objects with optax's init/update protocol, such as optax.MultiSteps.
+    tx = optax.GradientTransformationExtraArgs(target.init, target.update)
+    return transform.zero_optimizer(tx, stage, **kwargs)
   raise TypeError(
       '`target` must be an optax GradientTransformation or a flax TrainState, got'
       f' {type(target).__name__}. Wrap the optimizer: zero_stage(optax.adam(1e-3),'

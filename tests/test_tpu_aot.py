@@ -1,0 +1,78 @@
+"""The TPU contract, compiled ahead of time for a v5e:2x4 pod slice with no TPU.
+
+libtpu (the `tpu` extra) gives the real TPU compiler on a CPU-only machine; its
+program shows what a pod would run: per-chip bytes and the collectives.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from test_memory_and_collectives import step
+
+import zerojax
+
+pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu) for ahead-of-time compilation')
+from jax.experimental import topologies  # noqa: E402
+
+# libtpu takes a lock per process; the tests only compile, so several may load it.
+pytestmark = [pytest.mark.tpu, pytest.mark.xdist_group('libtpu')]
+TPU_SCALAR_BYTES = 512  # the TPU pads each scalar argument to 512 bytes
+# With d = 1024 every shard is a whole number of TPU tiles (a bias shard is 128
+# floats), so the arrays' bytes per chip are exactly the formula's.
+D = 1024
+PSI = 2 * D * D + 2 * D
+AT_REST = {0: 12 * PSI, 1: 4 * PSI + 8 * PSI // 8, 2: 4 * PSI + 8 * PSI // 8, 3: 12 * PSI // 8}
+
+
+def init_fn(key):
+  k1, k2 = jax.random.split(key)
+  return {
+      'w1': jax.random.normal(k1, (D, D)), 'b1': jnp.zeros((D,)),
+      'w2': jax.random.normal(k2, (D, D)), 'b2': jnp.zeros((D,)),
+  }
+
+
+@pytest.fixture(scope='module')
+def topology():
+  return topologies.get_topology_desc(topology_name='v5e:2x4', platform='tpu')
+
+
+@pytest.fixture(params=['explicit', 'auto'])
+def tpu_mesh(request, topology):
+  assert len(topology.devices) == 8
+  kind = AxisType.Explicit if request.param == 'explicit' else AxisType.Auto
+  return Mesh(np.array(topology.devices), ('data',), axis_types=(kind,))
+
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_per_chip_bytes_and_reduce_scatter(stage, tpu_mesh):
+  state = zerojax.abstract_train_state(
+      init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=stage, mesh=tpu_mesh
+  )
+  x = jax.ShapeDtypeStruct((64, D), jnp.float32, sharding=NamedSharding(tpu_mesh, PartitionSpec('data')))
+  compiled = jax.jit(step).lower(state, x).compile()
+
+  arrays = AT_REST[stage] + 64 * D * 4 // 8
+  assert arrays + 2 * 4 <= zerojax.memory_stats(compiled).argument <= arrays + 2 * TPU_SCALAR_BYTES
+
+  stats = zerojax.count_collectives(compiled)
+  grad_bytes = 4 * PSI
+  if stage == 0:
+    assert stats.result_bytes['all-reduce'] == grad_bytes
+    assert stats['reduce-scatter'] == 0 and stats['all-gather'] == 0
+  else:
+    # The weight gradients are reduced into shards by a real reduce-scatter on
+    # TPU (the compiler may all-reduce the small bias gradients instead)...
+    matrices = 4 * 2 * D * D
+    assert stats['reduce-scatter'] >= 1
+    assert stats.result_bytes['reduce-scatter'] >= matrices // 8
+    # ...and no weight gradient is all-reduced at full size.
+    assert stats.result_bytes.get('all-reduce', 0) < 4 * D * D
+    assert stats.result_bytes['all-gather'] >= grad_bytes
+  if stage == 3:
+    # Each parameter is gathered whole for the forward pass, and at most once
+    # more for the backward pass (the compiler may keep it alive instead).
+    assert grad_bytes <= stats.result_bytes['all-gather'] <= 2 * grad_bytes

@@ -1,0 +1,98 @@
+"""zero_stage over optax optimizers: equality with plain optax, and layouts."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from _models import mlp_params, max_rel_err, plain_run, zero_run
+
+import zerojax
+
+
+def _labels(params):
+  return {'dense1': jax.tree.map(lambda _: 'adam', params['dense1']),
+          'dense2': jax.tree.map(lambda _: 'sgd', params['dense2'])}
+
+
+OPTIMIZERS = {
+    'adam': lambda: optax.adam(1e-2),
+    'adamw': lambda: optax.adamw(1e-2, weight_decay=0.1),
+    'sgd_momentum': lambda: optax.sgd(1e-2, momentum=0.9),
+    'sgd_nesterov': lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    'lion': lambda: optax.lion(1e-3),
+    'adafactor': lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+    'lamb': lambda: optax.lamb(1e-2),
+    'lars': lambda: optax.lars(1e-2),
+    'adagrad': lambda: optax.adagrad(1e-2),
+    'rmsprop': lambda: optax.rmsprop(1e-2),
+    'adabelief': lambda: optax.adabelief(1e-2),
+    'radam': lambda: optax.radam(1e-2),
+    'novograd': lambda: optax.novograd(1e-2),
+    'chain_clip': lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)),
+    'multisteps': lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3),
+    'inject_hyperparams': lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+    'masked': lambda: optax.masked(
+        optax.adam(1e-2), lambda p: jax.tree.map(lambda x: x.ndim == 2, p)
+    ),
+    'multi_transform': lambda: optax.multi_transform(
+        {'adam': optax.adam(1e-2), 'sgd': optax.sgd(1e-2, momentum=0.9)}, _labels
+    ),
+    'apply_if_finite': lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
+}
+
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_equals_plain_optax(name, stage, mesh):
+  expected = plain_run(OPTIMIZERS[name](), steps=10)
+  params, opt_state, plan = zero_run(OPTIMIZERS[name](), mesh, stage, steps=10)
+  assert max_rel_err(params, expected) <= 1e-6
+  # Layouts survive ten jitted steps: no drift.
+  assert jax.tree.map(lambda a: a.sharding, params) == plan.params
+  assert jax.tree.map(lambda a: a.sharding, opt_state) == plan.opt_state
+
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_line_search_extra_args_pass_through(stage, auto_mesh):
+  # L-BFGS needs value, grad and value_fn; its memory is not shaped like params.
+  expected = plain_run(optax.lbfgs(), steps=5, extra=True)
+  params, _, _ = zero_run(optax.lbfgs(), auto_mesh, stage, steps=5, extra=True)
+  assert max_rel_err(params, expected) <= 1e-5
+
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_layouts_after_init_and_update(stage, mesh):
+  tx = zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh)
+  params = mlp_params()
+  state = tx.init(params)
+  plan = zerojax.plan_for(tx, params)
+  assert jax.tree.map(lambda a: a.sharding, state) == plan.opt_state
+  grads = jax.tree.map(jnp.ones_like, params)
+  for update in (tx.update, jax.jit(tx.update)):  # outside and inside jit
+    updates, new_state = update(grads, state, jax.device_put(params, plan.params))
+    assert jax.tree.map(lambda a: a.sharding, updates) == plan.params
+    assert jax.tree.map(lambda a: a.sharding, new_state) == plan.opt_state
+
+  # Each device holds 1/8 of every sharded leaf along the planned dimension.
+  mu = state[0].mu['dense1']['kernel']
+  shard_shapes = {s.data.shape for s in mu.addressable_shards}
+  if stage >= 1:
+    assert shard_shapes == {(16, 8)}  # (16, 64): the largest dimension is split
+    assert len(mu.addressable_shards) == 8
+  else:
+    assert shard_shapes == {(16, 64)}
+  for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(plan.opt_state)):
+    assert leaf.addressable_shards[0].data.shape == sharding.shard_shape(leaf.shape)
+
+
+def test_zero_and_plain_differ_only_in_layout(auto_mesh):
+  tx = zerojax.zero_stage(optax.adam(1e-2), 1, mesh=auto_mesh)
+  assert zerojax.unwrap(tx).init is not tx.init
+  assert zerojax.config_of(tx).stage == 1
+  assert zerojax.config_of(optax.adam(1e-2)) is None
+
+
+def test_mesh_from_set_mesh(auto_mesh):
+  with jax.set_mesh(auto_mesh):
+    tx = zerojax.zero_stage(optax.adam(1e-2), 2)
+  assert zerojax.config_of(tx).mesh == auto_mesh
