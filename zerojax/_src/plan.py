@@ -262,12 +262,14 @@ def make_plan(
       offending.append(('opt_state', path, rule))
   if offending and policy == 'error':
     n = mesh_lib.axes_size(mesh, axes)
+    axis = axes[0] if len(axes) == 1 else axes
     listing = '\n'.join(
         f'  {group}{jax.tree_util.keystr(path)}: shape {r.shape}, {r.reason}'
         for group, path, r in offending
     )
     raise ValueError(
-        f'{len(offending)} leaves cannot be split over mesh axis {axis!r} of size {n}'
+        f'{validation.count(len(offending), "leaf", "leaves")} cannot be split over mesh axis'
+        f' {axis!r} of size {n}'
         f' for ZeRO stage {stage}:\n{listing}\n'
         f"Pass `policy='replicate'` to keep them whole on every device, raise"
         f' `replicate_below_bytes` above their size, or choose a mesh whose {axis!r}'

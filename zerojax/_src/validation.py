@@ -17,6 +17,11 @@ def _listing(items: list[str]) -> str:
   return '\n'.join(f'  {s}' for s in shown) + (f'\n  ... and {more} more' if more else '')
 
 
+def count(n: int, one: str, many: str) -> str:
+  """'1 leaf', '3 leaves'."""
+  return f'{n} {one if n == 1 else many}'
+
+
 def is_array_like(x: Any) -> bool:
   return hasattr(x, 'shape') and hasattr(x, 'dtype')
 
@@ -35,7 +40,7 @@ def abstract_arrays(tree: Any, name: str) -> Any:
   ]
   if bad:
     raise TypeError(
-        f'`{name}` must be a pytree of arrays, but {len(bad)} leaves are not:\n'
+        f'`{name}` must be a pytree of arrays, but {count(len(bad), "leaf is", "leaves are")} not:\n'
         f'{_listing(bad)}\n'
         f'Convert them with jnp.asarray, or keep non-array values out of `{name}`'
         ' (for example in a static field of the train state).'
@@ -79,7 +84,7 @@ def check_like_params(tree: Any, params: Any, name: str) -> None:
   ]
   if bad:
     raise ValueError(
-        f'`{name}` must have the shapes of `params`, but {len(bad)} leaves differ:\n'
+        f'`{name}` must have the shapes of `params`, but {count(len(bad), "leaf differs", "leaves differ")}:\n'
         f'{_listing(bad)}'
     )
 
