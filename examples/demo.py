@@ -17,7 +17,7 @@ import sys
 # The faked devices must exist before jax starts; real accelerators win.
 if 'JAX_PLATFORMS' not in os.environ or os.environ['JAX_PLATFORMS'] == 'cpu':
   os.environ['XLA_FLAGS'] = (
-      os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
   ).strip()
 
 import jax  # noqa: E402
@@ -43,7 +43,9 @@ class MLP(nn.Module):
 
 def formula(stage: int, psi: int, n: int) -> int:
   """Bytes at rest per device for fp32 Adam (params 4, moments 8): DESIGN.md."""
-  return {0: 12 * psi, 1: 4 * psi + 8 * psi // n, 2: 4 * psi + 8 * psi // n, 3: 12 * psi // n}[stage]
+  return {0: 12 * psi, 1: 4 * psi + 8 * psi // n, 2: 4 * psi + 8 * psi // n, 3: 12 * psi // n}[
+    stage
+  ]
 
 
 def main(argv=None) -> int:
@@ -55,7 +57,9 @@ def main(argv=None) -> int:
 
   n = len(jax.devices())
   mesh = jax.make_mesh((n,), ('data',))
-  print(f'jax {jax.__version__}, {n} x {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}')
+  print(
+    f'jax {jax.__version__}, {n} x {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}'
+  )
   model = MLP(width=args.width)
   key = jax.random.key(0)
   x = jax.random.normal(key, (args.batch, args.width))
@@ -78,7 +82,7 @@ def main(argv=None) -> int:
   rows = []
   for stage in range(4):
     state = zerojax.create_train_state(
-        init_fn, key, tx=optax.adam(1e-3), stage=stage, mesh=mesh, apply_fn=model.apply
+      init_fn, key, tx=optax.adam(1e-3), stage=stage, mesh=mesh, apply_fn=model.apply
     )
     plan = zerojax.plan_for(state.tx, state.params)
     if stage == 3:
@@ -100,11 +104,13 @@ def main(argv=None) -> int:
   ok = True
   for stage, loss, arg, expect, counts in rows:
     ok &= arg == expect
-    print(f'{stage:>5}  {loss:>10.6f}  {arg:>13,}  {expect:>12,}  {"yes" if arg == expect else "NO":>5}  {counts}')
+    print(
+      f'{stage:>5}  {loss:>10.6f}  {arg:>13,}  {expect:>12,}  {"yes" if arg == expect else "NO":>5}  {counts}'
+    )
   print(
-      '\nstates/device: compiled step arguments (memory_analysis) less the batch shard and'
-      ' step counters;\nformula (DESIGN.md): 12Ψ, 4Ψ+8Ψ/N, 4Ψ+8Ψ/N, 12Ψ/N.'
-      ' On CPU the stage-2 reduce-scatter lowers to all-reduce + slice.'
+    '\nstates/device: compiled step arguments (memory_analysis) less the batch shard and'
+    ' step counters;\nformula (DESIGN.md): 12Ψ, 4Ψ+8Ψ/N, 4Ψ+8Ψ/N, 12Ψ/N.'
+    ' On CPU the stage-2 reduce-scatter lowers to all-reduce + slice.'
   )
   return 0 if ok else 1
 

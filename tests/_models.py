@@ -9,7 +9,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 import zerojax
 
 # Every dimension divides by 8, so every leaf can be sharded.
-SHAPES = {'dense1': {'kernel': (16, 64), 'bias': (64,)}, 'dense2': {'kernel': (64, 8), 'bias': (8,)}}
+SHAPES = {
+  'dense1': {'kernel': (16, 64), 'bias': (64,)},
+  'dense2': {'kernel': (64, 8), 'bias': (8,)},
+}
 BATCH = 32
 
 
@@ -17,7 +20,7 @@ def mlp_params(seed: int = 0):
   leaves, treedef = jax.tree.flatten(SHAPES, is_leaf=lambda x: isinstance(x, tuple))
   keys = jax.random.split(jax.random.key(seed), len(leaves))
   return jax.tree.unflatten(
-      treedef, [0.3 * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)]
+    treedef, [0.3 * jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, leaves)]
   )
 
 
@@ -83,8 +86,10 @@ def zero_run(tx, mesh, stage: int, steps: int, *, extra: bool = False):
 
 def max_rel_err(a, b) -> float:
   errs = jax.tree.map(
-      lambda u, v: float(np.linalg.norm(np.asarray(u) - np.asarray(v)) / max(np.linalg.norm(np.asarray(v)), 1e-30)),
-      a,
-      b,
+    lambda u, v: float(
+      np.linalg.norm(np.asarray(u) - np.asarray(v)) / max(np.linalg.norm(np.asarray(v)), 1e-30)
+    ),
+    a,
+    b,
   )
   return max(jax.tree.leaves(errs))

@@ -9,7 +9,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # may each load it.
 os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 os.environ['XLA_FLAGS'] = (
-    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+  os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
 ).strip()
 
 import jax  # noqa: E402

@@ -24,9 +24,9 @@ def test_stage_outside_range(stage, explicit_mesh):
 
 def test_axis_not_in_mesh(explicit_mesh):
   with raises(
-      ValueError,
-      "`axis`='model' names ['model'] which is not an axis of the mesh (its axes are ('data',))."
-      ' Pass one of those names',
+    ValueError,
+    "`axis`='model' names ['model'] which is not an axis of the mesh (its axes are ('data',))."
+    ' Pass one of those names',
   ):
     zerojax.zero_stage(optax.adam(1e-3), 1, mesh=explicit_mesh, axis='model')
   with raises(ValueError, "`axis`=('data', 'fsdp') names ['fsdp'] which is not an axis"):
@@ -47,11 +47,11 @@ def test_non_array_leaves(explicit_mesh):
   tx = zerojax.zero_stage(optax.adam(1e-3), 1, mesh=explicit_mesh)
   params = {'w': jnp.ones((8, 8)), 'name': 'encoder', 'cfg': {'depth': 3}}
   with raises(
-      TypeError,
-      "`params` must be a pytree of arrays, but 2 leaves are not:\n"
-      "  params['cfg']['depth']: int 3\n"
-      "  params['name']: str 'encoder'\n"
-      'Convert them with jnp.asarray',
+    TypeError,
+    '`params` must be a pytree of arrays, but 2 leaves are not:\n'
+    "  params['cfg']['depth']: int 3\n"
+    "  params['name']: str 'encoder'\n"
+    'Convert them with jnp.asarray',
   ):
     tx.init(params)
 
@@ -62,9 +62,9 @@ def test_grads_tree_differs_from_params(explicit_mesh):
   state = tx.init(params)
   grads = {'dense1': params['dense1']}
   with raises(
-      ValueError,
-      "`grads` must have the tree structure of `params`; missing from `grads`:"
-      " ['dense2']['bias'], ['dense2']['kernel']. Compute `grads` with jax.grad",
+    ValueError,
+    '`grads` must have the tree structure of `params`; missing from `grads`:'
+    " ['dense2']['bias'], ['dense2']['kernel']. Compute `grads` with jax.grad",
   ):
     tx.update(grads, state, params)
 
@@ -76,8 +76,8 @@ def test_grads_shapes_differ_from_params(explicit_mesh):
   grads = jax.tree.map(jnp.zeros_like, params)
   grads['dense2']['kernel'] = jnp.zeros((64, 16))
   message = (
-      '`grads` must have the shapes of `params`, but 1 leaf differs:\n'
-      "  grads['dense2']['kernel']: shape (64, 16) but params['dense2']['kernel'] has shape (64, 8)"
+    '`grads` must have the shapes of `params`, but 1 leaf differs:\n'
+    "  grads['dense2']['kernel']: shape (64, 16) but params['dense2']['kernel'] has shape (64, 8)"
   )
   with raises(ValueError, message):
     tx.update(grads, state, params)
@@ -89,11 +89,11 @@ def test_indivisible_large_leaf_under_error_policy(explicit_mesh):
   params = {'ok': jnp.zeros((64, 8)), 'odd': jnp.zeros((257, 513)), 'odd2': jnp.zeros((3, 99999))}
   tx = zerojax.zero_stage(optax.adam(1e-3), 1, mesh=explicit_mesh)
   with raises(
-      ValueError,
-      "4 leaves cannot be split over mesh axis 'data' of size 8 for ZeRO stage 1:\n"
-      "  opt_state[0].mu['odd']: shape (257, 513), no free dimension of (257, 513) divides by 8\n"
-      "  opt_state[0].mu['odd2']: shape (3, 99999), no free dimension of (3, 99999) divides by 8\n"
-      "  opt_state[0].nu['odd']: shape (257, 513)",
+    ValueError,
+    "4 leaves cannot be split over mesh axis 'data' of size 8 for ZeRO stage 1:\n"
+    "  opt_state[0].mu['odd']: shape (257, 513), no free dimension of (257, 513) divides by 8\n"
+    "  opt_state[0].mu['odd2']: shape (3, 99999), no free dimension of (3, 99999) divides by 8\n"
+    "  opt_state[0].nu['odd']: shape (257, 513)",
   ):
     tx.init(params)
   with raises(ValueError, "Pass `policy='replicate'` to keep them whole on every device"):
@@ -107,8 +107,14 @@ def test_replicate_policy_replicates_and_says_so(explicit_mesh):
   plan = zerojax.plan_for(tx, params)
   assert state[0].mu['odd'].sharding.is_fully_replicated
   assert not state[0].mu['ok'].sharding.is_fully_replicated
-  assert ('params', "['odd']", "no free dimension of (257, 513) divides by 8 (policy='replicate')") in plan.replicated()
-  assert "params['odd']: no free dimension of (257, 513) divides by 8 (policy='replicate')" in str(plan)
+  assert (
+    'params',
+    "['odd']",
+    "no free dimension of (257, 513) divides by 8 (policy='replicate')",
+  ) in plan.replicated()
+  assert "params['odd']: no free dimension of (257, 513) divides by 8 (policy='replicate')" in str(
+    plan
+  )
 
 
 def test_bad_policy(explicit_mesh):
@@ -118,7 +124,9 @@ def test_bad_policy(explicit_mesh):
 
 def test_wrapping_twice(explicit_mesh):
   tx = zerojax.zero_stage(optax.adam(1e-3), 2, mesh=explicit_mesh)
-  with raises(ValueError, '`tx` is already wrapped by zero_stage (stage 2); wrapping twice would shard twice.'):
+  with raises(
+    ValueError, '`tx` is already wrapped by zero_stage (stage 2); wrapping twice would shard twice.'
+  ):
     zerojax.zero_stage(tx, 3, mesh=explicit_mesh)
   state = train_state.TrainState.create(apply_fn=None, params=mlp_params(), tx=tx)
   with raises(ValueError, '`tx` is already wrapped by zero_stage (stage 2)'):
@@ -127,14 +135,18 @@ def test_wrapping_twice(explicit_mesh):
 
 def test_train_state_tx_not_optax(explicit_mesh):
   state = train_state.TrainState(
-      step=0, apply_fn=None, params=mlp_params(), tx='adam', opt_state=()
+    step=0, apply_fn=None, params=mlp_params(), tx='adam', opt_state=()
   )
-  with raises(TypeError, "`train_state.tx` must be an optax GradientTransformation, got str: 'adam'."):
+  with raises(
+    TypeError, "`train_state.tx` must be an optax GradientTransformation, got str: 'adam'."
+  ):
     zerojax.zero_stage(state, 1, mesh=explicit_mesh)
 
 
 def test_target_neither_optimizer_nor_train_state(explicit_mesh):
-  with raises(TypeError, '`target` must be an optax GradientTransformation or a flax TrainState, got dict.'):
+  with raises(
+    TypeError, '`target` must be an optax GradientTransformation or a flax TrainState, got dict.'
+  ):
     zerojax.zero_stage({'lr': 1e-3}, 1, mesh=explicit_mesh)
 
 

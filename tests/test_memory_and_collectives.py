@@ -16,8 +16,10 @@ PSI = 2 * D * D + 2 * D
 def init_fn(key):
   k1, k2 = jax.random.split(key)
   return {
-      'w1': jax.random.normal(k1, (D, D)), 'b1': jnp.zeros((D,)),
-      'w2': jax.random.normal(k2, (D, D)), 'b2': jnp.zeros((D,)),
+    'w1': jax.random.normal(k1, (D, D)),
+    'b1': jnp.zeros((D,)),
+    'w2': jax.random.normal(k2, (D, D)),
+    'b2': jnp.zeros((D,)),
   }
 
 
@@ -33,9 +35,11 @@ def step(state, x):
 
 def compile_step(mesh, stage, batch=64):
   state = zerojax.abstract_train_state(
-      init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=stage, mesh=mesh
+    init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=stage, mesh=mesh
   )
-  x = jax.ShapeDtypeStruct((batch, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data')))
+  x = jax.ShapeDtypeStruct(
+    (batch, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data'))
+  )
   return jax.jit(step).lower(state, x).compile(), batch * D * 4 // N
 
 
@@ -88,7 +92,9 @@ def test_counts_ops_inside_loops_by_trip_count(auto_mesh):
 
     return jax.lax.scan(body, 0.0, ws)[0]
 
-  ws = jax.ShapeDtypeStruct((5, 64), jnp.float32, sharding=NamedSharding(auto_mesh, PartitionSpec(None, 'data')))
+  ws = jax.ShapeDtypeStruct(
+    (5, 64), jnp.float32, sharding=NamedSharding(auto_mesh, PartitionSpec(None, 'data'))
+  )
   stats = zerojax.count_collectives(jax.jit(f).lower(ws).compile())
   # One all-gather of 64 floats per scanned layer, five layers.
   assert stats['all-gather'] == 5
@@ -97,8 +103,10 @@ def test_counts_ops_inside_loops_by_trip_count(auto_mesh):
 
 def test_donated_step_aliases_the_state(auto_mesh):
   state = zerojax.abstract_train_state(
-      init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=2, mesh=auto_mesh
+    init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=2, mesh=auto_mesh
   )
-  x = jax.ShapeDtypeStruct((64, D), jnp.float32, sharding=NamedSharding(auto_mesh, PartitionSpec('data')))
+  x = jax.ShapeDtypeStruct(
+    (64, D), jnp.float32, sharding=NamedSharding(auto_mesh, PartitionSpec('data'))
+  )
   compiled = jax.jit(step, donate_argnums=0).lower(state, x).compile()
   assert zerojax.memory_stats(compiled).alias == AT_REST[2] + SCALARS

@@ -30,8 +30,10 @@ AT_REST = {0: 12 * PSI, 1: 4 * PSI + 8 * PSI // 8, 2: 4 * PSI + 8 * PSI // 8, 3:
 def init_fn(key):
   k1, k2 = jax.random.split(key)
   return {
-      'w1': jax.random.normal(k1, (D, D)), 'b1': jnp.zeros((D,)),
-      'w2': jax.random.normal(k2, (D, D)), 'b2': jnp.zeros((D,)),
+    'w1': jax.random.normal(k1, (D, D)),
+    'b1': jnp.zeros((D,)),
+    'w2': jax.random.normal(k2, (D, D)),
+    'b2': jnp.zeros((D,)),
   }
 
 
@@ -50,9 +52,11 @@ def tpu_mesh(request, topology):
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_per_chip_bytes_and_reduce_scatter(stage, tpu_mesh):
   state = zerojax.abstract_train_state(
-      init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=stage, mesh=tpu_mesh
+    init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=stage, mesh=tpu_mesh
   )
-  x = jax.ShapeDtypeStruct((64, D), jnp.float32, sharding=NamedSharding(tpu_mesh, PartitionSpec('data')))
+  x = jax.ShapeDtypeStruct(
+    (64, D), jnp.float32, sharding=NamedSharding(tpu_mesh, PartitionSpec('data'))
+  )
   compiled = jax.jit(step).lower(state, x).compile()
 
   arrays = AT_REST[stage] + 64 * D * 4 // 8

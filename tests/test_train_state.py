@@ -33,7 +33,10 @@ def user_step(state, x, y):
 def test_train_state_keeps_plan_layout_and_matches_optax(stage, mesh):
   params = mlp_params()
   state = StateWithExtras.create(
-      apply_fn=mlp_apply, params=params, tx=optax.adamw(1e-2), ema=jax.tree.map(jnp.zeros_like, params)
+    apply_fn=mlp_apply,
+    params=params,
+    tx=optax.adamw(1e-2),
+    ema=jax.tree.map(jnp.zeros_like, params),
   )
   zstate = zerojax.zero_stage(state, stage, mesh=mesh)
   assert type(zstate) is StateWithExtras and zstate.label == 'run'
@@ -55,8 +58,12 @@ def test_train_state_keeps_plan_layout_and_matches_optax(stage, mesh):
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_create_train_state_is_born_sharded(stage, mesh):
   state = zerojax.create_train_state(
-      lambda k: mlp_params(), jax.random.key(0), tx=optax.adam(1e-2), stage=stage, mesh=mesh,
-      apply_fn=mlp_apply,
+    lambda k: mlp_params(),
+    jax.random.key(0),
+    tx=optax.adam(1e-2),
+    stage=stage,
+    mesh=mesh,
+    apply_fn=mlp_apply,
   )
   plan = zerojax.plan_for(state.tx, state.params)
   assert jax.tree.map(lambda a: a.sharding, state.params) == plan.params
@@ -65,20 +72,26 @@ def test_create_train_state_is_born_sharded(stage, mesh):
   # The initialising program writes only shards: its outputs per device are the
   # planned bytes, never a full replicated copy first.
   abstract = zerojax.abstract_train_state(
-      lambda k: mlp_params(), jax.random.key(0), tx=optax.adam(1e-2), stage=stage, mesh=mesh
+    lambda k: mlp_params(), jax.random.key(0), tx=optax.adam(1e-2), stage=stage, mesh=mesh
   )
   assert jax.tree.map(lambda a: a.sharding, abstract.opt_state) == plan.opt_state
   sizes = plan.bytes_per_device()
-  assert sum(
+  assert (
+    sum(
       a.addressable_shards[0].data.nbytes for a in jax.tree.leaves((state.params, state.opt_state))
-  ) == sizes['params'] + sizes['opt_state']
+    )
+    == sizes['params'] + sizes['opt_state']
+  )
 
 
 def test_abstract_train_state_allocates_nothing(explicit_mesh):
   # 4 GiB of parameters: would not fit eight times in this machine's memory.
   state = zerojax.abstract_train_state(
-      lambda k: {'w': jax.random.normal(k, (1 << 15, 1 << 15))}, jax.random.key(0),
-      tx=optax.adam(1e-3), stage=3, mesh=explicit_mesh,
+    lambda k: {'w': jax.random.normal(k, (1 << 15, 1 << 15))},
+    jax.random.key(0),
+    tx=optax.adam(1e-3),
+    stage=3,
+    mesh=explicit_mesh,
   )
   assert isinstance(state.params['w'], jax.ShapeDtypeStruct)
   assert state.params['w'].sharding.shard_shape((1 << 15, 1 << 15)) == (1 << 12, 1 << 15)

@@ -4,40 +4,42 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import mlp_params, max_rel_err, plain_run, zero_run
+from _models import max_rel_err, mlp_params, plain_run, zero_run
 
 import zerojax
 
 
 def _labels(params):
-  return {'dense1': jax.tree.map(lambda _: 'adam', params['dense1']),
-          'dense2': jax.tree.map(lambda _: 'sgd', params['dense2'])}
+  return {
+    'dense1': jax.tree.map(lambda _: 'adam', params['dense1']),
+    'dense2': jax.tree.map(lambda _: 'sgd', params['dense2']),
+  }
 
 
 OPTIMIZERS = {
-    'adam': lambda: optax.adam(1e-2),
-    'adamw': lambda: optax.adamw(1e-2, weight_decay=0.1),
-    'sgd_momentum': lambda: optax.sgd(1e-2, momentum=0.9),
-    'sgd_nesterov': lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
-    'lion': lambda: optax.lion(1e-3),
-    'adafactor': lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
-    'lamb': lambda: optax.lamb(1e-2),
-    'lars': lambda: optax.lars(1e-2),
-    'adagrad': lambda: optax.adagrad(1e-2),
-    'rmsprop': lambda: optax.rmsprop(1e-2),
-    'adabelief': lambda: optax.adabelief(1e-2),
-    'radam': lambda: optax.radam(1e-2),
-    'novograd': lambda: optax.novograd(1e-2),
-    'chain_clip': lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)),
-    'multisteps': lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3),
-    'inject_hyperparams': lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
-    'masked': lambda: optax.masked(
-        optax.adam(1e-2), lambda p: jax.tree.map(lambda x: x.ndim == 2, p)
-    ),
-    'multi_transform': lambda: optax.multi_transform(
-        {'adam': optax.adam(1e-2), 'sgd': optax.sgd(1e-2, momentum=0.9)}, _labels
-    ),
-    'apply_if_finite': lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
+  'adam': lambda: optax.adam(1e-2),
+  'adamw': lambda: optax.adamw(1e-2, weight_decay=0.1),
+  'sgd_momentum': lambda: optax.sgd(1e-2, momentum=0.9),
+  'sgd_nesterov': lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+  'lion': lambda: optax.lion(1e-3),
+  'adafactor': lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
+  'lamb': lambda: optax.lamb(1e-2),
+  'lars': lambda: optax.lars(1e-2),
+  'adagrad': lambda: optax.adagrad(1e-2),
+  'rmsprop': lambda: optax.rmsprop(1e-2),
+  'adabelief': lambda: optax.adabelief(1e-2),
+  'radam': lambda: optax.radam(1e-2),
+  'novograd': lambda: optax.novograd(1e-2),
+  'chain_clip': lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)),
+  'multisteps': lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3),
+  'inject_hyperparams': lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
+  'masked': lambda: optax.masked(
+    optax.adam(1e-2), lambda p: jax.tree.map(lambda x: x.ndim == 2, p)
+  ),
+  'multi_transform': lambda: optax.multi_transform(
+    {'adam': optax.adam(1e-2), 'sgd': optax.sgd(1e-2, momentum=0.9)}, _labels
+  ),
+  'apply_if_finite': lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
 }
 
 

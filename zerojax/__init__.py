@@ -2,11 +2,11 @@
 
 from zerojax._src.gather import gather_params as gather_params
 from zerojax._src.plan import ZeroPlan as ZeroPlan
+from zerojax._src.plan import make_plan as make_plan
 from zerojax._src.report import CollectiveStats as CollectiveStats
 from zerojax._src.report import MemoryStats as MemoryStats
 from zerojax._src.report import count_collectives as count_collectives
 from zerojax._src.report import memory_stats as memory_stats
-from zerojax._src.plan import make_plan as make_plan
 from zerojax._src.train_state import abstract_train_state as abstract_train_state
 from zerojax._src.train_state import create_train_state as create_train_state
 from zerojax._src.transform import ZeroConfig as ZeroConfig
@@ -18,18 +18,18 @@ from zerojax._src.zero_stage import zero_stage as zero_stage
 __version__ = '0.1.0'
 
 __all__ = [
-    'CollectiveStats',
-    'MemoryStats',
-    'count_collectives',
-    'memory_stats',
-    'ZeroConfig',
-    'ZeroPlan',
-    'abstract_train_state',
-    'config_of',
-    'create_train_state',
-    'gather_params',
-    'make_plan',
-    'plan_for',
-    'unwrap',
-    'zero_stage',
+  'CollectiveStats',
+  'MemoryStats',
+  'count_collectives',
+  'memory_stats',
+  'ZeroConfig',
+  'ZeroPlan',
+  'abstract_train_state',
+  'config_of',
+  'create_train_state',
+  'gather_params',
+  'make_plan',
+  'plan_for',
+  'unwrap',
+  'zero_stage',
 ]

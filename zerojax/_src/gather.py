@@ -29,7 +29,7 @@ def gather_params(params: Any, plan: plan_lib.ZeroPlan) -> Any:
   """
   mesh = plan.mesh
   full = jax.tree.map(
-      lambda s: NamedSharding(mesh, rules.normalize_spec(s.spec, len(s.spec), mesh, plan.axes)),
-      plan.params,
+    lambda s: NamedSharding(mesh, rules.normalize_spec(s.spec, len(s.spec), mesh, plan.axes)),
+    plan.params,
   )
   return mesh_lib.run_in_layout(lambda p: mesh_lib.constrain(p, full, mesh), mesh, full)(params)

@@ -23,14 +23,14 @@ def resolve_mesh(mesh: Mesh | None) -> Mesh:
     current = jax.sharding.get_mesh()
     if current is None or current.empty:
       raise ValueError(
-          '`mesh` was not given and no mesh is set. Pass `mesh=jax.make_mesh((8,),'
-          ' ("data",))`, or call inside `with jax.set_mesh(mesh):`.'
+        '`mesh` was not given and no mesh is set. Pass `mesh=jax.make_mesh((8,),'
+        ' ("data",))`, or call inside `with jax.set_mesh(mesh):`.'
       )
     return current
   if not isinstance(mesh, Mesh):
     raise TypeError(
-        f'`mesh` must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got'
-        f' {type(mesh).__name__}: {mesh!r}.'
+      f'`mesh` must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got'
+      f' {type(mesh).__name__}: {mesh!r}.'
     )
   return mesh
 
@@ -43,15 +43,13 @@ def resolve_axes(mesh: Mesh, axis: AxisName) -> tuple[str, ...]:
   """
   axes = (axis,) if isinstance(axis, str) else tuple(axis)
   if not axes or not all(isinstance(a, str) for a in axes):
-    raise TypeError(
-        f'`axis` must be a mesh axis name or a tuple of names, got {axis!r}.'
-    )
+    raise TypeError(f'`axis` must be a mesh axis name or a tuple of names, got {axis!r}.')
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
     raise ValueError(
-        f'`axis`={axis!r} names {missing} which is not an axis of the mesh'
-        f' (its axes are {tuple(mesh.axis_names)}). Pass one of those names,'
-        ' or build the mesh with that axis: jax.make_mesh((8,), ("data",)).'
+      f'`axis`={axis!r} names {missing} which is not an axis of the mesh'
+      f' (its axes are {tuple(mesh.axis_names)}). Pass one of those names,'
+      ' or build the mesh with that axis: jax.make_mesh((8,), ("data",)).'
     )
   if len(set(axes)) != len(axes):
     raise ValueError(f'`axis`={axis!r} names an axis more than once.')
@@ -73,9 +71,9 @@ def auto_mesh(mesh: Mesh) -> Mesh:
   if not any_explicit(mesh):
     return mesh
   return Mesh(
-      mesh.devices,
-      mesh.axis_names,
-      axis_types=(AxisType.Auto,) * len(mesh.axis_names),
+    mesh.devices,
+    mesh.axis_names,
+    axis_types=(AxisType.Auto,) * len(mesh.axis_names),
   )
 
 
@@ -87,9 +85,9 @@ def constrain(tree: Any, shardings: Any, mesh: Mesh) -> Any:
   """
   amesh = auto_mesh(mesh)
   specs = jax.tree.map(
-      lambda s: NamedSharding(amesh, s.spec, memory_kind=s.memory_kind),
-      shardings,
-      is_leaf=lambda s: isinstance(s, NamedSharding),
+    lambda s: NamedSharding(amesh, s.spec, memory_kind=s.memory_kind),
+    shardings,
+    is_leaf=lambda s: isinstance(s, NamedSharding),
   )
   return jax.lax.with_sharding_constraint(tree, specs)
 

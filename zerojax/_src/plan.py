@@ -11,25 +11,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zerojax._src import mesh as mesh_lib
-from zerojax._src import rules
-from zerojax._src import validation
+from zerojax._src import rules, validation
 
 STAGES = (0, 1, 2, 3)
 
 
 def check_stage(stage: Any) -> int:
   if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or stage not in STAGES:
-    raise ValueError(
-        f'`stage` must be 0, 1, 2 or 3 (the ZeRO stages), got {stage!r}.'
-    )
+    raise ValueError(f'`stage` must be 0, 1, 2 or 3 (the ZeRO stages), got {stage!r}.')
   return int(stage)
 
 
 def check_policy(policy: Any) -> str:
   if policy not in rules.POLICIES:
-    raise ValueError(
-        f'`policy` must be one of {rules.POLICIES}, got {policy!r}.'
-    )
+    raise ValueError(f'`policy` must be one of {rules.POLICIES}, got {policy!r}.')
   return policy
 
 
@@ -110,14 +105,15 @@ def format_plan(plan: ZeroPlan) -> str:
   mesh = plan.mesh
   axes = plan.axes[0] if len(plan.axes) == 1 else plan.axes
   lines = [
-      f'ZeroPlan: stage {plan.stage} over mesh axis {axes!r} ({plan.num_shards} shards)'
-      f' of mesh {dict(mesh.shape)}'
+    f'ZeroPlan: stage {plan.stage} over mesh axis {axes!r} ({plan.num_shards} shards)'
+    f' of mesh {dict(mesh.shape)}'
   ]
   header = ('group', 'path', 'shape', 'dtype', 'spec at rest', 'grads spec', 'bytes/device')
   table = []
   for r in plan.rows:
     nbytes = rules.bytes_per_device(r.shape, r.dtype, r.at_rest, mesh)
-    table.append((
+    table.append(
+      (
         r.group,
         r.path or '(root)',
         str(r.shape),
@@ -125,18 +121,23 @@ def format_plan(plan: ZeroPlan) -> str:
         _spec_str(r.at_rest),
         _spec_str(r.grads) if r.grads is not None else '',
         f'{nbytes:,}',
-    ))
-  widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
-  fmt = lambda row: '  '.join(c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+      )
+    )
+  widths = [
+    max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)
+  ]
+  fmt = lambda row: '  '.join(
+    c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+  )
   lines.append(fmt(header))
   lines.append('  '.join('-' * w for w in widths))
   lines.extend(fmt(row) for row in table)
   totals = plan.bytes_per_device()
   total = sum(totals.values())
   lines.append(
-      'per device: '
-      + ', '.join(f'{k} {_fmt_bytes(v)}' for k, v in totals.items())
-      + f'; total {_fmt_bytes(total)}'
+    'per device: '
+    + ', '.join(f'{k} {_fmt_bytes(v)}' for k, v in totals.items())
+    + f'; total {_fmt_bytes(total)}'
   )
   reps = plan.replicated()
   if reps:
@@ -170,16 +171,16 @@ def _paths(tree: Any) -> list[tuple[tuple, Any]]:
 
 
 def make_plan(
-    params: optax.Params,
-    tx: optax.GradientTransformation | None = None,
-    *,
-    stage: int,
-    mesh: Mesh | None = None,
-    axis: mesh_lib.AxisName = 'data',
-    policy: rules.Policy = 'error',
-    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-    opt_state: optax.OptState | None = None,
-    param_specs: Any = None,
+  params: optax.Params,
+  tx: optax.GradientTransformation | None = None,
+  *,
+  stage: int,
+  mesh: Mesh | None = None,
+  axis: mesh_lib.AxisName = 'data',
+  policy: rules.Policy = 'error',
+  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+  opt_state: optax.OptState | None = None,
+  param_specs: Any = None,
 ) -> ZeroPlan:
   """Computes the ZeRO layouts of `params`, their grads, and `tx`'s state.
 
@@ -214,7 +215,7 @@ def make_plan(
   >>> plan = zerojax.make_plan({'w': jnp.zeros((64, 16))}, optax.adam(1e-3),
   ...                          stage=1, mesh=mesh)
   >>> plan.opt_state[0].mu['w'].spec
-  PartitionSpec('data', None)
+  P('data', None)
   """
   stage = check_stage(stage)
   policy = check_policy(policy)
@@ -230,7 +231,7 @@ def make_plan(
 
   def rule_for(shape, dtype, base):
     return rules.leaf_rule(
-        shape, dtype, base, mesh=mesh, axes=axes, replicate_below_bytes=replicate_below_bytes
+      shape, dtype, base, mesh=mesh, axes=axes, replicate_below_bytes=replicate_below_bytes
     )
 
   param_entries = _paths(abstract)
@@ -264,16 +265,16 @@ def make_plan(
     n = mesh_lib.axes_size(mesh, axes)
     axis = axes[0] if len(axes) == 1 else axes
     listing = '\n'.join(
-        f'  {group}{jax.tree_util.keystr(path)}: shape {r.shape}, {r.reason}'
-        for group, path, r in offending
+      f'  {group}{jax.tree_util.keystr(path)}: shape {r.shape}, {r.reason}'
+      for group, path, r in offending
     )
     raise ValueError(
-        f'{validation.count(len(offending), "leaf", "leaves")} cannot be split over mesh axis'
-        f' {axis!r} of size {n}'
-        f' for ZeRO stage {stage}:\n{listing}\n'
-        f"Pass `policy='replicate'` to keep them whole on every device, raise"
-        f' `replicate_below_bytes` above their size, or choose a mesh whose {axis!r}'
-        ' size divides one of their dimensions.'
+      f'{validation.count(len(offending), "leaf", "leaves")} cannot be split over mesh axis'
+      f' {axis!r} of size {n}'
+      f' for ZeRO stage {stage}:\n{listing}\n'
+      f"Pass `policy='replicate'` to keep them whole on every device, raise"
+      f' `replicate_below_bytes` above their size, or choose a mesh whose {axis!r}'
+      ' size divides one of their dimensions.'
     )
 
   def layout(rule: rules.LeafRule, split: bool) -> PartitionSpec:
@@ -299,30 +300,42 @@ def make_plan(
 
   rows = []
   p_rest, p_grad, p_shard = [], [], []
-  for (path, x), rule in zip(param_entries, param_rules):
+  for (path, _), rule in zip(param_entries, param_rules):
     p_rest.append(named(layout(rule, must_split['params'])))
     p_grad.append(named(layout(rule, must_split['grads'])))
     p_shard.append(named(layout(rule, stage >= 1)))
-    rows.append(PlanRow(
-        'params', jax.tree_util.keystr(path), rule.shape, rule.dtype,
-        p_rest[-1].spec, p_grad[-1].spec,
+    rows.append(
+      PlanRow(
+        'params',
+        jax.tree_util.keystr(path),
+        rule.shape,
+        rule.dtype,
+        p_rest[-1].spec,
+        p_grad[-1].spec,
         why(rule, must_split['params'] or must_split['grads']),
-    ))
+      )
+    )
   s_rest = []
   for (path, x), rule in zip(state_entries, state_rules):
     s_rest.append(named(layout(rule, must_split['opt_state'])))
-    rows.append(PlanRow(
-        'opt_state', jax.tree_util.keystr(path), tuple(x.shape), np.dtype(x.dtype),
-        s_rest[-1].spec, None, why(rule, must_split['opt_state']),
-    ))
+    rows.append(
+      PlanRow(
+        'opt_state',
+        jax.tree_util.keystr(path),
+        tuple(x.shape),
+        np.dtype(x.dtype),
+        s_rest[-1].spec,
+        None,
+        why(rule, must_split['opt_state']),
+      )
+    )
   return ZeroPlan(
-      stage=stage,
-      mesh=mesh,
-      axes=axes,
-      params=jax.tree.unflatten(treedef, p_rest),
-      grads=jax.tree.unflatten(treedef, p_grad),
-      opt_state=jax.tree.unflatten(state_treedef, s_rest),
-      param_shards=jax.tree.unflatten(treedef, p_shard),
-      rows=tuple(rows),
+    stage=stage,
+    mesh=mesh,
+    axes=axes,
+    params=jax.tree.unflatten(treedef, p_rest),
+    grads=jax.tree.unflatten(treedef, p_grad),
+    opt_state=jax.tree.unflatten(state_treedef, s_rest),
+    param_shards=jax.tree.unflatten(treedef, p_shard),
+    rows=tuple(rows),
   )
-

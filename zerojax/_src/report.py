@@ -12,15 +12,33 @@ import numpy as np
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
 
 _DTYPE_BYTES = {
-    'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4,
-    'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16, 'f8e4m3fn': 1, 'f8e5m2': 1,
+  'pred': 1,
+  's8': 1,
+  'u8': 1,
+  's16': 2,
+  'u16': 2,
+  'f16': 2,
+  'bf16': 2,
+  's32': 4,
+  'u32': 4,
+  'f32': 4,
+  's64': 8,
+  'u64': 8,
+  'f64': 8,
+  'c64': 8,
+  'c128': 16,
+  'f8e4m3fn': 1,
+  'f8e5m2': 1,
 }
 _HEADER = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
 _OP = re.compile(
-    r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s+(?P<op>' + '|'.join(COLLECTIVES)
-    + r')(?P<start>-start)?\('
+  r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s+(?P<op>'
+  + '|'.join(COLLECTIVES)
+  + r')(?P<start>-start)?\('
 )
-_FUSED_RS = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s+fusion\(.*kind=kCustom.*calls=%?all-reduce-scatter')
+_FUSED_RS = re.compile(
+  r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s+fusion\(.*kind=kCustom.*calls=%?all-reduce-scatter'
+)
 _SHAPE = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([\d,]*)\]')
 _CALLS = re.compile(r'\b(body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)')
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
@@ -109,7 +127,9 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
         continue
       trip = _TRIP.search(line)
       for role, callee in _CALLS.findall(line):
-        visit(callee, mult * (int(trip.group(1)) if (trip and role == 'body') else 1), stack + (name,))
+        visit(
+          callee, mult * (int(trip.group(1)) if (trip and role == 'body') else 1), stack + (name,)
+        )
       for group in _BRANCHES.findall(line):
         for callee in group.split(','):
           visit(callee.strip().lstrip('%'), mult, stack + (name,))
@@ -137,8 +157,8 @@ def memory_stats(compiled: Any) -> MemoryStats:
   """Per-device memory of a compiled program, e.g. `jax.jit(f).lower(...).compile()`."""
   m = compiled.memory_analysis()
   return MemoryStats(
-      argument=int(m.argument_size_in_bytes),
-      output=int(m.output_size_in_bytes),
-      alias=int(m.alias_size_in_bytes),
-      temp=int(m.temp_size_in_bytes),
+    argument=int(m.argument_size_in_bytes),
+    output=int(m.output_size_in_bytes),
+    alias=int(m.alias_size_in_bytes),
+    temp=int(m.temp_size_in_bytes),
   )

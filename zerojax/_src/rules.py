@@ -50,7 +50,7 @@ class LeafRule:
 
 
 def normalize_spec(
-    spec: PartitionSpec | None, ndim: int, mesh: Mesh, drop: Sequence[str]
+  spec: PartitionSpec | None, ndim: int, mesh: Mesh, drop: Sequence[str]
 ) -> PartitionSpec:
   """A spec with one entry per dimension, without the axes in `drop`.
 
@@ -72,9 +72,7 @@ def spec_axes(entry) -> tuple[str, ...]:
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def bytes_per_device(
-    shape: Sequence[int], dtype, spec: PartitionSpec, mesh: Mesh
-) -> int:
+def bytes_per_device(shape: Sequence[int], dtype, spec: PartitionSpec, mesh: Mesh) -> int:
   """Bytes one device holds of an array of `shape` laid out as `spec`."""
   size = np.dtype(dtype).itemsize
   for d, entry in zip(shape, list(spec) + [None] * (len(shape) - len(spec))):
@@ -84,13 +82,13 @@ def bytes_per_device(
 
 
 def leaf_rule(
-    shape: Sequence[int],
-    dtype,
-    base: PartitionSpec | None,
-    *,
-    mesh: Mesh,
-    axes: tuple[str, ...],
-    replicate_below_bytes: int,
+  shape: Sequence[int],
+  dtype,
+  base: PartitionSpec | None,
+  *,
+  mesh: Mesh,
+  axes: tuple[str, ...],
+  replicate_below_bytes: int,
 ) -> LeafRule:
   """Decides the layout of one leaf; see the module docstring."""
   shape = tuple(int(d) for d in shape)

@@ -11,9 +11,7 @@ from flax.training import train_state as flax_train_state
 from jax.sharding import Mesh
 
 from zerojax._src import mesh as mesh_lib
-from zerojax._src import rules
-from zerojax._src import transform
-from zerojax._src import validation
+from zerojax._src import rules, transform, validation
 
 State = TypeVar('State', bound=flax_train_state.TrainState)
 
@@ -21,35 +19,35 @@ State = TypeVar('State', bound=flax_train_state.TrainState)
 def is_train_state(obj: Any) -> bool:
   """Whether `obj` looks like a flax TrainState (params, opt_state and tx fields)."""
   return isinstance(obj, flax_train_state.TrainState) or all(
-      hasattr(obj, f) for f in ('params', 'opt_state', 'tx', 'replace')
+    hasattr(obj, f) for f in ('params', 'opt_state', 'tx', 'replace')
   )
 
 
 def zero_train_state(
-    state: State,
-    stage: int,
-    *,
-    mesh: Mesh | None = None,
-    axis: mesh_lib.AxisName = 'data',
-    policy: rules.Policy = 'error',
-    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-    param_specs: Any = None,
+  state: State,
+  stage: int,
+  *,
+  mesh: Mesh | None = None,
+  axis: mesh_lib.AxisName = 'data',
+  policy: rules.Policy = 'error',
+  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+  param_specs: Any = None,
 ) -> State:
   """Re-lays out a train state for ZeRO `stage`; see `zerojax.zero_stage`."""
   if not isinstance(state.tx, optax.GradientTransformation):
     raise TypeError(
-        f'`train_state.tx` must be an optax GradientTransformation, got'
-        f' {type(state.tx).__name__}: {state.tx!r:.80}. Create the state with'
-        ' TrainState.create(apply_fn=..., params=..., tx=optax.adam(1e-3)).'
+      f'`train_state.tx` must be an optax GradientTransformation, got'
+      f' {type(state.tx).__name__}: {state.tx!r:.80}. Create the state with'
+      ' TrainState.create(apply_fn=..., params=..., tx=optax.adam(1e-3)).'
     )
   tx = transform.zero_optimizer(
-      state.tx,
-      stage,
-      mesh=mesh,
-      axis=axis,
-      policy=policy,
-      replicate_below_bytes=replicate_below_bytes,
-      param_specs=param_specs,
+    state.tx,
+    stage,
+    mesh=mesh,
+    axis=axis,
+    policy=policy,
+    replicate_below_bytes=replicate_below_bytes,
+    param_specs=param_specs,
   )
   plan = transform.plan_for(tx, state.params)
   # Every check runs before anything is placed, so a failure leaves no
@@ -57,21 +55,33 @@ def zero_train_state(
   validation.abstract_arrays(state.opt_state, 'train_state.opt_state')
   if jax.tree.structure(state.opt_state) != jax.tree.structure(plan.opt_state):
     raise ValueError(
-        '`train_state.opt_state` does not have the structure of'
-        ' `train_state.tx.init(train_state.params)`: got'
-        f' {jax.tree.structure(state.opt_state)}, expected'
-        f' {jax.tree.structure(plan.opt_state)}. Build the state with'
-        ' TrainState.create, or pass the optimizer that made opt_state.'
+      '`train_state.opt_state` does not have the structure of'
+      ' `train_state.tx.init(train_state.params)`: got'
+      f' {jax.tree.structure(state.opt_state)}, expected'
+      f' {jax.tree.structure(plan.opt_state)}. Build the state with'
+      ' TrainState.create, or pass the optimizer that made opt_state.'
     )
   params, opt_state = jax.device_put((state.params, state.opt_state), (plan.params, plan.opt_state))
   return state.replace(tx=tx, params=params, opt_state=opt_state)
 
 
-def _layout(init_fn, init_args, *, tx, stage, mesh, axis, apply_fn, state_class, policy,
-            replicate_below_bytes, fields):
+def _layout(
+  init_fn,
+  init_args,
+  *,
+  tx,
+  stage,
+  mesh,
+  axis,
+  apply_fn,
+  state_class,
+  policy,
+  replicate_below_bytes,
+  fields,
+):
   """The jittable builder of a zero train state, and the state's shardings."""
   ztx = transform.zero_optimizer(
-      tx, stage, mesh=mesh, axis=axis, policy=policy, replicate_below_bytes=replicate_below_bytes
+    tx, stage, mesh=mesh, axis=axis, policy=policy, replicate_below_bytes=replicate_below_bytes
   )
   config = transform.config_of(ztx)
   abstract_params = jax.eval_shape(init_fn, *init_args)
@@ -80,30 +90,30 @@ def _layout(init_fn, init_args, *, tx, stage, mesh, axis, apply_fn, state_class,
   def build(*args):
     params = init_fn(*args)
     params = mesh_lib.run_in_layout(
-        lambda p: mesh_lib.constrain(p, plan.params, config.mesh), config.mesh, plan.params
+      lambda p: mesh_lib.constrain(p, plan.params, config.mesh), config.mesh, plan.params
     )(params)
     return state_class.create(apply_fn=apply_fn, params=params, tx=ztx, **fields)
 
   abstract_state = jax.eval_shape(build, *init_args)
   rep = mesh_lib.replicated(config.mesh)
   shardings = jax.tree.map(lambda _: rep, abstract_state).replace(
-      params=plan.params, opt_state=plan.opt_state
+    params=plan.params, opt_state=plan.opt_state
   )
   return build, abstract_state, shardings
 
 
 def create_train_state(
-    init_fn: Callable[..., optax.Params],
-    *init_args: Any,
-    tx: optax.GradientTransformation,
-    stage: int,
-    mesh: Mesh | None = None,
-    axis: mesh_lib.AxisName = 'data',
-    apply_fn: Callable[..., Any] | None = None,
-    state_class: type[State] = flax_train_state.TrainState,
-    policy: rules.Policy = 'error',
-    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-    **fields: Any,
+  init_fn: Callable[..., optax.Params],
+  *init_args: Any,
+  tx: optax.GradientTransformation,
+  stage: int,
+  mesh: Mesh | None = None,
+  axis: mesh_lib.AxisName = 'data',
+  apply_fn: Callable[..., Any] | None = None,
+  state_class: type[State] = flax_train_state.TrainState,
+  policy: rules.Policy = 'error',
+  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+  **fields: Any,
 ) -> State:
   """Builds a train state directly in its ZeRO layout.
 
@@ -135,28 +145,36 @@ def create_train_state(
   ...     lambda k: {'w': jax.random.normal(k, (64, 8))}, jax.random.key(0),
   ...     tx=optax.adam(1e-3), stage=3, mesh=mesh)
   >>> state.params['w'].sharding.spec
-  PartitionSpec('data', None)
+  P('data', None)
   """
   build, _, shardings = _layout(
-      init_fn, init_args, tx=tx, stage=stage, mesh=mesh, axis=axis, apply_fn=apply_fn,
-      state_class=state_class, policy=policy, replicate_below_bytes=replicate_below_bytes,
-      fields=fields,
+    init_fn,
+    init_args,
+    tx=tx,
+    stage=stage,
+    mesh=mesh,
+    axis=axis,
+    apply_fn=apply_fn,
+    state_class=state_class,
+    policy=policy,
+    replicate_below_bytes=replicate_below_bytes,
+    fields=fields,
   )
   return jax.jit(build, out_shardings=shardings)(*init_args)
 
 
 def abstract_train_state(
-    init_fn: Callable[..., optax.Params],
-    *init_args: Any,
-    tx: optax.GradientTransformation,
-    stage: int,
-    mesh: Mesh | None = None,
-    axis: mesh_lib.AxisName = 'data',
-    apply_fn: Callable[..., Any] | None = None,
-    state_class: type[State] = flax_train_state.TrainState,
-    policy: rules.Policy = 'error',
-    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-    **fields: Any,
+  init_fn: Callable[..., optax.Params],
+  *init_args: Any,
+  tx: optax.GradientTransformation,
+  stage: int,
+  mesh: Mesh | None = None,
+  axis: mesh_lib.AxisName = 'data',
+  apply_fn: Callable[..., Any] | None = None,
+  state_class: type[State] = flax_train_state.TrainState,
+  policy: rules.Policy = 'error',
+  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+  **fields: Any,
 ) -> State:
   """Like `create_train_state`, but allocates nothing.
 
@@ -171,13 +189,21 @@ def abstract_train_state(
   ...     lambda k: {'w': jax.random.normal(k, (1 << 16, 1 << 14))}, jax.random.key(0),
   ...     tx=optax.adam(1e-3), stage=3, mesh=mesh)
   >>> state.params['w'].sharding.spec, state.params['w'].dtype
-  (PartitionSpec('data', None), dtype('float32'))
+  (P('data', None), dtype('float32'))
   """
   _, abstract_state, shardings = _layout(
-      init_fn, init_args, tx=tx, stage=stage, mesh=mesh, axis=axis, apply_fn=apply_fn,
-      state_class=state_class, policy=policy, replicate_below_bytes=replicate_below_bytes,
-      fields=fields,
+    init_fn,
+    init_args,
+    tx=tx,
+    stage=stage,
+    mesh=mesh,
+    axis=axis,
+    apply_fn=apply_fn,
+    state_class=state_class,
+    policy=policy,
+    replicate_below_bytes=replicate_below_bytes,
+    fields=fields,
   )
   return jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
   )

@@ -11,8 +11,7 @@ from jax.sharding import Mesh
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
-from zerojax._src import rules
-from zerojax._src import validation
+from zerojax._src import rules, validation
 
 _CONFIG_ATTR = '_zerojax_config'
 
@@ -43,22 +42,24 @@ class ZeroConfig:
   # reuses the plan that `init` derived from the concrete parameters.
   _plans: dict = dataclasses.field(default_factory=dict, repr=False)
 
-  def plan(self, params: optax.Params, opt_state: optax.OptState | None = None) -> plan_lib.ZeroPlan:
+  def plan(
+    self, params: optax.Params, opt_state: optax.OptState | None = None
+  ) -> plan_lib.ZeroPlan:
     """The `ZeroPlan` of this optimizer for `params`."""
     key = _signature(params)
     cached = self._plans.get(key)
     if cached is not None:
       return cached
     plan = plan_lib.make_plan(
-        params,
-        self.inner,
-        stage=self.stage,
-        mesh=self.mesh,
-        axis=self.axes,
-        policy=self.policy,
-        replicate_below_bytes=self.replicate_below_bytes,
-        opt_state=opt_state,
-        param_specs=self.param_specs,
+      params,
+      self.inner,
+      stage=self.stage,
+      mesh=self.mesh,
+      axis=self.axes,
+      policy=self.policy,
+      replicate_below_bytes=self.replicate_below_bytes,
+      opt_state=opt_state,
+      param_specs=self.param_specs,
     )
     if not _has_tracers(params):
       self._plans[key] = plan
@@ -93,47 +94,45 @@ def plan_for(tx: optax.GradientTransformation, params: optax.Params) -> plan_lib
   config = config_of(tx)
   if config is None:
     raise TypeError(
-        '`tx` was not made by zerojax.zero_stage; wrap it first:'
-        ' tx = zerojax.zero_stage(tx, stage, mesh=mesh).'
+      '`tx` was not made by zerojax.zero_stage; wrap it first:'
+      ' tx = zerojax.zero_stage(tx, stage, mesh=mesh).'
     )
   return config.plan(params)
 
 
 def zero_optimizer(
-    tx: optax.GradientTransformation,
-    stage: int,
-    *,
-    mesh: Mesh | None = None,
-    axis: mesh_lib.AxisName = 'data',
-    policy: rules.Policy = 'error',
-    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-    param_specs: Any = None,
+  tx: optax.GradientTransformation,
+  stage: int,
+  *,
+  mesh: Mesh | None = None,
+  axis: mesh_lib.AxisName = 'data',
+  policy: rules.Policy = 'error',
+  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+  param_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Rewrites an optax transformation for ZeRO `stage`; see `zerojax.zero_stage`."""
   stage = plan_lib.check_stage(stage)
   policy = plan_lib.check_policy(policy)
   if not isinstance(tx, optax.GradientTransformation):
-    raise TypeError(
-        f'`tx` must be an optax GradientTransformation, got {type(tx).__name__}.'
-    )
+    raise TypeError(f'`tx` must be an optax GradientTransformation, got {type(tx).__name__}.')
   inner_config = config_of(tx)
   if inner_config is not None:
     raise ValueError(
-        f'`tx` is already wrapped by zero_stage (stage {inner_config.stage}); wrapping'
-        ' twice would shard twice. Wrap the original optimizer once, or use'
-        ' zerojax.unwrap(tx) to get it back.'
+      f'`tx` is already wrapped by zero_stage (stage {inner_config.stage}); wrapping'
+      ' twice would shard twice. Wrap the original optimizer once, or use'
+      ' zerojax.unwrap(tx) to get it back.'
     )
   mesh = mesh_lib.resolve_mesh(mesh)
   axes = mesh_lib.resolve_axes(mesh, axis)
   inner = optax.with_extra_args_support(tx)
   config = ZeroConfig(
-      inner=tx,
-      stage=stage,
-      mesh=mesh,
-      axes=axes,
-      policy=policy,
-      replicate_below_bytes=int(replicate_below_bytes),
-      param_specs=param_specs,
+    inner=tx,
+    stage=stage,
+    mesh=mesh,
+    axes=axes,
+    policy=policy,
+    replicate_below_bytes=int(replicate_below_bytes),
+    param_specs=param_specs,
   )
 
   def init(params: optax.Params) -> optax.OptState:
@@ -150,10 +149,10 @@ def zero_optimizer(
     return jax.jit(body, out_shardings=plan.opt_state)(params)
 
   def update(
-      updates: optax.Updates,
-      state: optax.OptState,
-      params: optax.Params | None = None,
-      **extra_args: Any,
+    updates: optax.Updates,
+    state: optax.OptState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
   ) -> tuple[optax.Updates, optax.OptState]:
     validation.abstract_arrays(updates, 'grads')
     if params is not None:

@@ -34,19 +34,19 @@ def abstract_arrays(tree: Any, name: str) -> Any:
   """
   leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   bad = [
-      f'{name}{jax.tree_util.keystr(path)}: {type(x).__name__} {x!r:.60}'
-      for path, x in leaves
-      if not is_array_like(x)
+    f'{name}{jax.tree_util.keystr(path)}: {type(x).__name__} {x!r:.60}'
+    for path, x in leaves
+    if not is_array_like(x)
   ]
   if bad:
     raise TypeError(
-        f'`{name}` must be a pytree of arrays, but {count(len(bad), "leaf is", "leaves are")} not:\n'
-        f'{_listing(bad)}\n'
-        f'Convert them with jnp.asarray, or keep non-array values out of `{name}`'
-        ' (for example in a static field of the train state).'
+      f'`{name}` must be a pytree of arrays, but {count(len(bad), "leaf is", "leaves are")} not:\n'
+      f'{_listing(bad)}\n'
+      f'Convert them with jnp.asarray, or keep non-array values out of `{name}`'
+      ' (for example in a static field of the train state).'
     )
   return jax.tree.unflatten(
-      treedef, [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for _, x in leaves]
+    treedef, [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for _, x in leaves]
   )
 
 
@@ -68,24 +68,24 @@ def check_like_params(tree: Any, params: Any, name: str) -> None:
       detail.append(f'not in `params`: {", ".join(extra[:_MAX_LISTED])}')
     if not detail:
       detail.append(
-          f'`{name}` has structure {jax.tree.structure(tree)}, `params` has'
-          f' {jax.tree.structure(params)}'
+        f'`{name}` has structure {jax.tree.structure(tree)}, `params` has'
+        f' {jax.tree.structure(params)}'
       )
     raise ValueError(
-        f'`{name}` must have the tree structure of `params`; '
-        + '; '.join(detail)
-        + f'. Compute `{name}` with jax.grad over the same `params`.'
+      f'`{name}` must have the tree structure of `params`; '
+      + '; '.join(detail)
+      + f'. Compute `{name}` with jax.grad over the same `params`.'
     )
   bad = [
-      f'{name}{jax.tree_util.keystr(k)}: shape {np.shape(t_leaves[k])} but params'
-      f'{jax.tree_util.keystr(k)} has shape {np.shape(p_leaves[k])}'
-      for k in p_leaves
-      if np.shape(t_leaves[k]) != np.shape(p_leaves[k])
+    f'{name}{jax.tree_util.keystr(k)}: shape {np.shape(t_leaves[k])} but params'
+    f'{jax.tree_util.keystr(k)} has shape {np.shape(p_leaves[k])}'
+    for k in p_leaves
+    if np.shape(t_leaves[k]) != np.shape(p_leaves[k])
   ]
   if bad:
     raise ValueError(
-        f'`{name}` must have the shapes of `params`, but {count(len(bad), "leaf differs", "leaves differ")}:\n'
-        f'{_listing(bad)}'
+      f'`{name}` must have the shapes of `params`, but {count(len(bad), "leaf differs", "leaves differ")}:\n'
+      f'{_listing(bad)}'
     )
 
 
@@ -94,10 +94,9 @@ def broadcast_prefix(prefix: Any, tree: Any, name: str) -> Any:
   is_spec = lambda s: s is None or isinstance(s, PartitionSpec)
   try:
     return jax.tree.map(
-        lambda spec, sub: jax.tree.map(lambda _: spec, sub), prefix, tree, is_leaf=is_spec
+      lambda spec, sub: jax.tree.map(lambda _: spec, sub), prefix, tree, is_leaf=is_spec
     )
   except ValueError as e:
     raise ValueError(
-        f'`{name}` must be a PartitionSpec or a tree of them that is a prefix of'
-        f' `params`: {e}'
+      f'`{name}` must be a PartitionSpec or a tree of them that is a prefix of `params`: {e}'
     ) from None

@@ -8,20 +8,18 @@ import optax
 from jax.sharding import Mesh
 
 from zerojax._src import mesh as mesh_lib
-from zerojax._src import rules
-from zerojax._src import train_state
-from zerojax._src import transform
+from zerojax._src import rules, train_state, transform
 
 
 def zero_stage(
-    target: Any,
-    stage: int,
-    *,
-    mesh: Mesh | None = None,
-    axis: mesh_lib.AxisName = 'data',
-    policy: rules.Policy = 'error',
-    replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-    param_specs: Any = None,
+  target: Any,
+  stage: int,
+  *,
+  mesh: Mesh | None = None,
+  axis: mesh_lib.AxisName = 'data',
+  policy: rules.Policy = 'error',
+  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+  param_specs: Any = None,
 ) -> Any:
   """Applies ZeRO `stage` to an optax optimizer or a flax train state.
 
@@ -64,17 +62,17 @@ def zero_stage(
   >>> params = {'w': jnp.ones((64, 16))}
   >>> state = tx.init(params)
   >>> state[0].mu['w'].sharding.spec
-  PartitionSpec('data', None)
+  P('data', None)
   >>> updates, state = jax.jit(tx.update)(params, state, params)
   >>> updates['w'].sharding.spec
-  PartitionSpec(None, None)
+  P(None, None)
   """
   kwargs = dict(
-      mesh=mesh,
-      axis=axis,
-      policy=policy,
-      replicate_below_bytes=replicate_below_bytes,
-      param_specs=param_specs,
+    mesh=mesh,
+    axis=axis,
+    policy=policy,
+    replicate_below_bytes=replicate_below_bytes,
+    param_specs=param_specs,
   )
   if isinstance(target, optax.GradientTransformation):
     return transform.zero_optimizer(target, stage, **kwargs)
@@ -85,7 +83,7 @@ def zero_stage(
     tx = optax.GradientTransformationExtraArgs(target.init, target.update)
     return transform.zero_optimizer(tx, stage, **kwargs)
   raise TypeError(
-      '`target` must be an optax GradientTransformation or a flax TrainState, got'
-      f' {type(target).__name__}. Wrap the optimizer: zero_stage(optax.adam(1e-3),'
-      ' stage, mesh=mesh).'
+    '`target` must be an optax GradientTransformation or a flax TrainState, got'
+    f' {type(target).__name__}. Wrap the optimizer: zero_stage(optax.adam(1e-3),'
+    ' stage, mesh=mesh).'
   )

@@ -1,0 +1,212 @@
+"""The plan: leaf rules for every kind of optax state, tensor parallelism, printing."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+from zerojax._src import rules
+
+
+def specs(tree):
+  return jax.tree.map(lambda s: s.spec, tree)
+
+
+@pytest.mark.parametrize(
+  'shape, expected',
+  [
+    ((16, 64), P(None, 'data')),  # the largest dimension
+    ((64, 16), P('data', None)),
+    ((64, 64), P('data', None)),  # ties go to the first
+    ((12, 40), P(None, 'data')),  # only 40 divides by 8
+    ((8,), P('data')),
+    ((4, 7), P(None, None)),  # small and indivisible: replicated
+    ((), P()),
+  ],
+)
+def test_leaf_rule_picks_largest_divisible_dimension(shape, expected, explicit_mesh):
+  rule = rules.leaf_rule(
+    shape, jnp.float32, None, mesh=explicit_mesh, axes=('data',), replicate_below_bytes=1 << 18
+  )
+  assert rule.sharded == expected
+
+
+def test_stage_layouts(explicit_mesh):
+  params = mlp_params()
+  row = P(None, 'data')  # dense1 kernel (16, 64): its 64 is split
+  for stage in range(4):
+    plan = zerojax.make_plan(params, optax.adam(1e-3), stage=stage, mesh=explicit_mesh)
+    kernel = lambda t: t['dense1']['kernel'].spec
+    assert kernel(plan.params) == (row if stage == 3 else P(None, None))
+    assert kernel(plan.grads) == (row if stage >= 2 else P(None, None))
+    assert plan.opt_state[0].mu['dense1']['kernel'].spec == (row if stage >= 1 else P(None, None))
+    assert plan.opt_state[0].count.spec == P()
+
+
+def test_state_kinds_follow_their_parameter(explicit_mesh):
+  params = {'w': jnp.zeros((16, 64)), 'v': jnp.zeros((64, 8)), 'b': jnp.zeros((64,))}
+  labels = {'w': 'a', 'v': 'b', 'b': 'b'}
+  tx = optax.chain(
+    optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+    optax.masked(optax.scale_by_rms(), {'w': True, 'v': False, 'b': False}),
+    optax.multi_transform({'a': optax.sgd(1.0, momentum=0.9), 'b': optax.adagrad(1.0)}, labels),
+  )
+  multi = optax.MultiSteps(tx, every_k_schedule=2)
+  plan = zerojax.make_plan(params, multi.gradient_transformation(), stage=1, mesh=explicit_mesh)
+  s = plan.opt_state
+  # MultiSteps accumulator: shaped like params, split like them.
+  assert s.acc_grads['w'].spec == P(None, 'data') and s.acc_grads['v'].spec == P('data', None)
+  inject, masked, multi_state = s.inner_opt_state
+  # inject_hyperparams: the hyperparameters are replicated scalars.
+  assert inject.hyperparams['learning_rate'].spec == P()
+  assert inject.inner_state[0].mu['w'].spec == P(None, 'data')
+  # masked: only the selected leaves have state.
+  assert masked.inner_state.nu['w'].spec == P(None, 'data')
+  # multi_transform: each partition's state follows its parameters.
+  assert multi_state.inner_states['a'].inner_state[0].trace['w'].spec == P(None, 'data')
+  assert multi_state.inner_states['b'].inner_state[0].sum_of_squares['b'].spec == P('data')
+  assert s.mini_step.spec == P()
+
+
+def test_adafactor_factored_statistics(explicit_mesh):
+  params = {'w': jnp.zeros((24, 64))}
+  plan = zerojax.make_plan(
+    params, optax.adafactor(1e-3, min_dim_size_to_factor=8), stage=1, mesh=explicit_mesh
+  )
+  factored = plan.opt_state[0]
+  # Row and column statistics are not shaped like the parameter: each is split
+  # along its own largest divisible dimension.
+  assert factored.v_row['w'].spec == P('data')  # (24,)
+  assert factored.v_col['w'].spec == P('data')  # (64,)
+
+
+def test_leaves_not_shaped_like_any_parameter(explicit_mesh):
+  plan = zerojax.make_plan(mlp_params(), optax.lbfgs(memory_size=8), stage=1, mesh=explicit_mesh)
+  memory = plan.opt_state[0].diff_params_memory['dense1']['kernel']
+  assert memory.spec == P(None, None, 'data')  # (8, 16, 64): the 64
+
+
+def tp_mesh(kind):
+  return jax.make_mesh((4, 2), ('data', 'model'), axis_types=(kind,) * 2)
+
+
+@pytest.mark.parametrize('kind', [AxisType.Explicit, AxisType.Auto])
+def test_tensor_parallel_sharding_is_kept(kind):
+  mesh = tp_mesh(kind)
+  params = mlp_params()
+  tp = {
+    'dense1': {'kernel': P(None, 'model'), 'bias': P('model')},
+    'dense2': {'kernel': P('model', None), 'bias': P()},
+  }
+  params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), tp))
+  plan = zerojax.make_plan(params, optax.adam(1e-3), stage=3, mesh=mesh)
+  # The ZeRO axis goes to a free dimension; 'model' stays where it was.
+  assert specs(plan.params)['dense1']['kernel'] == P('data', 'model')
+  assert specs(plan.params)['dense2']['kernel'] == P('model', 'data')
+  assert specs(plan.opt_state)[0].mu['dense1']['bias'] == P('model')  # 64 = 2*4*8: dim taken
+  assert plan.num_shards == 4
+
+
+def test_tensor_parallel_training_matches_optax():
+  mesh = tp_mesh(AxisType.Auto)
+  tp = {
+    'dense1': {'kernel': P(None, 'model'), 'bias': P('model')},
+    'dense2': {'kernel': P('model', None), 'bias': P()},
+  }
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), tp)
+  params = jax.device_put(mlp_params(), shardings)
+  tx = zerojax.zero_stage(optax.adam(1e-2), 3, mesh=mesh)
+  state = tx.init(params)
+  plan = zerojax.plan_for(tx, params)
+  params = jax.device_put(params, plan.params)
+  x, y = jax.device_put(batch(), NamedSharding(mesh, P('data')))
+
+  @jax.jit
+  def step(params, state):
+    grads = jax.grad(lambda p: loss_fn(zerojax.gather_params(p, plan), x, y))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for _ in range(10):
+    params, state = step(params, state)
+  assert jax.tree.map(lambda a: a.sharding, params) == plan.params
+  assert max_rel_err(params, plain_run(optax.adam(1e-2), steps=10)) <= 1e-6
+
+
+def test_axis_tuple_partitions_over_both_axes():
+  mesh = jax.make_mesh((2, 4), ('replica', 'data'))
+  plan = zerojax.make_plan(
+    mlp_params(), optax.adam(1e-3), stage=3, mesh=mesh, axis=('replica', 'data')
+  )
+  assert plan.num_shards == 8
+  assert specs(plan.params)['dense1']['kernel'] == P(None, ('replica', 'data'))
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis=('replica', 'data'))
+  state = tx.init(mlp_params())
+  mu = state[0].mu['dense1']['kernel']
+  assert {s.data.shape for s in mu.addressable_shards} == {(16, 8)}
+
+
+def test_param_specs_argument_overrides(explicit_mesh):
+  mesh = tp_mesh(AxisType.Explicit)
+  plan = zerojax.make_plan(
+    mlp_params(),
+    optax.adam(1e-3),
+    stage=1,
+    mesh=mesh,
+    param_specs={'dense1': P(None, 'model'), 'dense2': None},
+  )
+  assert specs(plan.params)['dense1']['kernel'] == P(None, 'model')
+  assert specs(plan.opt_state)[0].mu['dense1']['kernel'] == P('data', 'model')
+  assert specs(plan.opt_state)[0].mu['dense2']['kernel'] == P('data', None)
+
+
+def test_printed_plan(explicit_mesh):
+  params = {'w': jnp.zeros((64, 16)), 'b': jnp.zeros((3,))}
+  plan = zerojax.make_plan(params, optax.adam(1e-3), stage=2, mesh=explicit_mesh)
+  text = str(plan)
+  lines = text.splitlines()
+  assert lines[0] == "ZeroPlan: stage 2 over mesh axis 'data' (8 shards) of mesh {'data': 8}"
+  assert lines[1].split() == [
+    'group',
+    'path',
+    'shape',
+    'dtype',
+    'spec',
+    'at',
+    'rest',
+    'grads',
+    'spec',
+    'bytes/device',
+  ]
+  row = next(line for line in lines if line.startswith('params') and "['w']" in line)
+  assert row.split() == [
+    'params',
+    "['w']",
+    '(64,',
+    '16)',
+    'float32',
+    'P(None,',
+    'None)',
+    "P('data',",
+    'None)',
+    '4,096',
+  ]
+  row = next(line for line in lines if "[0].mu['w']" in line)
+  assert row.split()[-1] == '512'
+  sizes = plan.bytes_per_device()
+  assert sizes == {
+    'params': 64 * 16 * 4 + 12,
+    'grads': 64 * 16 * 4 // 8 + 12,
+    'opt_state': 2 * (512 + 12) + 4,
+  }
+  assert 'per device: params 4.01 KiB, grads 524 B, opt_state 1.03 KiB; total 5.55 KiB' in text
+  assert "replicated over 'data' (4):" in text
+  assert (
+    "  params['b']: no free dimension of (3,) divides by 8 (small: 12 B < replicate_below_bytes=262144)"
+    in lines
+  )
+  assert '  opt_state[0].count: scalar' in lines
