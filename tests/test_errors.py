@@ -118,8 +118,8 @@ def test_replicate_policy_replicates_and_says_so(explicit_mesh):
 
 
 def test_bad_policy(explicit_mesh):
-  with raises(ValueError, "`policy` must be one of ('error', 'replicate'), got 'pad'."):
-    zerojax.zero_stage(optax.adam(1e-3), 1, mesh=explicit_mesh, policy='pad')
+  with raises(ValueError, "`policy` must be one of ('error', 'replicate', 'pad'), got 'shard'."):
+    zerojax.zero_stage(optax.adam(1e-3), 1, mesh=explicit_mesh, policy='shard')
 
 
 def test_wrapping_twice(explicit_mesh):

@@ -98,3 +98,50 @@ def test_mesh_from_set_mesh(auto_mesh):
   with jax.set_mesh(auto_mesh):
     tx = zerojax.zero_stage(optax.adam(1e-2), 2)
   assert zerojax.config_of(tx).mesh == auto_mesh
+
+
+PAD_OPTIMIZERS = {
+  'adam': lambda: optax.adam(1e-2),
+  'sgd_momentum': lambda: optax.sgd(1e-2, momentum=0.9),
+  'lamb': lambda: optax.lamb(1e-2),
+  'clip_adamw': lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+}
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+@pytest.mark.parametrize('name', sorted(PAD_OPTIMIZERS))
+def test_pad_policy_splits_padded_state_and_matches_optax(name, stage, mesh):
+  params = {'odd': 0.1 * jax.random.normal(jax.random.key(0), (129, 515)), 'ok': jnp.ones((64, 8))}
+  target = jax.tree.map(lambda p: 0.5 * jnp.ones_like(p), params)
+  loss = lambda p: sum(
+    jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(target))
+  )
+  ztx = zerojax.zero_stage(PAD_OPTIMIZERS[name](), stage, mesh=mesh, policy='pad')
+  state = ztx.init(params)
+  plan = zerojax.plan_for(ztx, params)
+  # The optimizer state of the odd leaf is padded 515 -> 520 along its largest
+  # dimension and split: 65 columns per device. The parameter stays whole.
+  mu = jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, 'shape'))
+  odd_states = [x for x in mu if x.shape == (129, 520)]
+  assert odd_states and all(
+    {s.data.shape for s in x.addressable_shards} == {(129, 65)} for x in odd_states
+  )
+  assert plan.padding == (None, (1, 520)) or plan.padding == ((1, 520), None)
+  assert "  params['odd']: (129, 515) -> (129, 520) along dimension 1" in str(plan).splitlines()
+
+  @jax.jit
+  def step(p, s):
+    updates, s = ztx.update(jax.grad(loss)(p), s, p)
+    return optax.apply_updates(p, updates), s
+
+  ref_tx = PAD_OPTIMIZERS[name]()
+  ref_p, ref_s = params, ref_tx.init(params)
+  p = jax.device_put(params, plan.params)
+  for _ in range(5):
+    p, state = step(p, state)
+    u, ref_s = ref_tx.update(jax.grad(loss)(ref_p), ref_s, ref_p)
+    ref_p = optax.apply_updates(ref_p, u)
+  assert p['odd'].shape == (129, 515)
+  assert jax.tree.map(lambda a: a.sharding, p) == plan.params
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
+    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) <= 1e-6

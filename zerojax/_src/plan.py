@@ -55,6 +55,9 @@ class ZeroPlan:
     param_shards: NamedSharding per parameter, fully sharded: the slice of the
       update each device computes from stage 1 up.
     rows: per-leaf records behind `str(plan)`.
+    padding: per parameter leaf (in `jax.tree.leaves` order), None, or the
+      (dimension, padded size) its gradient and optimizer state are padded to
+      under policy='pad'.
   """
 
   stage: int
@@ -65,6 +68,7 @@ class ZeroPlan:
   opt_state: Any
   param_shards: Any
   rows: tuple[PlanRow, ...]
+  padding: tuple[tuple[int, int] | None, ...] = ()
 
   @property
   def num_shards(self) -> int:
@@ -145,6 +149,14 @@ def format_plan(plan: ZeroPlan) -> str:
     lines.extend(f'  {g}{p}: {why}' for g, p, why in reps)
   else:
     lines.append(f'replicated over {axes!r}: none')
+  param_rows = [r for r in plan.rows if r.group == 'params']
+  padded = [(r, pad) for r, pad in zip(param_rows, plan.padding) if pad is not None]
+  if padded:
+    lines.append(f"padded for the optimizer (policy='pad') ({len(padded)}):")
+    for r, (dim, size) in padded:
+      shape = list(r.shape)
+      shape[dim] = size
+      lines.append(f'  params{r.path}: {r.shape} -> {tuple(shape)} along dimension {dim}')
   return '\n'.join(lines)
 
 
@@ -161,7 +173,7 @@ def _match_param(state_path: tuple, param_paths: dict[tuple, Any], shape) -> Any
   """The parameter whose key path ends `state_path`, with the same shape."""
   for start in range(len(state_path) + 1):
     hit = param_paths.get(tuple(state_path[start:]))
-    if hit is not None and hit[0].shape == shape:
+    if hit is not None and hit[0] == tuple(shape):
       return hit
   return None
 
@@ -195,7 +207,12 @@ def make_plan(
     mesh: the device mesh; defaults to the one set by `jax.set_mesh`.
     axis: the mesh axis, or tuple of axes, to partition over.
     policy: what to do with a large leaf no free dimension of which divides by
-      the axis size: 'error' (default) or 'replicate'.
+      the axis size: 'error' (default); 'replicate' (keep it whole); or 'pad'
+      (pad its gradient and optimizer state along the largest free dimension
+      to a multiple of the axis size and split them; the parameter itself stays
+      whole). Padding is exact for optimizers that act elementwise or through
+      norms (Adam, SGD, LAMB, clipping), not for ones that average over a
+      dimension (Adafactor's factored statistics see the zeros).
     replicate_below_bytes: such leaves smaller than this are replicated under
       any policy, and listed in the plan.
     opt_state: an optimizer state to lay out instead of evaluating `tx.init`.
@@ -229,24 +246,40 @@ def make_plan(
     specs = jax.tree.map(_spec_of, params)
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
 
+  # Padding only matters where something is split: from stage 1 up.
+  pad = policy == 'pad' and stage >= 1
+
   def rule_for(shape, dtype, base):
     return rules.leaf_rule(
-      shape, dtype, base, mesh=mesh, axes=axes, replicate_below_bytes=replicate_below_bytes
+      shape,
+      dtype,
+      base,
+      mesh=mesh,
+      axes=axes,
+      replicate_below_bytes=replicate_below_bytes,
+      pad=pad,
     )
 
   param_entries = _paths(abstract)
   treedef = jax.tree.structure(abstract)
   param_rules = [rule_for(x.shape, x.dtype, s) for (_, x), s in zip(param_entries, spec_leaves)]
+  # The shapes the optimizer sees: padded where the policy pads.
+  opt_shapes = [r.padded_shape or r.shape for r in param_rules]
+  opt_params = jax.tree.unflatten(
+    treedef, [jax.ShapeDtypeStruct(shape, r.dtype) for shape, r in zip(opt_shapes, param_rules)]
+  )
 
   if opt_state is not None:
     state_abstract = validation.abstract_arrays(opt_state, 'opt_state')
   elif tx is not None:
-    state_abstract = jax.eval_shape(tx.init, abstract)
+    state_abstract = jax.eval_shape(tx.init, opt_params)
   else:
     state_abstract = ()
   state_entries = _paths(state_abstract)
   state_treedef = jax.tree.structure(state_abstract)
-  by_path = {path: (x, rule) for (path, x), rule in zip(param_entries, param_rules)}
+  by_path = {
+    path: (shape, rule) for (path, _), shape, rule in zip(param_entries, opt_shapes, param_rules)
+  }
   state_rules = []
   for path, x in state_entries:
     hit = _match_param(path, by_path, x.shape)
@@ -256,10 +289,10 @@ def make_plan(
   must_split = {'params': stage >= 3, 'grads': stage >= 2, 'opt_state': stage >= 1}
   offending = []
   for (path, _), rule in zip(param_entries, param_rules):
-    if rule.indivisible and (must_split['params'] or must_split['grads']):
+    if rule.indivisible and rule.dim is None and (must_split['params'] or must_split['grads']):
       offending.append(('params', path, rule))
   for (path, _), rule in zip(state_entries, state_rules):
-    if rule.indivisible and must_split['opt_state']:
+    if rule.indivisible and rule.dim is None and must_split['opt_state']:
       offending.append(('opt_state', path, rule))
   if offending and policy == 'error':
     n = mesh_lib.axes_size(mesh, axes)
@@ -272,12 +305,17 @@ def make_plan(
       f'{validation.count(len(offending), "leaf", "leaves")} cannot be split over mesh axis'
       f' {axis!r} of size {n}'
       f' for ZeRO stage {stage}:\n{listing}\n'
-      f"Pass `policy='replicate'` to keep them whole on every device, raise"
+      f"Pass `policy='replicate'` to keep them whole on every device, `policy='pad'` to"
+      ' pad their gradients and optimizer state to a multiple of the axis size, raise'
       f' `replicate_below_bytes` above their size, or choose a mesh whose {axis!r}'
       ' size divides one of their dimensions.'
     )
 
-  def layout(rule: rules.LeafRule, split: bool) -> PartitionSpec:
+  def layout(rule: rules.LeafRule, split: bool, padded_ok: bool = True) -> PartitionSpec:
+    # A padded split exists only inside the optimizer: parameters and the
+    # gradients handed to it keep their true shape, so they stay whole.
+    if rule.padded_shape is not None and not padded_ok:
+      return rule.base
     return rule.sharded if split else rule.base
 
   explicit = mesh_lib.any_explicit(mesh)
@@ -293,16 +331,20 @@ def make_plan(
       spec = PartitionSpec(*entries)
     return NamedSharding(mesh, spec)
 
-  def why(rule: rules.LeafRule, split: bool) -> str | None:
-    if not split or rule.dim is not None:
+  def why(rule: rules.LeafRule, split: bool, padded_ok: bool = True) -> str | None:
+    if not split:
+      return None
+    if rule.padded_shape is not None:
+      return None if padded_ok else rule.reason + " (policy='pad')"
+    if rule.dim is not None:
       return None
     return rule.reason + (" (policy='replicate')" if rule.indivisible else '')
 
   rows = []
   p_rest, p_grad, p_shard = [], [], []
   for (path, _), rule in zip(param_entries, param_rules):
-    p_rest.append(named(layout(rule, must_split['params'])))
-    p_grad.append(named(layout(rule, must_split['grads'])))
+    p_rest.append(named(layout(rule, must_split['params'], padded_ok=False)))
+    p_grad.append(named(layout(rule, must_split['grads'], padded_ok=False)))
     p_shard.append(named(layout(rule, stage >= 1)))
     rows.append(
       PlanRow(
@@ -312,7 +354,7 @@ def make_plan(
         rule.dtype,
         p_rest[-1].spec,
         p_grad[-1].spec,
-        why(rule, must_split['params'] or must_split['grads']),
+        why(rule, must_split['params'] or must_split['grads'], padded_ok=False),
       )
     )
   s_rest = []
@@ -338,4 +380,7 @@ def make_plan(
     opt_state=jax.tree.unflatten(state_treedef, s_rest),
     param_shards=jax.tree.unflatten(treedef, p_shard),
     rows=tuple(rows),
+    padding=tuple(
+      None if r.padded_shape is None else (r.dim, r.padded_shape[r.dim]) for r in param_rules
+    ),
   )

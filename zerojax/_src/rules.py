@@ -16,8 +16,8 @@ from typing import Literal
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-Policy = Literal['error', 'replicate']
-POLICIES: tuple[str, ...] = ('error', 'replicate')
+Policy = Literal['error', 'replicate', 'pad']
+POLICIES: tuple[str, ...] = ('error', 'replicate', 'pad')
 
 # Leaves below this size that cannot be split evenly are replicated without
 # complaint: biases and norms of odd width cost little, and splitting them would
@@ -38,6 +38,8 @@ class LeafRule:
     dim: the dimension carrying the ZeRO axes, or None.
     reason: why the leaf is not split over the ZeRO axes, or None.
     indivisible: True when the leaf is large and no free dimension divides.
+    padded_shape: under policy 'pad', the shape the optimizer sees (`dim`
+      rounded up to a multiple of the axis size); `sharded` applies to it.
   """
 
   shape: tuple[int, ...]
@@ -47,6 +49,7 @@ class LeafRule:
   dim: int | None
   reason: str | None
   indivisible: bool
+  padded_shape: tuple[int, ...] | None = None
 
 
 def normalize_spec(
@@ -89,8 +92,13 @@ def leaf_rule(
   mesh: Mesh,
   axes: tuple[str, ...],
   replicate_below_bytes: int,
+  pad: bool = False,
 ) -> LeafRule:
-  """Decides the layout of one leaf; see the module docstring."""
+  """Decides the layout of one leaf; see the module docstring.
+
+  With `pad`, a large leaf that no free dimension divides is split along its
+  largest free dimension after padding it to a multiple of the axis size.
+  """
   shape = tuple(int(d) for d in shape)
   dtype = np.dtype(dtype)
   base = normalize_spec(base, len(shape), mesh, drop=axes)
@@ -116,6 +124,14 @@ def leaf_rule(
   else:
     reason = f'no free dimension of {shape} divides by {n}'
   indivisible = nbytes >= replicate_below_bytes and bool(shape)
+  if indivisible and pad and free:
+    dim = max(free, key=lambda i: (shape[i], -i))
+    padded = list(shape)
+    padded[dim] = -(-shape[dim] // n) * n
+    entries = list(base)
+    entries[dim] = zero_entry
+    reason = f'{reason}; padded to {tuple(padded)} for the optimizer'
+    return LeafRule(shape, dtype, base, PartitionSpec(*entries), dim, reason, True, tuple(padded))
   if not indivisible and shape:
     reason += f' (small: {nbytes} B < replicate_below_bytes={replicate_below_bytes})'
   return LeafRule(shape, dtype, base, base, None, reason, indivisible)

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
@@ -75,6 +76,35 @@ def _has_tracers(tree: Any) -> bool:
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
 
 
+def _pad(tree: Any, plan: plan_lib.ZeroPlan) -> Any:
+  """Zero-pads the leaves that the plan pads (policy='pad') to their padded size."""
+  if not any(plan.padding):
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  out = []
+  for x, pad in zip(leaves, plan.padding):
+    if pad is not None:
+      dim, size = pad
+      widths = [(0, 0)] * x.ndim
+      widths[dim] = (0, size - x.shape[dim])
+      x = jnp.pad(x, widths)
+    out.append(x)
+  return jax.tree.unflatten(treedef, out)
+
+
+def _unpad(tree: Any, plan: plan_lib.ZeroPlan, like: Any) -> Any:
+  """Slices padded leaves back to the shapes of `like`."""
+  if not any(plan.padding):
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  sizes = [x.shape for x in jax.tree.leaves(like)]
+  out = [
+    x if pad is None else jax.lax.slice_in_dim(x, 0, shape[pad[0]], axis=pad[0])
+    for x, pad, shape in zip(leaves, plan.padding, sizes)
+  ]
+  return jax.tree.unflatten(treedef, out)
+
+
 def config_of(tx: Any) -> ZeroConfig | None:
   """The `ZeroConfig` of a transformation made by `zero_stage`, else None."""
   update = getattr(tx, 'update', None)
@@ -140,7 +170,7 @@ def zero_optimizer(
     plan = config.plan(params)
 
     def body(p):
-      return mesh_lib.constrain(inner.init(p), plan.opt_state, mesh)
+      return mesh_lib.constrain(inner.init(_pad(p, plan)), plan.opt_state, mesh)
 
     body = mesh_lib.run_in_layout(body, mesh, plan.opt_state)
     if _has_tracers(params):
@@ -162,13 +192,15 @@ def zero_optimizer(
     def body(grads, state, params):
       # Reduce into the stage's gradient layout: from stage 2 the compiler
       # emits a reduce-scatter here (XLA:CPU: all-reduce + dynamic-slice).
+      like = grads
       grads = mesh_lib.constrain(grads, plan.grads, mesh)
       if stage >= 1:
         # Each device updates only its shard of the parameters.
-        grads = mesh_lib.constrain(grads, plan.param_shards, mesh)
+        grads = mesh_lib.constrain(_pad(grads, plan), plan.param_shards, mesh)
         if params is not None:
-          params = mesh_lib.constrain(params, plan.param_shards, mesh)
+          params = mesh_lib.constrain(_pad(params, plan), plan.param_shards, mesh)
       new_updates, new_state = inner.update(grads, state, params, **extra_args)
+      new_updates = _unpad(new_updates, plan, like)
       # Stages 1-2 all-gather the updated shards; stage 3 keeps them sharded.
       new_updates = mesh_lib.constrain(new_updates, plan.params, mesh)
       new_state = mesh_lib.constrain(new_state, plan.opt_state, mesh)

@@ -38,7 +38,9 @@ def zero_stage(
       `jax.set_mesh`.
     axis: the mesh axis, or tuple of axes, that ZeRO partitions over.
     policy: what to do with a large leaf that has no dimension divisible by the
-      axis size: 'error' (default) or 'replicate'.
+      axis size: 'error' (default), 'replicate', or 'pad' (its gradient and
+      optimizer state are zero-padded to a multiple of the axis size and split;
+      see `zerojax.make_plan`).
     replicate_below_bytes: such leaves below this size are replicated under any
       policy; the plan lists them.
     param_specs: optional PartitionSpecs (a prefix tree of the params) for
