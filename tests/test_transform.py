@@ -145,3 +145,18 @@ def test_pad_policy_splits_padded_state_and_matches_optax(name, stage, mesh):
   assert jax.tree.map(lambda a: a.sharding, p) == plan.params
   for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
     assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) <= 1e-6
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_init_writes_only_shards(stage, mesh):
+  # 4 MiB of parameters: the state of one, replicated, would be 8 MiB/device.
+  params = {'w': jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
+  tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
+  plan = zerojax.plan_for(tx, params)
+  compiled = jax.jit(tx.init).lower(params).compile()
+  mem = zerojax.memory_stats(compiled)
+  shards = plan.bytes_per_device()['opt_state']
+  assert shards == 2 * 4 * 1024 * 1024 // 8 + 4  # mu and nu split 8 ways, and the count
+  # XLA:CPU adds the output tuple's index table: 8 bytes per output buffer.
+  assert mem.output == shards + 8 * len(jax.tree.leaves(plan.opt_state))
+  assert mem.temp < 4 * 1024 * 1024 // 8  # no full-size buffer on any device
