@@ -13,14 +13,22 @@ D = 256  # two 256x256 matrices and two biases: every leaf divides by 8
 PSI = 2 * D * D + 2 * D
 
 
-def init_fn(key):
-  k1, k2 = jax.random.split(key)
-  return {
-    'w1': jax.random.normal(k1, (D, D)),
-    'b1': jnp.zeros((D,)),
-    'w2': jax.random.normal(k2, (D, D)),
-    'b2': jnp.zeros((D,)),
-  }
+def make_init(d):
+  """Two d x d layers with biases."""
+
+  def init_fn(key):
+    k1, k2 = jax.random.split(key)
+    return {
+      'w1': jax.random.normal(k1, (d, d)),
+      'b1': jnp.zeros((d,)),
+      'w2': jax.random.normal(k2, (d, d)),
+      'b2': jnp.zeros((d,)),
+    }
+
+  return init_fn
+
+
+init_fn = make_init(D)
 
 
 def step(state, x):

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-from test_memory_and_collectives import step
+from test_memory_and_collectives import make_init, step
 
 import zerojax
 
@@ -27,14 +27,7 @@ PSI = 2 * D * D + 2 * D
 AT_REST = {0: 12 * PSI, 1: 4 * PSI + 8 * PSI // 8, 2: 4 * PSI + 8 * PSI // 8, 3: 12 * PSI // 8}
 
 
-def init_fn(key):
-  k1, k2 = jax.random.split(key)
-  return {
-    'w1': jax.random.normal(k1, (D, D)),
-    'b1': jnp.zeros((D,)),
-    'w2': jax.random.normal(k2, (D, D)),
-    'b2': jnp.zeros((D,)),
-  }
+init_fn = make_init(D)
 
 
 @pytest.fixture(scope='module')
