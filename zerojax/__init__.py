@@ -1,12 +1,18 @@
 """zerojax: ZeRO (the Zero Redundancy Optimizer) for JAX, as sharding layouts."""
 
+from zerojax._src.estimate import MemoryEstimate as MemoryEstimate
+from zerojax._src.estimate import estimate_memory as estimate_memory
+from zerojax._src.estimate import format_estimates as format_estimates
 from zerojax._src.gather import gather_params as gather_params
 from zerojax._src.plan import ZeroPlan as ZeroPlan
 from zerojax._src.plan import make_plan as make_plan
 from zerojax._src.report import CollectiveStats as CollectiveStats
 from zerojax._src.report import MemoryStats as MemoryStats
+from zerojax._src.report import StepReport as StepReport
 from zerojax._src.report import count_collectives as count_collectives
 from zerojax._src.report import memory_stats as memory_stats
+from zerojax._src.report import step_report as step_report
+from zerojax._src.report import zero_floor_bytes as zero_floor_bytes
 from zerojax._src.train_state import abstract_train_state as abstract_train_state
 from zerojax._src.train_state import create_train_state as create_train_state
 from zerojax._src.transform import ZeroConfig as ZeroConfig
@@ -18,6 +24,12 @@ from zerojax._src.zero_stage import zero_stage as zero_stage
 __version__ = '0.1.0'
 
 __all__ = [
+  'MemoryEstimate',
+  'StepReport',
+  'estimate_memory',
+  'format_estimates',
+  'step_report',
+  'zero_floor_bytes',
   'CollectiveStats',
   'MemoryStats',
   'count_collectives',

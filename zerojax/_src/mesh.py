@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 AxisName = str | tuple[str, ...]
 
@@ -27,7 +27,7 @@ def resolve_mesh(mesh: Mesh | None) -> Mesh:
         ' ("data",))`, or call inside `with jax.set_mesh(mesh):`.'
       )
     return current
-  if not isinstance(mesh, Mesh):
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
     raise TypeError(
       f'`mesh` must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got'
       f' {type(mesh).__name__}: {mesh!r}.'

@@ -43,6 +43,62 @@ _SHAPE = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([\d,]*)\]')
 _CALLS = re.compile(r'\b(body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)')
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONDITION = re.compile(r'\bcondition=%?([\w.\-]+)')
+_CONSTANT = re.compile(r'^\s*%?([\w.\-]+)\s*=\s*s32\[\][^ ]*\s+constant\((\d+)\)')
+_COMPARE_LT = re.compile(r'compare\([^)]*%([\w.\-]+)\),\s*direction=LT')
+# Replica groups: explicit lists, iota form [groups,size]<=[...], or TPU's
+# mesh['axis_0'=8, ...] {'axis_0'} form.
+_GROUPS_LIST = re.compile(r'replica_groups=\{\{([\d,]*)\}')
+_GROUPS_IOTA = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
+_GROUPS_MESH = re.compile(r'replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}')
+_PARTITIONS = re.compile(r'num_partitions=(\d+)')
+_ASYNC_DONE = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]*(?:collective-done|async-done)[\w.\-]*\s*=')
+
+
+def _group_size(line: str, default: int) -> int:
+  m = _GROUPS_LIST.search(line)
+  if m:
+    return len([x for x in m.group(1).split(',') if x]) or default
+  m = _GROUPS_IOTA.search(line)
+  if m:
+    return int(m.group(2))
+  m = _GROUPS_MESH.search(line)
+  if m:
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    names = re.findall(r"'([^']+)'", m.group(2))
+    return int(np.prod([int(sizes[n]) for n in names if n in sizes] or [1]))
+  return default
+
+
+def _ring_bytes(kind: str, result_bytes: int, n: int) -> float:
+  """Bytes one device sends in a ring implementation of the collective."""
+  if n <= 1:
+    return 0.0
+  if kind == 'all-reduce':
+    return 2.0 * result_bytes * (n - 1) / n
+  if kind in ('all-gather', 'all-to-all'):
+    return result_bytes * (n - 1) / n
+  if kind == 'reduce-scatter':
+    return float(result_bytes * (n - 1))  # the input is n times the result
+  return float(result_bytes)  # collective-permute
+
+
+def _trip_count(line: str, bodies: dict[str, list[str]]) -> int:
+  """Iterations of a `while`: XLA's known_trip_count, else its condition `i < N`."""
+  m = _TRIP.search(line)
+  if m:
+    return int(m.group(1))
+  cond = _CONDITION.search(line)
+  if cond and cond.group(1) in bodies:
+    consts = {}
+    for cline in bodies[cond.group(1)]:
+      c = _CONSTANT.match(cline)
+      if c:
+        consts[c.group(1)] = int(c.group(2))
+      lt = _COMPARE_LT.search(cline)
+      if lt and lt.group(1) in consts:
+        return consts[lt.group(1)]
+  return 1
 
 
 def _type_bytes(type_str: str) -> int:
@@ -60,10 +116,18 @@ class CollectiveStats:
     counts: kind -> number of ops executed per step (loop bodies multiplied by
       their trip counts).
     result_bytes: kind -> bytes of the ops' results per step, per device.
+    ring_bytes: kind -> bytes each device sends per step if each op runs as a
+      ring (all-reduce 2S(n-1)/n, all-gather and all-to-all S(n-1)/n of the
+      result S, reduce-scatter S(n-1), over groups of n devices).
   """
 
   counts: dict[str, int]
   result_bytes: dict[str, int]
+  ring_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  @property
+  def total_ring_bytes(self) -> float:
+    return float(sum(self.ring_bytes.values()))
 
   def __getitem__(self, kind: str) -> int:
     return self.counts.get(kind, 0)
@@ -72,8 +136,9 @@ class CollectiveStats:
 def count_collectives(compiled_or_text: Any) -> CollectiveStats:
   """Counts the collectives in a compiled program's HLO, per executed step.
 
-  Ops inside a `while` body count `known_trip_count` times, so a scanned model
-  is not undercounted. Asynchronous pairs count once (the `-start` op). TPU's
+  Ops inside a `while` body count once per iteration (XLA's known_trip_count,
+  or the loop condition's `i < N` bound), so a scanned model is not
+  undercounted. Asynchronous pairs count once (the `-start` op). TPU's
   fused `all-reduce-scatter` counts as a reduce-scatter.
 
   Args:
@@ -103,6 +168,9 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
 
   counts: collections.Counter = collections.Counter()
   nbytes: collections.Counter = collections.Counter()
+  ring: collections.Counter = collections.Counter()
+  partitions = _PARTITIONS.search(text)
+  default_group = int(partitions.group(1)) if partitions else 1
 
   def visit(name: str, mult: int, stack: tuple[str, ...]) -> None:
     if name in stack or name not in bodies:
@@ -123,19 +191,23 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
           shapes = _SHAPE.findall(type_str)
           half = len(shapes) // 2
           type_str = ' '.join(f'{d}[{s}]' for d, s in shapes[half:]) if half else type_str
-        nbytes[kind] += mult * _type_bytes(type_str)
+        size = _type_bytes(type_str)
+        nbytes[kind] += mult * size
+        ring[kind] += mult * _ring_bytes(kind, size, _group_size(line, default_group))
         continue
-      trip = _TRIP.search(line)
+      if _ASYNC_DONE.match(line):
+        # TPU splits an async collective into start and done fusions that both
+        # hold the op; the start counts it.
+        continue
+      trip = _trip_count(line, bodies) if ' while(' in line else 1
       for role, callee in _CALLS.findall(line):
-        visit(
-          callee, mult * (int(trip.group(1)) if (trip and role == 'body') else 1), stack + (name,)
-        )
+        visit(callee, mult * (trip if role == 'body' else 1), stack + (name,))
       for group in _BRANCHES.findall(line):
         for callee in group.split(','):
           visit(callee.strip().lstrip('%'), mult, stack + (name,))
 
   visit(entry, 1, ())
-  return CollectiveStats(dict(counts), dict(nbytes))
+  return CollectiveStats(dict(counts), dict(nbytes), dict(ring))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,3 +234,105 @@ def memory_stats(compiled: Any) -> MemoryStats:
     alias=int(m.alias_size_in_bytes),
     temp=int(m.temp_size_in_bytes),
   )
+
+
+def zero_floor_bytes(
+  stage: int, num_params: int, num_devices: int, bytes_per_param: int = 4
+) -> float:
+  """ZeRO's per-device communication floor per step (ring-equivalent bytes).
+
+  Stages 0-2 move 2Ψ(N-1)/N (a reduce-scatter and an all-gather, or one
+  all-reduce); stage 3 moves 3Ψ(N-1)/N (parameters gathered for the forward and
+  again for the backward pass, gradients reduce-scattered). A step that moves
+  more has redundant collectives.
+  """
+  factor = 3 if stage == 3 else 2
+  return factor * num_params * bytes_per_param * (num_devices - 1) / num_devices
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+  """Measured cost of one compiled training step, per device.
+
+  Attributes:
+    memory: argument, output, alias and temp bytes.
+    collectives: counts, result bytes and ring-equivalent bytes per kind.
+    stage: the ZeRO stage, if known.
+    num_params: the parameter count Ψ, if known.
+    num_devices: devices on the ZeRO axis, if known.
+    floor_bytes: ZeRO's communication floor for this stage, if known.
+  """
+
+  memory: MemoryStats
+  collectives: CollectiveStats
+  stage: int | None = None
+  num_params: int | None = None
+  num_devices: int | None = None
+  floor_bytes: float | None = None
+
+  def __str__(self) -> str:
+    return format_report(self)
+
+
+def step_report(
+  compiled: Any,
+  *,
+  plan: Any = None,
+  bytes_per_param: int = 4,
+) -> StepReport:
+  """Measures a compiled step: memory per device and collectives per step.
+
+  Args:
+    compiled: `jax.jit(step).lower(*args).compile()`; the arguments may be
+      ShapeDtypeStructs (e.g. from `zerojax.abstract_train_state`).
+    plan: the step's `ZeroPlan`, to compare traffic with the ZeRO floor.
+    bytes_per_param: bytes per parameter in the floor (4 for fp32 gradients).
+
+  Returns:
+    A `StepReport`; `print` it for a table.
+  """
+  memory = memory_stats(compiled)
+  collectives = count_collectives(compiled)
+  if plan is None:
+    return StepReport(memory, collectives)
+  num_params = sum(int(np.prod(r.shape)) for r in plan.rows if r.group == 'params')
+  return StepReport(
+    memory,
+    collectives,
+    stage=plan.stage,
+    num_params=num_params,
+    num_devices=plan.num_shards,
+    floor_bytes=zero_floor_bytes(plan.stage, num_params, plan.num_shards, bytes_per_param),
+  )
+
+
+def _mib(n: float) -> str:
+  return f'{n / 2**20:,.2f} MiB'
+
+
+def format_report(report: StepReport) -> str:
+  """The printed form of a `StepReport`."""
+  m = report.memory
+  lines = [
+    'memory per device:',
+    f'  arguments {_mib(m.argument)}, outputs {_mib(m.output)}, aliased {_mib(m.alias)},'
+    f' temporaries {_mib(m.temp)}; peak ~ {_mib(m.peak)}',
+    'collectives per step (loop bodies times their trip counts):',
+    f'  {"kind":<20} {"count":>7} {"result bytes":>16} {"ring bytes/device":>18}',
+  ]
+  c = report.collectives
+  for kind in COLLECTIVES:
+    if c.counts.get(kind):
+      lines.append(
+        f'  {kind:<20} {c.counts[kind]:>7} {c.result_bytes.get(kind, 0):>16,}'
+        f' {c.ring_bytes.get(kind, 0):>18,.0f}'
+      )
+  lines.append(f'  {"total":<20} {sum(c.counts.values()):>7} {"":>16} {c.total_ring_bytes:>18,.0f}')
+  if report.floor_bytes is not None:
+    ratio = c.total_ring_bytes / report.floor_bytes if report.floor_bytes else float('nan')
+    factor = 3 if report.stage == 3 else 2
+    lines.append(
+      f'ZeRO floor (stage {report.stage}: {factor}Ψ(N-1)/N, Ψ={report.num_params:,},'
+      f' N={report.num_devices}): {report.floor_bytes:,.0f} bytes; measured/floor = {ratio:.3f}'
+    )
+  return '\n'.join(lines)
