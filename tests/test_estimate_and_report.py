@@ -1,0 +1,141 @@
+"""Estimates against measured bytes; report bytes against hand counts; the plan command."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from test_memory_and_collectives import SCALARS, compile_step, init_fn
+
+import zerojax
+from zerojax._src import presets
+
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_estimate_equals_measured_argument_bytes(stage, mesh):
+  params = jax.eval_shape(init_fn, jax.random.key(0))
+  (estimate,) = zerojax.estimate_memory(params, optax.adam(1e-3), num_devices=8, stages=[stage])
+  compiled, batch_bytes = compile_step(mesh, stage)
+  measured = zerojax.memory_stats(compiled).argument - batch_bytes - SCALARS
+  # Model states at rest; Adam's step count (4 bytes) is part of the estimate.
+  assert estimate.at_rest == measured + 4
+
+
+@pytest.mark.parametrize(
+  'optimizer, per_param', [(optax.adam(1e-3), 8), (optax.sgd(1e-3), 0), (optax.lion(1e-3), 4)]
+)
+def test_estimate_from_a_count_follows_the_formulas(optimizer, per_param):
+  psi, n = 64 * 10**6, 64
+  est = {e.stage: e for e in zerojax.estimate_memory(psi, optimizer, num_devices=n)}
+  count_bytes = est[0].opt_state - per_param * psi  # scalar counters, if any
+  assert count_bytes in (0, 4)
+  assert est[0].total == (8 + per_param) * psi + count_bytes
+  assert est[1].total == 8 * psi + per_param * psi // n + count_bytes
+  assert est[2].total == 4 * psi + (4 + per_param) * psi // n + count_bytes
+  assert est[3].total == (8 + per_param) * psi // n + count_bytes
+
+
+def test_estimate_counts_factored_state_as_it_is():
+  # Adafactor keeps row and column statistics, not a full second moment.
+  params = {'w': jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
+  (est,) = zerojax.estimate_memory(params, optax.adafactor(1e-3), num_devices=8, stages=[1])
+  assert est.opt_state < 4096 * 1024  # far below one fp32 copy (16 MiB)
+  assert est.opt_state >= (4096 + 1024) * 4 // 8
+
+
+def test_report_bytes_equal_hand_count_for_scanned_model():
+  mesh = jax.make_mesh((8,), ('data',), axis_types=(AxisType.Auto,))
+  cfg = presets.PRESETS['tiny']  # 4 layers, d 128, d_ff 512, vocab 256
+  spec = presets.decoder_spec('tiny', compute_dtype=jnp.float32)
+  state = zerojax.abstract_train_state(
+    spec.init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=3, mesh=mesh
+  )
+  plan = zerojax.plan_for(state.tx, state.params)
+  tokens = jax.ShapeDtypeStruct(
+    (16, 65), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec('data'))
+  )
+
+  def step(state, tokens):
+    grads = jax.grad(lambda p: spec.loss_fn(p, tokens, plan))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  report = zerojax.step_report(jax.jit(step).lower(state, tokens).compile(), plan=plan)
+  d, f, L, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab
+  per_layer = 4 * d * d + 2 * d * f + 2 * d  # eight leaves per block
+  top = 2 * V * d + d  # embedding, head, final norm
+  c = report.collectives
+  # Each block's eight leaves gathered in the forward pass and again in the
+  # (rematerialised) backward pass, inside two scans of 4 iterations; the
+  # three top-level leaves once.
+  assert c['all-gather'] == 2 * L * 8 + 3
+  assert c.result_bytes['all-gather'] == 4 * (2 * L * per_layer + top)
+  assert c.ring_bytes['all-gather'] == pytest.approx(4 * (2 * L * per_layer + top) * 7 / 8)
+  psi = L * per_layer + top
+  assert report.num_params == psi
+  assert report.floor_bytes == pytest.approx(3 * psi * 4 * 7 / 8)
+  text = str(report)
+  assert f'{"all-gather":<20} {2 * L * 8 + 3:>7}' in text
+  assert 'ZeRO floor (stage 3: 3Ψ(N-1)/N' in text
+
+
+def _run_cli(*args, timeout=600):
+  env = dict(os.environ)
+  env.pop('XLA_FLAGS', None)
+  return subprocess.run(
+    [sys.executable, '-m', 'zerojax', *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=timeout,
+  )
+
+
+@pytest.mark.slow
+def test_plan_command_on_faked_cpu_devices(tmp_path):
+  out = tmp_path / 'plan.json'
+  proc = _run_cli(
+    'plan', '--model', 'tiny', '--topology', 'cpu:8', '--stage', '3', '--json', str(out)
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  report = json.loads(out.read_text())
+  psi = presets.PRESETS['tiny'].num_params()
+  assert report['num_params'] == psi and report['num_devices'] == 8
+  assert report['fits'] is None  # CPU has no HBM budget
+  # AdamW at stage 3: 12 bytes per parameter at rest, split 8 ways, + batch + counters.
+  assert report['memory']['argument'] == 12 * psi // 8 + 8 * 65 * 4 // 8 + 8
+  assert report['collectives']['counts']['all-gather'] >= 2 * 4 * 8
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_plan_command_for_tpu_topology(tmp_path):
+  pytest.importorskip('libtpu', reason='needs the tpu extra')
+  out = tmp_path / 'plan.json'
+  proc = _run_cli(
+    'plan', '--model', 'tiny', '--topology', 'v5e:2x4', '--stage', '3', '--json', str(out)
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  report = json.loads(out.read_text())
+  assert report['fits'] is True and report['hbm_bytes'] == 16 * 2**30
+  assert 'FITS' in proc.stdout and 'TPU v5 lite' in proc.stdout
+  assert report['collectives']['counts']['reduce-scatter'] >= 1
+
+
+def test_plan_command_rejects_unknown_topology():
+  proc = _run_cli('plan', '--model', 'tiny', '--topology', 'v9z:3x3')
+  assert proc.returncode != 0
+  assert "cannot compile for TPU topology 'v9z:3x3'" in proc.stderr
+
+
+def test_estimate_command():
+  proc = _run_cli('estimate', '--params', '1e9', '--devices', '64')
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines[0].split()[:5] == ['stage', 'params', 'grads', 'opt', 'state']
+  assert lines[4].split()[:5] == ['3', '0.058', '0.058', '0.116', '0.233']

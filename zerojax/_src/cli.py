@@ -1,0 +1,244 @@
+"""`python -m zerojax`: plan a run before launching it.
+
+python -m zerojax plan --model llama2-70b --topology v5e:16x16 --stage 3
+python -m zerojax estimate --params 7e9 --devices 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+# HBM per chip, GiB, by the topology name's prefix.
+HBM_GIB = {'v2': 8, 'v3': 16, 'v4': 32, 'v5e': 16, 'v5litepod': 16, 'v5p': 95, 'v6e': 32}
+OPTIMIZERS = ('adam', 'adamw', 'sgd', 'lion', 'adafactor')
+
+
+def _optimizer(name: str, lr: float = 1e-4):
+  import optax
+
+  return {
+    'adam': lambda: optax.adam(lr),
+    'adamw': lambda: optax.adamw(lr),
+    'sgd': lambda: optax.sgd(lr, momentum=0.9),
+    'lion': lambda: optax.lion(lr),
+    'adafactor': lambda: optax.adafactor(lr),
+  }[name]()
+
+
+def _log(start: float, message: str) -> None:
+  print(f'[{time.perf_counter() - start:7.1f}s] {message}', flush=True)
+
+
+def _devices(topology: str):
+  """Devices of `topology`: 'cpu:N' (faked CPU devices) or a TPU name like 'v5e:2x4'."""
+  import jax
+
+  if topology.startswith('cpu:'):
+    n = int(topology.split(':', 1)[1])
+    devices = jax.devices('cpu')
+    if len(devices) < n:
+      raise SystemExit(
+        f'error: --topology {topology} needs {n} CPU devices but jax has {len(devices)};'
+        ' it must be set before jax starts (python -m zerojax sets it when nothing else'
+        ' has initialised jax first).'
+      )
+    return devices[:n], None
+  try:
+    from jax.experimental import topologies
+  except ImportError as e:  # pragma: no cover
+    raise SystemExit(f'error: this jax has no ahead-of-time topologies: {e}') from None
+  try:
+    desc = topologies.get_topology_desc(topology_name=topology, platform='tpu')
+  except Exception as e:  # libtpu missing or an unknown topology name
+    raise SystemExit(
+      f'error: cannot compile for TPU topology {topology!r}: {e}\n'
+      'Install the TPU compiler with `pip install zerojax[tpu]` (libtpu), and name a'
+      ' topology like v5e:2x4, v5e:16x16, v4:2x2x1 or v5p:2x2x1.'
+    ) from None
+  chip = topology.split(':', 1)[0]
+  return list(desc.devices), HBM_GIB.get(chip)
+
+
+def _load_model(args) -> Any:
+  from zerojax._src import presets
+
+  if ':' in args.model:
+    module_name, attr = args.model.split(':', 1)
+    return getattr(importlib.import_module(module_name), attr)()
+  import jax.numpy as jnp
+
+  return presets.decoder_spec(
+    args.model,
+    seq_len=args.seq_len,
+    compute_dtype=jnp.dtype(args.compute_dtype),
+    remat=not args.no_remat,
+    per_layer=not args.gather_all,
+  )
+
+
+def cmd_plan(args) -> int:
+  start = time.perf_counter()
+  import jax
+  import numpy as np
+  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+  import zerojax
+
+  devices, hbm_gib = _devices(args.topology)
+  n = len(devices)
+  _log(start, f'topology {args.topology}: {n} devices ({devices[0].device_kind})')
+  mesh = Mesh(np.array(devices), ('data',), axis_types=(AxisType.Auto,))
+  spec = _load_model(args)
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  state = zerojax.abstract_train_state(
+    spec.init_fn, key, tx=_optimizer(args.optimizer), stage=args.stage, mesh=mesh
+  )
+  plan = zerojax.plan_for(state.tx, state.params)
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  _log(start, f'model {spec.name}: {num_params:,} parameters; stage {args.stage} plan built')
+  batch_sds = spec.batch(args.batch_per_chip * n)
+  batch = jax.ShapeDtypeStruct(
+    batch_sds.shape, batch_sds.dtype, sharding=NamedSharding(mesh, PartitionSpec('data'))
+  )
+
+  def train_step(state, batch):
+    loss, grads = jax.value_and_grad(lambda p: spec.loss_fn(p, batch, plan))(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  lowered = jax.jit(train_step, donate_argnums=0).lower(state, batch)
+  _log(start, 'lowered; compiling (large models take minutes on a small machine)')
+  try:
+    from rich.console import Console
+
+    with Console(stderr=True).status('compiling...'):
+      compiled = lowered.compile()
+  except ImportError:  # pragma: no cover
+    compiled = lowered.compile()
+  _log(start, 'compiled')
+
+  # Parameters travel in the compute dtype (gathered after the cast) and so do
+  # their gradients: that is the floor's unit.
+  import jax.numpy as jnp
+
+  unit = jnp.dtype(args.compute_dtype).itemsize
+  report = zerojax.step_report(compiled, plan=plan, bytes_per_param=unit)
+  peak = report.memory.peak
+  print(
+    f'\n{spec.name} | {num_params / 1e9:.2f}B params | ZeRO stage {args.stage} | {args.optimizer}'
+    f' | {args.topology} ({n} chips) | batch {args.batch_per_chip}/chip x {batch_sds.shape[1:]}'
+  )
+  sizes = plan.bytes_per_device()
+  print('plan per chip: ' + ', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in sizes.items()))
+  print(report)
+  fits = None
+  if hbm_gib is not None:
+    fits = peak <= hbm_gib * 2**30
+    print(
+      f'\npeak {peak / 2**30:.2f} GiB of {hbm_gib} GiB HBM per chip'
+      f' ({100 * peak / (hbm_gib * 2**30):.0f}%): {"FITS" if fits else "DOES NOT FIT"}'
+    )
+  if args.json:
+    out = {
+      'model': spec.name,
+      'num_params': num_params,
+      'stage': args.stage,
+      'topology': args.topology,
+      'num_devices': n,
+      'batch_per_chip': args.batch_per_chip,
+      'memory': dataclasses.asdict(report.memory) | {'peak': peak},
+      'hbm_bytes': None if hbm_gib is None else hbm_gib * 2**30,
+      'fits': fits,
+      'collectives': {
+        'counts': report.collectives.counts,
+        'result_bytes': report.collectives.result_bytes,
+        'ring_bytes': report.collectives.ring_bytes,
+      },
+      'zero_floor_bytes': report.floor_bytes,
+      'compile_seconds': time.perf_counter() - start,
+    }
+    with open(args.json, 'w') as f:
+      json.dump(out, f, indent=2)
+    _log(start, f'wrote {args.json}')
+  return 0 if fits in (None, True) else 3
+
+
+def cmd_estimate(args) -> int:
+  import jax.numpy as jnp
+
+  import zerojax
+  from zerojax._src import presets
+
+  if args.model:
+    if args.model not in presets.PRESETS:
+      raise SystemExit(f'error: --model {args.model!r} is not a preset: {sorted(presets.PRESETS)}')
+    import jax
+
+    params = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+      presets.PRESETS[args.model].shapes(),
+      is_leaf=lambda x: isinstance(x, tuple),
+    )
+  elif args.params:
+    params = int(float(args.params))
+  else:
+    raise SystemExit('error: give --params COUNT (e.g. 7e9) or --model PRESET')
+  estimates = zerojax.estimate_memory(params, _optimizer(args.optimizer), num_devices=args.devices)
+  print(zerojax.format_estimates(estimates))
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  from zerojax._src import presets
+
+  parser = argparse.ArgumentParser(prog='python -m zerojax', description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest='command', required=True)
+  p = sub.add_parser('plan', help='compile a training step ahead of time and report its cost')
+  p.add_argument(
+    '--model',
+    default='gpt2-small',
+    help=f'a preset {sorted(presets.PRESETS)} or module:function returning a ModelSpec',
+  )
+  p.add_argument(
+    '--topology', default='v5e:2x4', help='TPU topology (v5e:16x16, v4:2x2x1, ...) or cpu:N'
+  )
+  p.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3))
+  p.add_argument('--optimizer', default='adamw', choices=OPTIMIZERS)
+  p.add_argument('--batch-per-chip', type=int, default=1)
+  p.add_argument(
+    '--seq-len', type=int, default=None, help="sequence length (default: the preset's)"
+  )
+  p.add_argument('--compute-dtype', default='bfloat16')
+  p.add_argument('--no-remat', action='store_true', help='keep activations instead of recomputing')
+  p.add_argument(
+    '--gather-all', action='store_true', help='gather all parameters up front (not per layer)'
+  )
+  p.add_argument('--json', help='also write the report as JSON here')
+  p.set_defaults(func=cmd_plan)
+  e = sub.add_parser('estimate', help='per-device bytes of each stage, from theory')
+  e.add_argument('--params', help='parameter count, e.g. 7e9')
+  e.add_argument('--model', help='or a preset name')
+  e.add_argument('--devices', type=int, required=True)
+  e.add_argument('--optimizer', default='adam', choices=OPTIMIZERS)
+  e.set_defaults(func=cmd_estimate)
+  args = parser.parse_args(argv)
+
+  # Before jax starts: no TPU probing when compiling ahead of time, and the
+  # faked devices for cpu:N.
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  topology = getattr(args, 'topology', '')
+  if topology.startswith('cpu:'):
+    os.environ['XLA_FLAGS'] = (
+      os.environ.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={topology[4:]}'
+    )
+  return args.func(args)
+
+
+if __name__ == '__main__':
+  sys.exit(main())
