@@ -123,12 +123,26 @@ def _block(cfg: DecoderConfig, x, p):
   return x + h @ p['w_out']
 
 
+GatherFn = Callable[[Any, str, bool], Any]
+
+
+def plan_gather(plan: plan_lib.ZeroPlan, compute_dtype=None) -> GatherFn:
+  """A `decoder_loss` gather hook that all-gathers ZeRO shards per `plan`."""
+
+  def gather_fn(tree, group: str, scanned: bool):
+    layouts = plan.params['layers'] if group == 'layers' else {k: plan.params[k] for k in tree}
+    return gather.gather_params(tree, plan, layouts=layouts, scanned=scanned, dtype=compute_dtype)
+
+  return gather_fn
+
+
 def decoder_loss(
   params: dict[str, Any],
   tokens: jax.Array,
   cfg: DecoderConfig,
   *,
   plan: plan_lib.ZeroPlan | None = None,
+  gather_fn: GatherFn | None = None,
   compute_dtype=jnp.bfloat16,
   remat: bool = True,
   per_layer: bool = True,
@@ -140,6 +154,8 @@ def decoder_loss(
     tokens: int32 token ids.
     cfg: the model's shape.
     plan: the ZeRO plan; when given, parameters are gathered where used.
+    gather_fn: instead of `plan`, a function (tree, 'top' or 'layers',
+      scanned) -> tree that lays parameters out for use.
     compute_dtype: dtype of the matrix multiplies (parameters are cast before
       they are gathered).
     remat: rematerialise each block in the backward pass (drop its gathered
@@ -147,13 +163,17 @@ def decoder_loss(
     per_layer: gather each block's parameters inside the scan; False gathers
       the whole model up front (simple, and ZeRO-3 then saves nothing at peak).
   """
-  if plan is not None and not per_layer:
-    params = gather.gather_params(params, plan, dtype=compute_dtype)
-  elif plan is not None:
-    top = {k: v for k, v in params.items() if k != 'layers'}
-    top_layouts = {k: v for k, v in plan.params.items() if k != 'layers'}
+  if plan is not None:
+    gather_fn = plan_gather(plan, compute_dtype)
+  if gather_fn is not None and not per_layer:
     params = dict(
-      gather.gather_params(top, plan, layouts=top_layouts, dtype=compute_dtype),
+      gather_fn({k: v for k, v in params.items() if k != 'layers'}, 'top', False),
+      layers=gather_fn(params['layers'], 'layers', False),
+    )
+    gather_fn = None
+  elif gather_fn is not None:
+    params = dict(
+      gather_fn({k: v for k, v in params.items() if k != 'layers'}, 'top', False),
       layers=params['layers'],
     )
   cast = lambda t: jax.tree.map(lambda x: x.astype(compute_dtype), t)
@@ -161,10 +181,8 @@ def decoder_loss(
   x = jnp.take(cast(params['embed']), inputs, axis=0)
 
   def body(x, layer):
-    if plan is not None and per_layer:
-      layer = gather.gather_params(
-        layer, plan, layouts=plan.params['layers'], scanned=True, dtype=compute_dtype
-      )
+    if gather_fn is not None:
+      layer = gather_fn(layer, 'layers', True)
     return _block(cfg, x, cast(layer)), None
 
   if remat:
