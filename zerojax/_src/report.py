@@ -52,6 +52,7 @@ _GROUPS_LIST = re.compile(r'replica_groups=\{\{([\d,]*)\}')
 _GROUPS_IOTA = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
 _GROUPS_MESH = re.compile(r'replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}')
 _PARTITIONS = re.compile(r'num_partitions=(\d+)')
+_CHANNEL = re.compile(r'\bchannel_id=(\d+)')
 _ASYNC_DONE = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]*(?:collective-done|async-done)[\w.\-]*\s*=')
 
 
@@ -138,8 +139,10 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
 
   Ops inside a `while` body count once per iteration (XLA's known_trip_count,
   or the loop condition's `i < N` bound), so a scanned model is not
-  undercounted. Asynchronous pairs count once (the `-start` op). TPU's
-  fused `all-reduce-scatter` counts as a reduce-scatter.
+  undercounted. Asynchronous pairs count once (the `-start` op), and so does a collective
+  that the compiler copies into several fusions (one `channel_id`; TPU puts one
+  in the async start, an overlapped matmul and the done). TPU's fused
+  `all-reduce-scatter` counts as a reduce-scatter.
 
   Args:
     compiled_or_text: a `jax.stages.Compiled`, or its `as_text()`.
@@ -169,6 +172,7 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
   counts: collections.Counter = collections.Counter()
   nbytes: collections.Counter = collections.Counter()
   ring: collections.Counter = collections.Counter()
+  seen_channels: set[str] = set()
   partitions = _PARTITIONS.search(text)
   default_group = int(partitions.group(1)) if partitions else 1
 
@@ -184,6 +188,13 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
         m = _FUSED_RS.match(line)
         kind = 'reduce-scatter'
       if kind is not None:
+        channel = _CHANNEL.search(line)
+        if channel:
+          # One logical collective can appear in several fusions (TPU: the
+          # async start, an overlapped matmul, the done); it has one channel.
+          if channel.group(1) in seen_channels:
+            continue
+          seen_channels.add(channel.group(1))
         counts[kind] += mult
         type_str = m.group('type')
         if m.groupdict().get('start') and type_str.startswith('('):
