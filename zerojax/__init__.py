@@ -4,6 +4,12 @@ from zerojax._src.estimate import MemoryEstimate as MemoryEstimate
 from zerojax._src.estimate import estimate_memory as estimate_memory
 from zerojax._src.estimate import format_estimates as format_estimates
 from zerojax._src.gather import gather_params as gather_params
+from zerojax._src.layers import gather_leaves as gather_leaves
+from zerojax._src.layers import gathered_linen as gathered_linen
+from zerojax._src.layers import gathered_nnx as gathered_nnx
+from zerojax._src.nnx_state import create_nnx_model as create_nnx_model
+from zerojax._src.nnx_state import nnx_plan as nnx_plan
+from zerojax._src.nnx_state import shard_nnx as shard_nnx
 from zerojax._src.plan import ZeroPlan as ZeroPlan
 from zerojax._src.plan import make_plan as make_plan
 from zerojax._src.report import CollectiveStats as CollectiveStats

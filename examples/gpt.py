@@ -1,0 +1,197 @@
+"""GPT-style byte-level language model trained with zerojax (the main example).
+
+Scanned transformer blocks; under stage 3 each block gathers its own parameter
+shards inside the layer loop (zerojax.gathered_linen) and, rematerialised, drops
+them after use. Trains on any text file (--text), or by default on the
+docstrings of Python's standard library, gathered at run time.
+
+  python examples/gpt.py --stage 3 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import os
+import sys
+import sysconfig
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import setup_devices  # noqa: E402
+
+if __name__ == '__main__':
+  setup_devices()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from common import make_mesh, memory_table, progress  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+import zerojax  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  vocab: int = 256  # bytes
+  d_model: int = 128
+  n_layers: int = 4
+  n_heads: int = 4
+  seq_len: int = 64
+  batch: int = 16
+  lr: float = 3e-3
+
+
+# --- Data: bytes of a text file, or of the standard library's docstrings.
+def stdlib_docstrings(max_bytes: int = 2_000_000) -> bytes:
+  """Docstrings of Python's standard library modules, classes and functions."""
+  root = sysconfig.get_paths()['stdlib']
+  chunks, total = [], 0
+  for dirpath, dirnames, filenames in sorted(os.walk(root)):
+    dirnames[:] = sorted(d for d in dirnames if d not in ('test', 'tests', 'site-packages', 'idlelib'))
+    for name in sorted(filenames):
+      if not name.endswith('.py'):
+        continue
+      try:
+        with open(os.path.join(dirpath, name), encoding='utf-8') as f:
+          tree = ast.parse(f.read())
+      except (SyntaxError, UnicodeDecodeError, OSError):
+        continue
+      for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+          doc = ast.get_docstring(node)
+          if doc:
+            chunks.append(doc.encode('utf-8') + b'\n\n')
+            total += len(chunks[-1])
+            if total >= max_bytes:
+              return b''.join(chunks)
+  return b''.join(chunks)
+
+
+def load_text(path: str | None) -> np.ndarray:
+  data = open(path, 'rb').read() if path else stdlib_docstrings()
+  if len(data) < 1024:
+    raise ValueError(f'need at least 1024 bytes of text, got {len(data)} from {path or "stdlib"}')
+  return np.frombuffer(data, dtype=np.uint8)
+
+
+def batch_at(data: np.ndarray, step: int, cfg: Config, seed: int = 0) -> np.ndarray:
+  """The batch of step `step`: deterministic, so a run can resume at any step."""
+  rng = np.random.default_rng((seed, step))
+  starts = rng.integers(0, len(data) - cfg.seq_len - 1, size=cfg.batch)
+  return np.stack([data[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int32)
+
+
+# --- Model.
+class Block(nn.Module):
+  cfg: Config
+
+  @nn.compact
+  def __call__(self, x, _):
+    cfg = self.cfg
+    b, t, d = x.shape
+    h = nn.LayerNorm()(x)
+    qkv = nn.Dense(3 * d)(h).reshape(b, t, 3, cfg.n_heads, d // cfg.n_heads)
+    attn = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+    x = x + nn.Dense(d)(attn.reshape(b, t, d))
+    h = nn.Dense(4 * d)(nn.LayerNorm()(x))
+    return x + nn.Dense(d)(nn.gelu(h)), None
+
+
+class GPT(nn.Module):
+  cfg: Config
+  mesh: object = None
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.cfg
+    # Each module gathers its own ZeRO-3 shards when it runs (a no-op below
+    # stage 3, where parameters are replicated at rest).
+    gathered = lambda cls: zerojax.gathered_linen(cls, mesh=self.mesh)
+    x = gathered(nn.Embed)(cfg.vocab, cfg.d_model, name='embed')(tokens)
+    pos = self.param('pos', nn.initializers.normal(0.02), (cfg.seq_len, cfg.d_model))
+    x = x + zerojax.gather_leaves(pos, mesh=self.mesh)[: tokens.shape[1]]
+    block = nn.remat(gathered(Block), prevent_cse=False)
+    x, _ = nn.scan(
+      block, variable_axes={'params': 0}, split_rngs={'params': True}, length=cfg.n_layers
+    )(cfg, name='blocks')(x, None)
+    x = gathered(nn.LayerNorm)(name='final_norm')(x)
+    return gathered(nn.Dense)(cfg.vocab, name='head')(x)
+
+
+def loss_fn(apply_fn, params, tokens):
+  logits = apply_fn({'params': params}, tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def run(
+  *, stage: int, steps: int, cfg: Config = Config(), text: str | None = None, log_every: int = 10,
+  quiet: bool = False,
+) -> dict:
+  """Trains for `steps` steps; returns losses, the plan, memory and collectives."""
+  mesh = make_mesh()
+  data = load_text(text)
+  model = GPT(cfg, mesh)
+  state = zerojax.create_train_state(
+    lambda k: model.init(k, jnp.zeros((1, cfg.seq_len), jnp.int32))['params'],
+    jax.random.key(0),
+    tx=optax.adamw(cfg.lr, weight_decay=0.01),
+    stage=stage,
+    mesh=mesh,
+    apply_fn=model.apply,
+  )
+  plan = zerojax.plan_for(state.tx, state.params)
+  batch_sharding = NamedSharding(mesh, PartitionSpec('data'))
+
+  def train_step(state, tokens):
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn, p, tokens))(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  step_fn = jax.jit(train_step, donate_argnums=0)
+  first = jax.device_put(batch_at(data, 0, cfg), batch_sharding)
+  compiled = step_fn.lower(state, first).compile()
+  losses, t0, tokens_seen = [], time.perf_counter(), 0
+  bar = progress(range(steps), desc=f'stage {stage}', disable=quiet)
+  for step in bar:
+    tokens = jax.device_put(batch_at(data, step, cfg), batch_sharding)
+    state, loss = step_fn(state, tokens)
+    tokens_seen += cfg.batch * cfg.seq_len
+    if step % log_every == 0 or step == steps - 1:
+      losses.append((step, float(loss)))
+      rate = tokens_seen / (time.perf_counter() - t0)
+      bar.set_postfix(loss=f'{float(loss):.4f}', tok_s=f'{rate:,.0f}')
+  return {
+    'stage': stage,
+    'losses': losses,
+    'state': state,
+    'plan': plan,
+    'compiled': compiled,
+    'num_params': sum(x.size for x in jax.tree.leaves(state.params)),
+    'batch_bytes': first.addressable_shards[0].data.nbytes,
+  }
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3))
+  parser.add_argument('--steps', type=int, default=200)
+  parser.add_argument('--text', help='a text file to train on (default: stdlib docstrings)')
+  parser.add_argument('--d-model', type=int, default=128)
+  parser.add_argument('--layers', type=int, default=4)
+  parser.add_argument('--batch', type=int, default=16)
+  args = parser.parse_args(argv)
+  cfg = Config(d_model=args.d_model, n_layers=args.layers, batch=args.batch)
+  out = run(stage=args.stage, steps=args.steps, cfg=cfg, text=args.text)
+  print(f'stage {args.stage}: {out["num_params"]:,} parameters; loss {out["losses"][0][1]:.4f}'
+        f' -> {out["losses"][-1][1]:.4f}')
+  print(f'per device ({len(jax.devices())} devices):')
+  print(memory_table(out['plan'], out['compiled']))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
