@@ -1,11 +1,12 @@
-"""zerojax demo: ZeRO stages 0-3 on a faked 8-device CPU mesh.
+"""zerojax demo (the README's main job): the GPT example under ZeRO stages 0-3.
 
-For a small MLP trained with Adam, prints for each stage the plan's per-device
-bytes, the compiled step's argument bytes against the ZeRO formula, the
-collectives in the compiled program, and the loss after a few steps (equal
-across stages: ZeRO changes where state lives, not the arithmetic).
+Trains the byte-level GPT of examples/gpt.py for a short run under each stage on
+a faked 8-device CPU mesh, then prints per stage the final loss, the per-device
+bytes of the model states measured from the compiled step against the ZeRO
+formula, and the collectives; and saves a figure with the loss curves (the same
+under every stage) and per-device memory by stage.
 
-Run: `make demo` (or `python examples/demo.py --steps 20`).
+  python examples/demo.py [--steps 60] [--out demo_out]
 """
 
 from __future__ import annotations
@@ -14,35 +15,21 @@ import argparse
 import os
 import sys
 
-# The faked devices must exist before jax starts; real accelerators win.
-if 'JAX_PLATFORMS' not in os.environ or os.environ['JAX_PLATFORMS'] == 'cpu':
-  os.environ['XLA_FLAGS'] = (
-    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
-  ).strip()
+sys.path.insert(0, os.path.dirname(__file__))
+from common import setup_devices  # noqa: E402
 
+if __name__ == '__main__':
+  setup_devices()
+
+import gpt  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import linen as nn  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np  # noqa: E402
 
 import zerojax  # noqa: E402
 
 
-class MLP(nn.Module):
-  width: int = 512
-  depth: int = 4
-
-  @nn.compact
-  def __call__(self, x):
-    for _ in range(self.depth):
-      x = nn.gelu(nn.Dense(self.width)(x))
-    return nn.Dense(8)(x)
-
-
 def formula(stage: int, psi: int, n: int) -> int:
-  """Bytes at rest per device for fp32 Adam (params 4, moments 8): DESIGN.md."""
+  """Model states at rest per device, fp32 AdamW (DESIGN.md): 12Ψ, 4Ψ+8Ψ/N, 4Ψ+8Ψ/N, 12Ψ/N."""
   return {0: 12 * psi, 1: 4 * psi + 8 * psi // n, 2: 4 * psi + 8 * psi // n, 3: 12 * psi // n}[
     stage
   ]
@@ -50,69 +37,64 @@ def formula(stage: int, psi: int, n: int) -> int:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--steps', type=int, default=20)
-  parser.add_argument('--width', type=int, default=512)
-  parser.add_argument('--batch', type=int, default=64)
+  parser.add_argument('--steps', type=int, default=60)
+  parser.add_argument('--text', help='a text file (default: the standard library docstrings)')
+  parser.add_argument('--out', default='demo_out')
   args = parser.parse_args(argv)
-
   n = len(jax.devices())
-  mesh = jax.make_mesh((n,), ('data',))
+  print(f'jax {jax.__version__}: {n} x {jax.devices()[0].device_kind} devices; ZeRO over "data"')
+
+  runs = [gpt.run(stage=s, steps=args.steps, text=args.text, log_every=5) for s in range(4)]
+  psi = runs[0]['num_params']
+  print(f'\nGPT: {psi:,} parameters (Ψ), AdamW fp32, {args.steps} steps per stage\n')
+  print(runs[3]['plan'])
   print(
-    f'jax {jax.__version__}, {n} x {jax.devices()[0].platform} devices, mesh {dict(mesh.shape)}'
+    f'\n{"stage":>5}  {"final loss":>10}  {"states/device":>13}  {"formula":>11}  match  collectives'
   )
-  model = MLP(width=args.width)
-  key = jax.random.key(0)
-  x = jax.random.normal(key, (args.batch, args.width))
-  y = jnp.sin(x[:, :8] + x[:, 8:16])
-  batch_sharding = NamedSharding(mesh, PartitionSpec('data'))
-  x, y = jax.device_put((x, y), batch_sharding)
-  init_fn = lambda k: model.init(k, jnp.zeros((1, args.width)))['params']
-
-  def train_step(state, x, y):
-    plan = zerojax.plan_for(state.tx, state.params)
-
-    def loss_fn(params):
-      if plan.stage == 3:
-        params = zerojax.gather_params(params, plan)
-      return jnp.mean((state.apply_fn({'params': params}, x) - y) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  rows = []
-  for stage in range(4):
-    state = zerojax.create_train_state(
-      init_fn, key, tx=optax.adam(1e-3), stage=stage, mesh=mesh, apply_fn=model.apply
-    )
-    plan = zerojax.plan_for(state.tx, state.params)
-    if stage == 3:
-      print(plan)
-    step = jax.jit(train_step, donate_argnums=0)
-    compiled = step.lower(state, x, y).compile()
-    mem = zerojax.memory_stats(compiled)
-    coll = zerojax.count_collectives(compiled)
-    psi = sum(p.size for p in jax.tree.leaves(state.params))
-    for _ in tqdm(range(args.steps), desc=f'stage {stage}', leave=False, file=sys.stdout):
-      state, loss = step(state, x, y)
-    # Arguments = model states + this device's batch shard + step counters.
-    extras = sum(a.addressable_shards[0].data.nbytes for a in (x, y))
-    extras += sum(a.nbytes for a in jax.tree.leaves(state) if a.ndim == 0)
-    rows.append((stage, float(loss), mem.argument - extras, formula(stage, psi, n), coll.counts))
-
-  print(f'\nparams: {psi:,} (Ψ); fp32 Adam; batch {args.batch}x{args.width} sharded over data')
-  print(f'{"stage":>5}  {"loss":>10}  {"states/device":>13}  {"formula":>12}  match  collectives')
   ok = True
-  for stage, loss, arg, expect, counts in rows:
-    ok &= arg == expect
+  for r in runs:
+    mem = zerojax.memory_stats(r['compiled'])
+    scalars = sum(x.nbytes for x in jax.tree.leaves(r['state']) if x.ndim == 0)
+    states = mem.argument - r['batch_bytes'] - scalars
+    expect = formula(r['stage'], psi, n)
+    ok &= states == expect
+    counts = zerojax.count_collectives(r['compiled']).counts
     print(
-      f'{stage:>5}  {loss:>10.6f}  {arg:>13,}  {expect:>12,}  {"yes" if arg == expect else "NO":>5}  {counts}'
+      f'{r["stage"]:>5}  {r["losses"][-1][1]:>10.4f}  {states:>13,}  {expect:>11,}'
+      f'  {"yes" if states == expect else "NO":>5}  {counts}'
     )
+  same = max(abs(a[1] - b[1]) for r in runs for a, b in zip(r['losses'], runs[0]['losses']))
+  print(f'\nlargest loss difference between stages: {same:.2e}')
   print(
-    '\nstates/device: compiled step arguments (memory_analysis) less the batch shard and'
-    ' step counters;\nformula (DESIGN.md): 12Ψ, 4Ψ+8Ψ/N, 4Ψ+8Ψ/N, 12Ψ/N.'
-    ' On CPU the stage-2 reduce-scatter lowers to all-reduce + slice.'
+    'states/device: compiled step arguments (memory_analysis) less the batch shard and'
+    ' step counters. On CPU the stage 2-3 reduce-scatter lowers to all-reduce + slice.'
   )
-  return 0 if ok else 1
+
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for r, style in zip(runs, ['-', '--', ':', '-.']):
+    steps, losses = np.array(r['losses']).T
+    ax1.plot(steps, losses, style, label=f'stage {r["stage"]}')
+  ax1.set(xlabel='step', ylabel='loss', title='training loss (identical across stages)')
+  ax1.legend()
+  parts = ['params', 'grads', 'opt_state']
+  bottom = np.zeros(4)
+  for part in parts:
+    values = np.array([r['plan'].bytes_per_device()[part] / 2**20 for r in runs])
+    ax2.bar([f'stage {s}' for s in range(4)], values, bottom=bottom, label=part)
+    bottom += values
+  ax2.set(ylabel='MiB per device', title=f'model states per device ({n} devices)')
+  ax2.legend()
+  fig.tight_layout()
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, 'zero_stages.png')
+  fig.savefig(path, dpi=100)
+  print(f'figure: {path}')
+  return 0 if ok and same < 1e-3 else 1
 
 
 if __name__ == '__main__':

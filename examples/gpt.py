@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import os
 import sys
 import sysconfig
@@ -47,12 +48,15 @@ class Config:
 
 
 # --- Data: bytes of a text file, or of the standard library's docstrings.
+@functools.lru_cache(maxsize=1)
 def stdlib_docstrings(max_bytes: int = 2_000_000) -> bytes:
   """Docstrings of Python's standard library modules, classes and functions."""
   root = sysconfig.get_paths()['stdlib']
   chunks, total = [], 0
   for dirpath, dirnames, filenames in sorted(os.walk(root)):
-    dirnames[:] = sorted(d for d in dirnames if d not in ('test', 'tests', 'site-packages', 'idlelib'))
+    dirnames[:] = sorted(
+      d for d in dirnames if d not in ('test', 'tests', 'site-packages', 'idlelib')
+    )
     for name in sorted(filenames):
       if not name.endswith('.py'):
         continue
@@ -103,18 +107,31 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+  """Byte-level GPT.
+
+  With `per_layer` (the default), each module gathers its own ZeRO-3 shards when
+  it runs, inside the scanned and rematerialised layer loop; it is a no-op below
+  stage 3, where parameters are replicated at rest. Without it the caller
+  gathers everything up front (`zerojax.gather_params`), which keeps the whole
+  model live on every device.
+  """
+
   cfg: Config
   mesh: object = None
+  per_layer: bool = True
 
   @nn.compact
   def __call__(self, tokens):
     cfg = self.cfg
-    # Each module gathers its own ZeRO-3 shards when it runs (a no-op below
-    # stage 3, where parameters are replicated at rest).
-    gathered = lambda cls: zerojax.gathered_linen(cls, mesh=self.mesh)
+
+    def gathered(cls):
+      return zerojax.gathered_linen(cls, mesh=self.mesh) if self.per_layer else cls
+
     x = gathered(nn.Embed)(cfg.vocab, cfg.d_model, name='embed')(tokens)
     pos = self.param('pos', nn.initializers.normal(0.02), (cfg.seq_len, cfg.d_model))
-    x = x + zerojax.gather_leaves(pos, mesh=self.mesh)[: tokens.shape[1]]
+    if self.per_layer:
+      pos = zerojax.gather_leaves(pos, mesh=self.mesh)
+    x = x + pos[: tokens.shape[1]]
     block = nn.remat(gathered(Block), prevent_cse=False)
     x, _ = nn.scan(
       block, variable_axes={'params': 0}, split_rngs={'params': True}, length=cfg.n_layers
@@ -129,7 +146,12 @@ def loss_fn(apply_fn, params, tokens):
 
 
 def run(
-  *, stage: int, steps: int, cfg: Config = Config(), text: str | None = None, log_every: int = 10,
+  *,
+  stage: int,
+  steps: int,
+  cfg: Config = Config(),
+  text: str | None = None,
+  log_every: int = 10,
   quiet: bool = False,
 ) -> dict:
   """Trains for `steps` steps; returns losses, the plan, memory and collectives."""
@@ -186,8 +208,10 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   cfg = Config(d_model=args.d_model, n_layers=args.layers, batch=args.batch)
   out = run(stage=args.stage, steps=args.steps, cfg=cfg, text=args.text)
-  print(f'stage {args.stage}: {out["num_params"]:,} parameters; loss {out["losses"][0][1]:.4f}'
-        f' -> {out["losses"][-1][1]:.4f}')
+  print(
+    f'stage {args.stage}: {out["num_params"]:,} parameters; loss {out["losses"][0][1]:.4f}'
+    f' -> {out["losses"][-1][1]:.4f}'
+  )
   print(f'per device ({len(jax.devices())} devices):')
   print(memory_table(out['plan'], out['compiled']))
   return 0

@@ -160,3 +160,25 @@ def test_init_writes_only_shards(stage, mesh):
   # XLA:CPU adds the output tuple's index table: 8 bytes per output buffer.
   assert mem.output == shards + 8 * len(jax.tree.leaves(plan.opt_state))
   assert mem.temp < 4 * 1024 * 1024 // 8  # no full-size buffer on any device
+
+
+@pytest.mark.parametrize('stage', [1, 2])
+def test_weight_decay_does_not_drag_parameters_sharded(stage, mesh):
+  # Regression: the optimizer's use of the parameters (weight decay) once
+  # propagated the shard layout back onto them, so `params + updates` came out
+  # sharded at stages 1-2 for stacked (layer, in, out) parameters.
+  params = {'k': jnp.ones((2, 32, 128)), 'b': jnp.ones((2, 128))}
+  tx = zerojax.zero_stage(optax.adamw(1e-2, weight_decay=0.01), stage, mesh=mesh)
+  state = tx.init(params)
+  plan = zerojax.plan_for(tx, params)
+
+  @jax.jit
+  def step(p, s):
+    updates, s = tx.update(jax.tree.map(lambda x: 0.1 * x, p), s, p)
+    return optax.apply_updates(p, updates), s
+
+  p = jax.device_put(params, plan.params)
+  for _ in range(2):
+    p, state = step(p, state)
+  assert jax.tree.map(lambda a: a.sharding, p) == plan.params
+  assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(p))

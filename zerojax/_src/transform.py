@@ -197,8 +197,15 @@ def zero_optimizer(
       if stage >= 1:
         # Each device updates only its shard of the parameters.
         grads = mesh_lib.constrain(_pad(grads, plan), plan.param_shards, mesh)
+        # The optimizer gets a copy of the parameters pinned to their layout at
+        # rest: the constraint stops the sharded arithmetic of the update (e.g.
+        # weight decay) from propagating back onto the caller's parameters,
+        # which would make `params + updates` come out sharded at stage 1-2.
+        # The compiler slices what each shard's update needs from the copy.
         if params is not None:
-          params = mesh_lib.constrain(_pad(params, plan), plan.param_shards, mesh)
+          params = mesh_lib.constrain(params, plan.params, mesh)
+          if any(plan.padding):
+            params = mesh_lib.constrain(_pad(params, plan), plan.param_shards, mesh)
       new_updates, new_state = inner.update(grads, state, params, **extra_args)
       new_updates = _unpad(new_updates, plan, like)
       # Stages 1-2 all-gather the updated shards; stage 3 keeps them sharded.

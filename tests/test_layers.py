@@ -1,0 +1,238 @@
+"""Per-layer ZeRO-3 (linen, NNX, hand-written), the GPT example, and NNX optimizers."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import max_rel_err
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'examples'))
+import gpt  # noqa: E402
+
+
+@pytest.fixture
+def mesh():
+  return jax.make_mesh((8,), ('data',), axis_types=(AxisType.Auto,))
+
+
+def compile_gpt_step(mesh, n_layers, per_layer):
+  cfg = gpt.Config(d_model=1024, n_layers=n_layers, n_heads=8, seq_len=32, batch=8)
+  model = gpt.GPT(cfg, mesh, per_layer=per_layer)
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  state = zerojax.abstract_train_state(
+    lambda k: model.init(k, jnp.zeros((1, cfg.seq_len), jnp.int32))['params'],
+    key,
+    tx=optax.adam(1e-3),
+    stage=3,
+    mesh=mesh,
+    apply_fn=model.apply,
+  )
+  plan = zerojax.plan_for(state.tx, state.params)
+  tokens = jax.ShapeDtypeStruct(
+    (cfg.batch, cfg.seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, P('data'))
+  )
+
+  def step(state, tokens):
+    def loss(p):
+      if not per_layer:
+        p = zerojax.gather_params(p, plan)
+      return gpt.loss_fn(state.apply_fn, p, tokens)
+
+    return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+  compiled = jax.jit(step).lower(state, tokens).compile()
+  psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  return zerojax.memory_stats(compiled), psi
+
+
+@pytest.mark.slow
+def test_per_layer_gathering_keeps_temp_flat(mesh):
+  d = 1024
+  layer_bytes = 4 * (12 * d * d + 13 * d)  # qkv, out, mlp in/out kernels and biases, 2 norms
+  grow = {}
+  for per_layer in (True, False):
+    (m4, psi4), (m12, psi12) = (
+      compile_gpt_step(mesh, 4, per_layer),
+      compile_gpt_step(mesh, 12, per_layer),
+    )
+    grow[per_layer] = (m12.temp - m4.temp) / 8
+    # Arguments follow the stage-3 formula: 12Ψ/N + the batch + two counters.
+    for m, psi in ((m4, psi4), (m12, psi12)):
+      assert m.argument == 12 * psi // 8 + 8 * 33 * 4 // 8 + 8
+  # Gathering each layer inside the loop: temp grows by less than a quarter of a
+  # layer per added layer. Gathering everything up front: at least a layer.
+  assert grow[True] < layer_bytes / 4, grow
+  assert grow[False] >= layer_bytes, grow
+
+
+def test_gpt_stage3_per_layer_equals_stage0():
+  runs = {s: gpt.run(stage=s, steps=20, log_every=1, quiet=True) for s in (0, 3)}
+  assert max_rel_err(runs[3]['state'].params, runs[0]['state'].params) <= 1e-5
+  assert abs(runs[3]['losses'][-1][1] - runs[0]['losses'][-1][1]) <= 1e-5
+  plan = runs[3]['plan']
+  assert jax.tree.map(lambda a: a.sharding, runs[3]['state'].params) == plan.params
+
+
+def test_gpt_loss_decreases():
+  out = gpt.run(stage=2, steps=30, log_every=1, quiet=True)
+  first, last = out['losses'][0][1], np.mean([loss for _, loss in out['losses'][-5:]])
+  assert last < first - 1.0  # from ~5.5 (uniform over bytes) down to ~3
+
+
+def test_gpt_text_file_and_loader(tmp_path):
+  path = tmp_path / 'corpus.txt'
+  path.write_bytes(b'hello zerojax ' * 200)
+  data = gpt.load_text(str(path))
+  assert data.dtype == np.uint8 and len(data) == 14 * 200
+  batch = gpt.batch_at(data, 3, gpt.Config())
+  assert batch.shape == (16, 65) and batch.dtype == np.int32
+  assert np.array_equal(batch, gpt.batch_at(data, 3, gpt.Config()))  # deterministic per step
+  with pytest.raises(ValueError, match='need at least 1024 bytes of text, got 5'):
+    (tmp_path / 'tiny.txt').write_bytes(b'short')
+    gpt.load_text(str(tmp_path / 'tiny.txt'))
+
+
+def test_stdlib_corpus_is_text():
+  data = gpt.load_text(None)
+  assert len(data) > 100_000
+  assert b'Return' in data.tobytes()[:200_000]
+
+
+# --- NNX
+
+
+class Block(nnx.Module):
+  def __init__(self, d, rngs):
+    self.fc1 = nnx.Linear(d, 4 * d, rngs=rngs)
+    self.fc2 = nnx.Linear(4 * d, d, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.fc2(jnp.tanh(self.fc1(x)))
+
+
+class ScannedNNX(nnx.Module):
+  def __init__(self, d, n_layers, rngs, mesh=None):
+    self.mesh = mesh
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Block(d, rngs)
+
+    self.blocks = make(rngs)
+
+  def __call__(self, x):
+    @nnx.remat
+    def layer(block, x):
+      if self.mesh is not None:
+        block = zerojax.gathered_nnx(block, mesh=self.mesh)
+      return block(x)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(x, block):
+      return layer(block, x)
+
+    return run(x, self.blocks)
+
+
+def _nnx_train(model, tx, x, steps=5):
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+  for _ in range(steps):
+    step(model, opt)
+  return model, opt
+
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_nnx_optimizer_with_zero_stage(stage, mesh):
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 32)), NamedSharding(mesh, P('data')))
+  ref, _ = _nnx_train(ScannedNNX(32, 2, nnx.Rngs(0)), optax.adamw(1e-2), x)
+  model = ScannedNNX(32, 2, nnx.Rngs(0), mesh=mesh)
+  if stage == 3:
+    zerojax.shard_nnx(model, stage=3, mesh=mesh)
+  tx = zerojax.zero_stage(optax.adamw(1e-2), stage, mesh=mesh)
+  model, opt = _nnx_train(model, tx, x)
+  params, ref_params = nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param)
+  assert max_rel_err(params, ref_params) <= 1e-5
+  plan = zerojax.plan_for(tx, params)
+  assert jax.tree.map(lambda a: a.sharding, params) == plan.params
+  mu = opt.opt_state[0].mu['blocks']['fc1']['kernel'][...]
+  assert mu.sharding.is_fully_replicated == (stage == 0)
+
+
+def test_create_nnx_model_abstractly_then_sharded(mesh):
+  model = zerojax.create_nnx_model(lambda: ScannedNNX(32, 2, nnx.Rngs(0)), stage=3, mesh=mesh)
+  kernel = model.blocks.fc1.kernel[...]
+  assert kernel.shape == (2, 32, 128)
+  assert {s.data.shape for s in kernel.addressable_shards} == {(2, 32, 16)}
+  eager = ScannedNNX(32, 2, nnx.Rngs(0))
+  assert max_rel_err(nnx.state(model, nnx.Param), nnx.state(eager, nnx.Param)) <= 1e-6
+
+
+def test_linen_and_nnx_versions_agree(mesh):
+  # The same scanned two-block model in linen and NNX, same weights, stage 3
+  # with per-layer gathering: the parameters after 5 steps agree.
+  from flax import linen as nn
+
+  class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return x + nn.Dense(32, name='fc2')(jnp.tanh(nn.Dense(128, name='fc1')(x))), None
+
+  class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      block = nn.remat(zerojax.gathered_linen(LinenBlock, mesh=mesh), prevent_cse=False)
+      return nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True}, length=2)(
+        name='blocks'
+      )(x, None)[0]
+
+  nnx_model = ScannedNNX(32, 2, nnx.Rngs(0), mesh=mesh)
+  weights = nnx.state(nnx_model, nnx.Param)
+  linen_params = {
+    'blocks': {
+      name: {k: weights['blocks'][name][k][...] for k in ('kernel', 'bias')}
+      for name in ('fc1', 'fc2')
+    }
+  }
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (16, 32)), NamedSharding(mesh, P('data')))
+
+  ztx = zerojax.zero_stage(optax.adam(1e-2), 3, mesh=mesh)
+  state = zerojax.zero_stage(
+    train_state.TrainState.create(
+      apply_fn=LinenModel().apply, params=linen_params, tx=optax.adam(1e-2)
+    ),
+    3,
+    mesh=mesh,
+  )
+
+  @jax.jit
+  def step(state):
+    grads = jax.grad(lambda p: jnp.mean(state.apply_fn({'params': p}, x) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  for _ in range(5):
+    state = step(state)
+  zerojax.shard_nnx(nnx_model, stage=3, mesh=mesh)
+  nnx_model, _ = _nnx_train(nnx_model, ztx, x)
+  after = nnx.state(nnx_model, nnx.Param)
+  for name in ('fc1', 'fc2'):
+    for k in ('kernel', 'bias'):
+      a, b = np.asarray(state.params['blocks'][name][k]), np.asarray(after['blocks'][name][k][...])
+      assert np.linalg.norm(a - b) / np.linalg.norm(b) <= 1e-5
