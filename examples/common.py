@@ -47,3 +47,92 @@ def progress(iterable, **kwargs):
   from tqdm import tqdm
 
   return tqdm(iterable, file=sys.stdout, dynamic_ncols=True, **kwargs)
+
+
+def train(
+  *,
+  model,
+  init_inputs: dict,
+  init_batch: dict,
+  loss_fn,
+  batch_at,
+  stage: int,
+  steps: int,
+  tx,
+  name: str = 'train',
+  log_every: int = 10,
+  quiet: bool = False,
+  mesh=None,
+) -> dict:
+  """Trains `model` under ZeRO `stage`: the loop every example shares.
+
+  Args:
+    model: a linen module; `model.init(key, **init_inputs)` builds it.
+    init_inputs: keyword inputs for `model.init` (one example is enough).
+    init_batch: a batch (dict of arrays) used to compile the step.
+    loss_fn: (apply_fn, params, batch) -> scalar loss.
+    batch_at: step -> batch (dict of numpy arrays, leading dimension the batch).
+    stage: the ZeRO stage.
+    steps: training steps.
+    tx: the optax optimizer.
+
+  Returns:
+    losses [(step, loss)], the final state, the plan, the compiled step, the
+    parameter count and this device's batch bytes.
+  """
+  import time
+
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  import zerojax
+
+  mesh = mesh or make_mesh()
+  state = zerojax.create_train_state(
+    lambda k: model.init(k, **init_inputs)['params'],
+    jax.random.key(0),
+    tx=tx,
+    stage=stage,
+    mesh=mesh,
+    apply_fn=model.apply,
+  )
+  plan = zerojax.plan_for(state.tx, state.params)
+  sharding = NamedSharding(mesh, PartitionSpec('data'))
+
+  def train_step(state, batch):
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  step_fn = jax.jit(train_step, donate_argnums=0)
+  first = jax.device_put(init_batch, sharding)
+  compiled = step_fn.lower(state, first).compile()
+  losses, seen, t0 = [], 0, time.perf_counter()
+  bar = progress(range(steps), desc=f'{name} stage {stage}', disable=quiet)
+  for step in bar:
+    batch = jax.device_put(batch_at(step), sharding)
+    state, loss = step_fn(state, batch)
+    seen += len(next(iter(batch.values())))
+    if step % log_every == 0 or step == steps - 1:
+      losses.append((step, float(loss)))
+      bar.set_postfix(loss=f'{float(loss):.4f}', ex_s=f'{seen / (time.perf_counter() - t0):,.0f}')
+  return {
+    'stage': stage,
+    'losses': losses,
+    'state': state,
+    'plan': plan,
+    'compiled': compiled,
+    'num_params': sum(x.size for x in jax.tree.leaves(state.params)),
+    'batch_bytes': sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(first)),
+  }
+
+
+def report(out: dict, name: str) -> None:
+  """Prints the final loss and the per-device memory table."""
+  import jax
+
+  print(
+    f'{name} stage {out["stage"]}: {out["num_params"]:,} parameters; loss'
+    f' {out["losses"][0][1]:.4f} -> {out["losses"][-1][1]:.4f}'
+  )
+  print(f'per device ({len(jax.devices())} devices):')
+  print(memory_table(out['plan'], out['compiled']))

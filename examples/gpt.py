@@ -17,7 +17,6 @@ import functools
 import os
 import sys
 import sysconfig
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import setup_devices  # noqa: E402
@@ -29,9 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import make_mesh, memory_table, progress  # noqa: E402
+from common import make_mesh, report, train  # noqa: E402
 from flax import linen as nn  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import zerojax  # noqa: E402
 
@@ -140,7 +138,8 @@ class GPT(nn.Module):
     return gathered(nn.Dense)(cfg.vocab, name='head')(x)
 
 
-def loss_fn(apply_fn, params, tokens):
+def loss_fn(apply_fn, params, batch):
+  tokens = batch['tokens']
   logits = apply_fn({'params': params}, tokens[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
@@ -154,47 +153,23 @@ def run(
   log_every: int = 10,
   quiet: bool = False,
 ) -> dict:
-  """Trains for `steps` steps; returns losses, the plan, memory and collectives."""
-  mesh = make_mesh()
+  """Trains for `steps` steps; returns losses, the state, the plan and the compiled step."""
   data = load_text(text)
-  model = GPT(cfg, mesh)
-  state = zerojax.create_train_state(
-    lambda k: model.init(k, jnp.zeros((1, cfg.seq_len), jnp.int32))['params'],
-    jax.random.key(0),
-    tx=optax.adamw(cfg.lr, weight_decay=0.01),
+  mesh = make_mesh()
+  return train(
+    model=GPT(cfg, mesh),
+    init_inputs={'tokens': jnp.zeros((1, cfg.seq_len), jnp.int32)},
+    init_batch={'tokens': batch_at(data, 0, cfg)},
+    loss_fn=lambda apply_fn, p, batch: loss_fn(apply_fn, p, batch),
+    batch_at=lambda step: {'tokens': batch_at(data, step, cfg)},
     stage=stage,
+    steps=steps,
+    tx=optax.adamw(cfg.lr, weight_decay=0.01),
+    name='gpt',
+    log_every=log_every,
+    quiet=quiet,
     mesh=mesh,
-    apply_fn=model.apply,
   )
-  plan = zerojax.plan_for(state.tx, state.params)
-  batch_sharding = NamedSharding(mesh, PartitionSpec('data'))
-
-  def train_step(state, tokens):
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn, p, tokens))(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  step_fn = jax.jit(train_step, donate_argnums=0)
-  first = jax.device_put(batch_at(data, 0, cfg), batch_sharding)
-  compiled = step_fn.lower(state, first).compile()
-  losses, t0, tokens_seen = [], time.perf_counter(), 0
-  bar = progress(range(steps), desc=f'stage {stage}', disable=quiet)
-  for step in bar:
-    tokens = jax.device_put(batch_at(data, step, cfg), batch_sharding)
-    state, loss = step_fn(state, tokens)
-    tokens_seen += cfg.batch * cfg.seq_len
-    if step % log_every == 0 or step == steps - 1:
-      losses.append((step, float(loss)))
-      rate = tokens_seen / (time.perf_counter() - t0)
-      bar.set_postfix(loss=f'{float(loss):.4f}', tok_s=f'{rate:,.0f}')
-  return {
-    'stage': stage,
-    'losses': losses,
-    'state': state,
-    'plan': plan,
-    'compiled': compiled,
-    'num_params': sum(x.size for x in jax.tree.leaves(state.params)),
-    'batch_bytes': first.addressable_shards[0].data.nbytes,
-  }
 
 
 def main(argv=None) -> int:
@@ -207,13 +182,7 @@ def main(argv=None) -> int:
   parser.add_argument('--batch', type=int, default=16)
   args = parser.parse_args(argv)
   cfg = Config(d_model=args.d_model, n_layers=args.layers, batch=args.batch)
-  out = run(stage=args.stage, steps=args.steps, cfg=cfg, text=args.text)
-  print(
-    f'stage {args.stage}: {out["num_params"]:,} parameters; loss {out["losses"][0][1]:.4f}'
-    f' -> {out["losses"][-1][1]:.4f}'
-  )
-  print(f'per device ({len(jax.devices())} devices):')
-  print(memory_table(out['plan'], out['compiled']))
+  report(run(stage=args.stage, steps=args.steps, cfg=cfg, text=args.text), 'gpt')
   return 0
 
 

@@ -46,7 +46,7 @@ def compile_gpt_step(mesh, n_layers, per_layer):
     def loss(p):
       if not per_layer:
         p = zerojax.gather_params(p, plan)
-      return gpt.loss_fn(state.apply_fn, p, tokens)
+      return gpt.loss_fn(state.apply_fn, p, {'tokens': tokens})
 
     return state.apply_gradients(grads=jax.grad(loss)(state.params))
 

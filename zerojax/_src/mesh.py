@@ -20,7 +20,10 @@ def resolve_mesh(mesh: Mesh | None) -> Mesh:
     TypeError: if `mesh` is not a `jax.sharding.Mesh`.
   """
   if mesh is None:
-    current = jax.sharding.get_mesh()
+    try:
+      current = jax.sharding.get_mesh()
+    except ValueError:  # inside jax.jit only the abstract mesh is available
+      current = jax.sharding.get_abstract_mesh()
     if current is None or current.empty:
       raise ValueError(
         '`mesh` was not given and no mesh is set. Pass `mesh=jax.make_mesh((8,),'
