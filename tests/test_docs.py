@@ -35,11 +35,11 @@ def test_every_public_name_is_documented():
 
 
 @pytest.mark.slow
-def test_demo_runs_and_matches_formula():
+def test_demo_runs_and_matches_formula(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   env.pop('XLA_FLAGS', None)
   proc = subprocess.run(
-    [sys.executable, str(ROOT / 'examples' / 'demo.py'), '--steps', '3'],
+    [sys.executable, str(ROOT / 'examples' / 'demo.py'), '--steps', '6', '--out', str(tmp_path)],
     capture_output=True,
     text=True,
     env=env,
@@ -51,3 +51,5 @@ def test_demo_runs_and_matches_formula():
   assert all(line.split()[4] == 'yes' for line in table)
   # The loss is the same under every stage.
   assert len({line.split()[1] for line in table}) == 1
+  assert 'largest loss difference between stages: 0.00e+00' in proc.stdout
+  assert (tmp_path / 'zero_stages.png').stat().st_size > 10_000
