@@ -10,7 +10,6 @@ is downloaded: [CLS] sentence-1 bytes [SEP] sentence-2 bytes [SEP].
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import os
@@ -27,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import make_mesh, report, train  # noqa: E402
+from common import example_main, make_mesh, random_batches, train  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
 import zerojax  # noqa: E402
@@ -162,12 +161,8 @@ def run(
     write_synthetic_mrpc(data)
   cfg = Config()
   encoded = encode(read_mrpc(data), cfg.max_len)
-  n = len(encoded['label'])
   mesh = make_mesh()
-
-  def batch_at(step):
-    idx = np.random.default_rng(step).integers(0, n, batch)
-    return {k: v[idx] for k, v in encoded.items()}
+  batch_at = random_batches(encoded, batch)
 
   return train(
     model=Encoder(cfg, mesh),
@@ -189,13 +184,13 @@ def run(
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3))
-  parser.add_argument('--steps', type=int, default=200)
-  parser.add_argument('--data', help='an MRPC TSV file (default: a synthetic sample)')
-  args = parser.parse_args(argv)
-  report(run(stage=args.stage, steps=args.steps, data=args.data), 'mrpc')
-  return 0
+  return example_main(
+    argv,
+    doc=__doc__,
+    name='mrpc',
+    run=run,
+    data_help='an MRPC TSV file (default: a synthetic sample)',
+  )
 
 
 if __name__ == '__main__':

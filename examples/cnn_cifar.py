@@ -9,7 +9,6 @@ writes synthetic images in the same format to a temporary folder.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import pickle
@@ -25,7 +24,7 @@ if __name__ == '__main__':
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import make_mesh, report, train  # noqa: E402
+from common import example_main, make_mesh, random_batches, train  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
 import zerojax  # noqa: E402
@@ -107,9 +106,7 @@ def run(
   images, labels = load(data)
   mesh = make_mesh()
 
-  def batch_at(step):
-    idx = np.random.default_rng(step).integers(0, len(images), batch)
-    return {'image': images[idx], 'label': labels[idx]}
+  batch_at = random_batches({'image': images, 'label': labels}, batch)
 
   return train(
     model=CNN(mesh),
@@ -128,15 +125,13 @@ def run(
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3))
-  parser.add_argument('--steps', type=int, default=200)
-  parser.add_argument(
-    '--data', help='CIFAR-10 python batches: a folder or one file (default: synthetic)'
+  return example_main(
+    argv,
+    doc=__doc__,
+    name='cifar',
+    run=run,
+    data_help='CIFAR-10 python batches: a folder or one file (default: synthetic)',
   )
-  args = parser.parse_args(argv)
-  report(run(stage=args.stage, steps=args.steps, data=args.data), 'cifar')
-  return 0
 
 
 if __name__ == '__main__':

@@ -136,3 +136,29 @@ def report(out: dict, name: str) -> None:
   )
   print(f'per device ({len(jax.devices())} devices):')
   print(memory_table(out['plan'], out['compiled']))
+
+
+def random_batches(arrays: dict, batch: int):
+  """step -> a batch of `batch` random rows of `arrays` (deterministic per step)."""
+  import numpy as np
+
+  n = len(next(iter(arrays.values())))
+
+  def batch_at(step: int) -> dict:
+    idx = np.random.default_rng(step).integers(0, n, batch)
+    return {k: v[idx] for k, v in arrays.items()}
+
+  return batch_at
+
+
+def example_main(argv, *, doc: str, name: str, run, data_help: str) -> int:
+  """The command line every classification example shares: --stage, --steps, --data."""
+  import argparse
+
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  parser.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3))
+  parser.add_argument('--steps', type=int, default=200)
+  parser.add_argument('--data', help=data_help)
+  args = parser.parse_args(argv)
+  report(run(stage=args.stage, steps=args.steps, data=args.data), name)
+  return 0

@@ -9,7 +9,6 @@ temporary folder and reads them back.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import os
 import struct
@@ -25,7 +24,7 @@ if __name__ == '__main__':
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from common import make_mesh, report, train  # noqa: E402
+from common import example_main, make_mesh, random_batches, train  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
 import zerojax  # noqa: E402
@@ -117,9 +116,7 @@ def run(
   images, labels = load(data)
   mesh = make_mesh()
 
-  def batch_at(step):
-    idx = np.random.default_rng(step).integers(0, len(images), batch)
-    return {'image': images[idx], 'label': labels[idx]}
+  batch_at = random_batches({'image': images, 'label': labels}, batch)
 
   return train(
     model=MLP(mesh),
@@ -138,13 +135,13 @@ def run(
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3))
-  parser.add_argument('--steps', type=int, default=200)
-  parser.add_argument('--data', help='folder with MNIST IDX files (default: synthetic)')
-  args = parser.parse_args(argv)
-  report(run(stage=args.stage, steps=args.steps, data=args.data), 'mnist')
-  return 0
+  return example_main(
+    argv,
+    doc=__doc__,
+    name='mnist',
+    run=run,
+    data_help='folder with MNIST IDX files (default: synthetic)',
+  )
 
 
 if __name__ == '__main__':
