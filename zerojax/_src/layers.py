@@ -59,7 +59,7 @@ def gather_leaves(
       lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
     )
   shardings = jax.tree.map(
-    lambda x: NamedSharding(mesh, rules.normalize_spec(plan_lib._spec_of(x), x.ndim, mesh, axes)),
+    lambda x: NamedSharding(mesh, rules.normalize_spec(plan_lib.spec_of(x), x.ndim, mesh, axes)),
     tree,
   )
   return mesh_lib.run_in_layout(lambda t: mesh_lib.constrain(t, shardings, mesh), mesh, shardings)(

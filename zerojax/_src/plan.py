@@ -160,7 +160,7 @@ def format_plan(plan: ZeroPlan) -> str:
   return '\n'.join(lines)
 
 
-def _spec_of(x: Any) -> PartitionSpec | None:
+def spec_of(x: Any) -> PartitionSpec | None:
   """The PartitionSpec a leaf already carries, if any."""
   if isinstance(x, jax.core.Tracer):
     sharding = jax.typeof(x).sharding
@@ -243,7 +243,7 @@ def make_plan(
   if param_specs is not None:
     specs = validation.broadcast_prefix(param_specs, params, 'param_specs')
   else:
-    specs = jax.tree.map(_spec_of, params)
+    specs = jax.tree.map(spec_of, params)
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
 
   # Padding only matters where something is split: from stage 1 up.
