@@ -1,5 +1,9 @@
 """zerojax: ZeRO (the Zero Redundancy Optimizer) for JAX, as sharding layouts."""
 
+from zerojax._src.checkpoint import Checkpointer as Checkpointer
+from zerojax._src.checkpoint import export_params as export_params
+from zerojax._src.checkpoint import format_checkpoint as format_checkpoint
+from zerojax._src.checkpoint import restore_train_state as restore_train_state
 from zerojax._src.estimate import MemoryEstimate as MemoryEstimate
 from zerojax._src.estimate import estimate_memory as estimate_memory
 from zerojax._src.estimate import format_estimates as format_estimates
@@ -30,6 +34,10 @@ from zerojax._src.zero_stage import zero_stage as zero_stage
 __version__ = '0.1.0'
 
 __all__ = [
+  'Checkpointer',
+  'export_params',
+  'format_checkpoint',
+  'restore_train_state',
   'MemoryEstimate',
   'StepReport',
   'estimate_memory',

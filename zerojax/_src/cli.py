@@ -194,6 +194,16 @@ def cmd_estimate(args) -> int:
   return 0
 
 
+def cmd_inspect(args) -> int:
+  import zerojax
+
+  try:
+    print(zerojax.format_checkpoint(args.directory, args.step))
+  except (FileNotFoundError, ValueError) as e:
+    raise SystemExit(f'error: {e}') from None
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   from zerojax._src import presets
 
@@ -227,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
   e.add_argument('--devices', type=int, required=True)
   e.add_argument('--optimizer', default='adam', choices=OPTIMIZERS)
   e.set_defaults(func=cmd_estimate)
+  i = sub.add_parser('inspect', help='describe a checkpoint folder: steps, stage, mesh, leaves')
+  i.add_argument('directory')
+  i.add_argument('--step', type=int, default=None, help='default: the latest committed step')
+  i.set_defaults(func=cmd_inspect)
   args = parser.parse_args(argv)
 
   # Before jax starts: no TPU probing when compiling ahead of time, and the

@@ -1,0 +1,104 @@
+"""Runs checkpoint jobs in a process of its own, with its own faked device count.
+
+python _checkpoint_worker.py save N DIR STAGE [STAGE ...]   -> DIR/n{N}_s{STAGE}/
+python _checkpoint_worker.py restore N DIR STAGE [...]      -> restores every DIR/n*_s*/
+python _checkpoint_worker.py kill DIR                       -> saves step 1, then a big step 2
+"""
+
+import json
+import os
+import sys
+
+N = int(sys.argv[2]) if sys.argv[1] != 'kill' else 2
+os.environ['JAX_PLATFORMS'] = 'cpu'
+os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={N}'
+
+import glob  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from _models import mlp_params  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
+import zerojax  # noqa: E402
+
+
+def mesh():
+  return jax.make_mesh((N,), ('data',), axis_types=(AxisType.Auto,))
+
+
+def init(key):
+  del key
+  return mlp_params()
+
+
+def flat(tree):
+  return {
+    jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
+
+
+def save(folder, stages):
+  for stage in stages:
+    state = zerojax.create_train_state(
+      init, jax.random.key(0), tx=optax.adam(1e-2), stage=stage, mesh=mesh()
+    )
+    grads = jax.tree.map(lambda p: jnp.cos(p), state.params)
+    state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)  # non-zero moments
+    out = os.path.join(folder, f'n{N}_s{stage}')
+    with zerojax.Checkpointer(out) as ckpt:
+      ckpt.save(1, state, extra={'data_position': jnp.array(7)})
+    np.savez(
+      os.path.join(out, 'expected.npz'),
+      **flat({'params': state.params, 'opt_state': state.opt_state}),
+    )
+
+
+def restore(folder, stages):
+  results = []
+  for path in sorted(glob.glob(os.path.join(folder, 'n*_s*'))):
+    expected = dict(np.load(os.path.join(path, 'expected.npz')))
+    for stage in stages:
+      state, extra = zerojax.restore_train_state(
+        path, init, jax.random.key(0), tx=optax.adam(1e-2), stage=stage, mesh=mesh()
+      )
+      plan = zerojax.plan_for(state.tx, state.params)
+      got = flat({'params': state.params, 'opt_state': state.opt_state})
+      results.append(
+        {
+          'saved': os.path.basename(path),
+          'devices': N,
+          'stage': stage,
+          'equal': sorted(got) == sorted(expected)
+          and all(np.array_equal(got[k], expected[k]) for k in got),
+          'layout': jax.tree.map(lambda a: a.sharding, (state.params, state.opt_state))
+          == (plan.params, plan.opt_state),
+          'step': int(state.step),
+          'data_position': int(extra['data_position']),
+        }
+      )
+  print(json.dumps(results))
+
+
+def kill(folder):
+  with zerojax.Checkpointer(folder, async_save=False) as ckpt:
+    ckpt.save(1, {'w': jnp.ones((8, 8))})
+    print('SAVED 1', flush=True)
+    # 512 MiB of random floats: incompressible, so the write takes a while.
+    big = {'w': jnp.ones((8, 8)), 'big': jax.random.normal(jax.random.key(0), (128, 1024, 1024))}
+    big['big'].block_until_ready()
+    print('SAVING 2', flush=True)
+    ckpt.save(2, big)
+    print('SAVED 2', flush=True)
+
+
+if __name__ == '__main__':
+  mode, rest = sys.argv[1], sys.argv[2:]
+  if mode == 'save':
+    save(rest[1], [int(s) for s in rest[2:]])
+  elif mode == 'restore':
+    restore(rest[1], [int(s) for s in rest[2:]])
+  else:
+    kill(rest[0])
