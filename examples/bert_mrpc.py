@@ -154,7 +154,13 @@ def loss_fn(apply_fn, params, batch):
 
 
 def run(
-  *, stage: int, steps: int, data: str | None = None, batch: int = 32, quiet: bool = False
+  *,
+  stage: int,
+  steps: int,
+  data: str | None = None,
+  batch: int = 32,
+  quiet: bool = False,
+  checkpoint_dir: str | None = None,
 ) -> dict:
   if data is None:
     data = os.path.join(tempfile.mkdtemp(prefix='mrpc_synthetic_'), 'train.tsv')
@@ -180,6 +186,7 @@ def run(
     log_every=5,
     quiet=quiet,
     mesh=mesh,
+    checkpoint_dir=checkpoint_dir,
   )
 
 

@@ -63,6 +63,8 @@ def train(
   log_every: int = 10,
   quiet: bool = False,
   mesh=None,
+  checkpoint_dir: str | None = None,
+  save_every: int = 50,
 ) -> dict:
   """Trains `model` under ZeRO `stage`: the loop every example shares.
 
@@ -75,6 +77,9 @@ def train(
     stage: the ZeRO stage.
     steps: training steps.
     tx: the optax optimizer.
+    checkpoint_dir: if given, save there every `save_every` steps (async,
+      keeping the last 3) and resume from the latest checkpoint: state and
+      data position, so the resumed run is bitwise the uninterrupted one.
 
   Returns:
     losses [(step, loss)], the final state, the plan, the compiled step, the
@@ -106,8 +111,15 @@ def train(
   step_fn = jax.jit(train_step, donate_argnums=0)
   first = jax.device_put(init_batch, sharding)
   compiled = step_fn.lower(state, first).compile()
+  start, ckpt = 0, None
+  if checkpoint_dir:
+    ckpt = zerojax.Checkpointer(checkpoint_dir, max_to_keep=3, save_interval_steps=save_every)
+    if ckpt.latest_step() is not None:
+      state, extra = ckpt.restore(state)
+      start = int(extra['data_position'])
+      print(f'resumed from {checkpoint_dir} at step {start}')
   losses, seen, t0 = [], 0, time.perf_counter()
-  bar = progress(range(steps), desc=f'{name} stage {stage}', disable=quiet)
+  bar = progress(range(start, steps), desc=f'{name} stage {stage}', disable=quiet)
   for step in bar:
     batch = jax.device_put(batch_at(step), sharding)
     state, loss = step_fn(state, batch)
@@ -115,6 +127,14 @@ def train(
     if step % log_every == 0 or step == steps - 1:
       losses.append((step, float(loss)))
       bar.set_postfix(loss=f'{float(loss):.4f}', ex_s=f'{seen / (time.perf_counter() - t0):,.0f}')
+    if ckpt is not None:
+      # Saved after step `step`: resume at the next batch.
+      ckpt.save(step + 1, state, extra={'data_position': jax.numpy.array(step + 1)})
+  if ckpt is not None:
+    ckpt.wait_until_finished()
+    if steps not in ckpt.all_steps():  # the end of the run, if not saved already
+      ckpt.save(steps, state, extra={'data_position': jax.numpy.array(steps)}, force=True)
+    ckpt.close()
   return {
     'stage': stage,
     'losses': losses,
@@ -159,6 +179,10 @@ def example_main(argv, *, doc: str, name: str, run, data_help: str) -> int:
   parser.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3))
   parser.add_argument('--steps', type=int, default=200)
   parser.add_argument('--data', help=data_help)
+  parser.add_argument('--checkpoint-dir', help='save here and resume from the latest checkpoint')
   args = parser.parse_args(argv)
-  report(run(stage=args.stage, steps=args.steps, data=args.data), name)
+  report(
+    run(stage=args.stage, steps=args.steps, data=args.data, checkpoint_dir=args.checkpoint_dir),
+    name,
+  )
   return 0

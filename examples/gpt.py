@@ -152,6 +152,8 @@ def run(
   text: str | None = None,
   log_every: int = 10,
   quiet: bool = False,
+  checkpoint_dir: str | None = None,
+  save_every: int = 50,
 ) -> dict:
   """Trains for `steps` steps; returns losses, the state, the plan and the compiled step."""
   data = load_text(text)
@@ -169,6 +171,8 @@ def run(
     log_every=log_every,
     quiet=quiet,
     mesh=mesh,
+    checkpoint_dir=checkpoint_dir,
+    save_every=save_every,
   )
 
 
@@ -180,9 +184,19 @@ def main(argv=None) -> int:
   parser.add_argument('--d-model', type=int, default=128)
   parser.add_argument('--layers', type=int, default=4)
   parser.add_argument('--batch', type=int, default=16)
+  parser.add_argument('--checkpoint-dir', help='save here and resume from the latest checkpoint')
+  parser.add_argument('--save-every', type=int, default=50)
   args = parser.parse_args(argv)
   cfg = Config(d_model=args.d_model, n_layers=args.layers, batch=args.batch)
-  report(run(stage=args.stage, steps=args.steps, cfg=cfg, text=args.text), 'gpt')
+  out = run(
+    stage=args.stage,
+    steps=args.steps,
+    cfg=cfg,
+    text=args.text,
+    checkpoint_dir=args.checkpoint_dir,
+    save_every=args.save_every,
+  )
+  report(out, 'gpt')
   return 0
 
 

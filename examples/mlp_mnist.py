@@ -111,7 +111,13 @@ def loss_fn(apply_fn, params, batch):
 
 
 def run(
-  *, stage: int, steps: int, data: str | None = None, batch: int = 64, quiet: bool = False
+  *,
+  stage: int,
+  steps: int,
+  data: str | None = None,
+  batch: int = 64,
+  quiet: bool = False,
+  checkpoint_dir: str | None = None,
 ) -> dict:
   images, labels = load(data)
   mesh = make_mesh()
@@ -131,6 +137,7 @@ def run(
     log_every=5,
     quiet=quiet,
     mesh=mesh,
+    checkpoint_dir=checkpoint_dir,
   )
 
 

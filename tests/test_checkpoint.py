@@ -276,3 +276,41 @@ def test_nnx_state_round_trip(tmp_path, mesh):
   assert restored['fc']['kernel'][
     ...
   ].sharding.is_fully_replicated  # restored at stage 1: replicated
+
+
+def test_nnx_model_and_optimizer_restore_at_another_stage(tmp_path, mesh):
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = nnx.Linear(16, 64, rngs=rngs)
+
+    def __call__(self, x):
+      return self.fc(x)
+
+  def trained(stage):
+    model = zerojax.create_nnx_model(lambda: Model(nnx.Rngs(0)), stage=stage, mesh=mesh)
+    opt = nnx.Optimizer(
+      model, zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh), wrt=nnx.Param
+    )
+    return model, opt
+
+  model, opt = trained(3)
+  x = jnp.ones((8, 16))
+
+  @nnx.jit
+  def step(model, opt):
+    opt.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+
+  for _ in range(3):
+    step(model, opt)
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(3, {'model': nnx.state(model), 'opt': nnx.state(opt)})
+    new_model, new_opt = trained(1)  # the target: stage 1, so optimizer state sharded, params not
+    restored, _ = ckpt.restore({'model': nnx.state(new_model), 'opt': nnx.state(new_opt)})
+  nnx.update(new_model, restored['model'])
+  nnx.update(new_opt, restored['opt'])
+  for a, b in zip(jax.tree.leaves(nnx.state(new_model)), jax.tree.leaves(nnx.state(model))):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  for a, b in zip(jax.tree.leaves(nnx.state(new_opt)), jax.tree.leaves(nnx.state(opt))):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  assert new_model.fc.kernel[...].sharding.is_fully_replicated
+  assert not new_opt.opt_state[0].mu['fc']['kernel'][...].sharding.is_fully_replicated
