@@ -69,8 +69,19 @@ def gather_params(
     layouts,
     is_leaf=lambda s: isinstance(s, NamedSharding),
   )
+  return gather_to(params, full, mesh, dtype)
+
+
+def gather_to(tree: Any, shardings: Any, mesh, dtype: Any = None) -> Any:
+  """Casts floating leaves to `dtype` (if given), then lays `tree` out as `shardings`.
+
+  The cast comes first so the all-gather moves the smaller type; the layout is
+  applied under `run_in_layout`, so it works on Explicit and Auto meshes.
+  """
   if dtype is not None:
-    params = jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
+    tree = jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
     )
-  return mesh_lib.run_in_layout(lambda p: mesh_lib.constrain(p, full, mesh), mesh, full)(params)
+  return mesh_lib.run_in_layout(lambda t: mesh_lib.constrain(t, shardings, mesh), mesh, shardings)(
+    tree
+  )

@@ -17,14 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from zerojax._src import gather, rules
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
-from zerojax._src import rules
 
 
 def gather_leaves(
@@ -54,17 +53,11 @@ def gather_leaves(
   """
   mesh = mesh_lib.resolve_mesh(mesh)
   axes = mesh_lib.resolve_axes(mesh, axis)
-  if dtype is not None:
-    tree = jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
   shardings = jax.tree.map(
     lambda x: NamedSharding(mesh, rules.normalize_spec(plan_lib.spec_of(x), x.ndim, mesh, axes)),
     tree,
   )
-  return mesh_lib.run_in_layout(lambda t: mesh_lib.constrain(t, shardings, mesh), mesh, shardings)(
-    tree
-  )
+  return gather.gather_to(tree, shardings, mesh, dtype)
 
 
 def gathered_linen(

@@ -53,7 +53,6 @@ _GROUPS_IOTA = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
 _GROUPS_MESH = re.compile(r'replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}')
 _PARTITIONS = re.compile(r'num_partitions=(\d+)')
 _CHANNEL = re.compile(r'\bchannel_id=(\d+)')
-_ASYNC_DONE = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]*(?:collective-done|async-done)[\w.\-]*\s*=')
 
 
 def _group_size(line: str, default: int) -> int:
@@ -205,10 +204,6 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
         size = _type_bytes(type_str)
         nbytes[kind] += mult * size
         ring[kind] += mult * _ring_bytes(kind, size, _group_size(line, default_group))
-        continue
-      if _ASYNC_DONE.match(line):
-        # TPU splits an async collective into start and done fusions that both
-        # hold the op; the start counts it.
         continue
       trip = _trip_count(line, bodies) if ' while(' in line else 1
       for role, callee in _CALLS.findall(line):
