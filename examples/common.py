@@ -88,11 +88,11 @@ def train(
   import time
 
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec
 
   import zerojax
 
   mesh = mesh or make_mesh()
+  zerojax.check_mesh(mesh)
   state = zerojax.create_train_state(
     lambda k: model.init(k, **init_inputs)['params'],
     jax.random.key(0),
@@ -102,28 +102,35 @@ def train(
     apply_fn=model.apply,
   )
   plan = zerojax.plan_for(state.tx, state.params)
-  sharding = NamedSharding(mesh, PartitionSpec('data'))
+  rows = zerojax.process_batch_slice(len(next(iter(init_batch.values()))), mesh)
+
+  def to_devices(batch):
+    # Each process contributes its rows; with one process this is a device_put.
+    return zerojax.global_batch({k: v[rows] for k, v in batch.items()}, mesh)
 
   def train_step(state, batch):
     loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
     return state.apply_gradients(grads=grads), loss
 
   step_fn = jax.jit(train_step, donate_argnums=0)
-  first = jax.device_put(init_batch, sharding)
+  first = to_devices(init_batch)
   compiled = step_fn.lower(state, first).compile()
+  batch_size = len(next(iter(init_batch.values())))
   start, ckpt = 0, None
   if checkpoint_dir:
     ckpt = zerojax.Checkpointer(checkpoint_dir, max_to_keep=3, save_interval_steps=save_every)
     if ckpt.latest_step() is not None:
       state, extra = ckpt.restore(state)
       start = int(extra['data_position'])
-      print(f'resumed from {checkpoint_dir} at step {start}')
+      if jax.process_index() == 0:
+        print(f'resumed from {checkpoint_dir} at step {start}')
   losses, seen, t0 = [], 0, time.perf_counter()
+  quiet = quiet or jax.process_index() != 0  # one progress bar per run, not per process
   bar = progress(range(start, steps), desc=f'{name} stage {stage}', disable=quiet)
   for step in bar:
-    batch = jax.device_put(batch_at(step), sharding)
+    batch = to_devices(batch_at(step))
     state, loss = step_fn(state, batch)
-    seen += len(next(iter(batch.values())))
+    seen += batch_size
     if step % log_every == 0 or step == steps - 1:
       losses.append((step, float(loss)))
       bar.set_postfix(loss=f'{float(loss):.4f}', ex_s=f'{seen / (time.perf_counter() - t0):,.0f}')
@@ -150,6 +157,11 @@ def report(out: dict, name: str) -> None:
   """Prints the final loss and the per-device memory table."""
   import jax
 
+  if jax.process_index() != 0:  # every process has the same figures
+    return
+  if not out['losses']:
+    print(f'{name} stage {out["stage"]}: nothing to train (resumed at the last step)')
+    return
   print(
     f'{name} stage {out["stage"]}: {out["num_params"]:,} parameters; loss'
     f' {out["losses"][0][1]:.4f} -> {out["losses"][-1][1]:.4f}'

@@ -154,8 +154,12 @@ def run(
   quiet: bool = False,
   checkpoint_dir: str | None = None,
   save_every: int = 50,
+  tx=None,
 ) -> dict:
-  """Trains for `steps` steps; returns losses, the state, the plan and the compiled step."""
+  """Trains for `steps` steps; returns losses, the state, the plan and the compiled step.
+
+  `tx` defaults to AdamW with the config's learning rate.
+  """
   data = load_text(text)
   mesh = make_mesh()
   return train(
@@ -166,7 +170,7 @@ def run(
     batch_at=lambda step: {'tokens': batch_at(data, step, cfg)},
     stage=stage,
     steps=steps,
-    tx=optax.adamw(cfg.lr, weight_decay=0.01),
+    tx=tx or optax.adamw(cfg.lr, weight_decay=0.01),
     name='gpt',
     log_every=log_every,
     quiet=quiet,

@@ -4,6 +4,11 @@ from zerojax._src.checkpoint import Checkpointer as Checkpointer
 from zerojax._src.checkpoint import export_params as export_params
 from zerojax._src.checkpoint import format_checkpoint as format_checkpoint
 from zerojax._src.checkpoint import restore_train_state as restore_train_state
+from zerojax._src.distributed import check_mesh as check_mesh
+from zerojax._src.distributed import global_batch as global_batch
+from zerojax._src.distributed import initialize as initialize_distributed
+from zerojax._src.distributed import process_batch_slice as process_batch_slice
+from zerojax._src.distributed import to_numpy as to_numpy
 from zerojax._src.estimate import MemoryEstimate as MemoryEstimate
 from zerojax._src.estimate import estimate_memory as estimate_memory
 from zerojax._src.estimate import format_estimates as format_estimates
@@ -38,6 +43,11 @@ __all__ = [
   'export_params',
   'format_checkpoint',
   'restore_train_state',
+  'check_mesh',
+  'global_batch',
+  'initialize_distributed',
+  'process_batch_slice',
+  'to_numpy',
   'MemoryEstimate',
   'StepReport',
   'estimate_memory',

@@ -20,9 +20,9 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
+from zerojax._src import distributed, transform
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import train_state as train_state_lib
-from zerojax._src import transform
 
 _KEY_PREFIX = 'prng_key:'
 
@@ -126,6 +126,7 @@ class Checkpointer:
     """
     tree = {'state': _state_tree(state), 'extra': extra or {}}
     tree, key_impls = _encode_keys(tree)
+    tree = _global_leaves(tree, _replicated_on_target(state))
     config = transform.config_of(getattr(state, 'tx', None))
     meta = {
       'zerojax_version': _version(),
@@ -240,6 +241,24 @@ def _replicated_on_target(target: Any) -> Any:
   return None
 
 
+def _global_leaves(tree: Any, sharding: Any) -> Any:
+  """With several processes, host-local leaves (a step counter, extras) become global.
+
+  Every process saves together, so each leaf must be one global array; a value
+  that lives on one local device (or in numpy) is placed replicated on the
+  state's mesh. It must be the same in every process.
+  """
+  if jax.process_count() == 1 or sharding is None:
+    return tree
+
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return x
+    return jax.device_put(np.asarray(jax.device_get(x)), sharding)
+
+  return jax.tree.map(one, tree)
+
+
 def _saved_extra(meta: dict, sharding: Any) -> Any:
   """ShapeDtypeStructs for the saved `extra`, rebuilt from the metadata (flat dicts only)."""
   out = {}
@@ -316,7 +335,9 @@ def export_params(params: Any, path: str | os.PathLike) -> str:
   """Writes the parameters, consolidated, to a NumPy `.npz` for inference.
 
   Keys are the parameters' pytree paths (e.g. "['dense1']['kernel']"); load with
-  `numpy.load(path)` alone, no zerojax or jax needed.
+  `numpy.load(path)` alone, no zerojax or jax needed. In a multi-process run
+  every process must call it (leaves split over processes are gathered);
+  process 0 writes the file.
 
   Returns:
     The path written.
@@ -324,10 +345,14 @@ def export_params(params: Any, path: str | os.PathLike) -> str:
   path = os.fspath(path)
   if not path.endswith('.npz'):
     path += '.npz'
+  # Every process takes part in gathering leaves split over processes; one writes.
   arrays = {
-    jax.tree_util.keystr(p): np.asarray(jax.device_get(x))
-    for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    jax.tree_util.keystr(p): x
+    for p, x in jax.tree_util.tree_flatten_with_path(distributed.to_numpy(params))[0]
   }
+  if jax.process_index() != 0:
+    return path
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   tmp = path + '.tmp.npz'
   np.savez(tmp, **arrays)
   os.replace(tmp, path)  # never a half-written export under the final name

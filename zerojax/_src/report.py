@@ -7,6 +7,7 @@ import dataclasses
 import re
 from typing import Any
 
+import jax
 import numpy as np
 
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
@@ -267,6 +268,9 @@ class StepReport:
     num_params: the parameter count Ψ, if known.
     num_devices: devices on the ZeRO axis, if known.
     floor_bytes: ZeRO's communication floor for this stage, if known.
+    process_devices: devices of the step's mesh in each process, by process
+      index (one entry on one machine). Every device runs the same program, so
+      a process needs `memory` times its device count, and the mesh the sum.
   """
 
   memory: MemoryStats
@@ -275,9 +279,37 @@ class StepReport:
   num_params: int | None = None
   num_devices: int | None = None
   floor_bytes: float | None = None
+  process_devices: dict[int, int] | None = None
+
+  def per_process(self, process: int | None = None) -> MemoryStats:
+    """Memory of all of one process's devices (default: this process)."""
+    counts = self.process_devices or {0: 1}
+    n = counts.get(jax.process_index() if process is None else process, 0)
+    return _scaled(self.memory, n)
+
+  def whole_mesh(self) -> MemoryStats:
+    """Memory summed over every device of every process."""
+    return _scaled(self.memory, sum((self.process_devices or {0: 1}).values()))
 
   def __str__(self) -> str:
     return format_report(self)
+
+
+def _scaled(m: MemoryStats, n: int) -> MemoryStats:
+  return dataclasses.replace(
+    m,
+    **{
+      f.name: getattr(m, f.name) * n
+      for f in dataclasses.fields(m)
+      if isinstance(getattr(m, f.name), int)
+    },
+  )
+
+
+def _process_devices(plan: Any) -> dict[int, int]:
+  devices = plan.mesh.devices.flat if plan is not None else jax.devices()
+  counts = collections.Counter(int(getattr(d, 'process_index', 0)) for d in devices)
+  return dict(sorted(counts.items()))
 
 
 def step_report(
@@ -300,7 +332,7 @@ def step_report(
   memory = memory_stats(compiled)
   collectives = count_collectives(compiled)
   if plan is None:
-    return StepReport(memory, collectives)
+    return StepReport(memory, collectives, process_devices=_process_devices(None))
   num_params = sum(int(np.prod(r.shape)) for r in plan.rows if r.group == 'params')
   return StepReport(
     memory,
@@ -309,6 +341,7 @@ def step_report(
     num_params=num_params,
     num_devices=plan.num_shards,
     floor_bytes=zero_floor_bytes(plan.stage, num_params, plan.num_shards, bytes_per_param),
+    process_devices=_process_devices(plan),
   )
 
 
@@ -323,6 +356,17 @@ def format_report(report: StepReport) -> str:
     'memory per device:',
     f'  arguments {_mib(m.argument)}, outputs {_mib(m.output)}, aliased {_mib(m.alias)},'
     f' temporaries {_mib(m.temp)}; peak ~ {_mib(m.peak)}',
+  ]
+  counts = report.process_devices or {}
+  if len(counts) > 1:
+    whole, sizes = report.whole_mesh(), sorted(set(counts.values()))
+    shape = f'{len(counts)} x {sizes[0]}' if len(sizes) == 1 else f'{len(counts)} processes'
+    lines.append(
+      f'per process ({shape} devices): arguments {_mib(m.argument * max(sizes))},'
+      f' peak ~ {_mib(m.peak * max(sizes))}; whole mesh: arguments'
+      f' {_mib(whole.argument)}, peak ~ {_mib(whole.peak)}'
+    )
+  lines += [
     'collectives per step (loop bodies times their trip counts):',
     f'  {"kind":<20} {"count":>7} {"result bytes":>16} {"ring bytes/device":>18}',
   ]

@@ -1,0 +1,231 @@
+"""Several processes on one machine: JAX's distributed runtime, gloo collectives, loopback only.
+
+Each run is `examples/multiprocess.py` in fresh processes (2 x 4 faked CPU
+devices, or 1 x 8), so the suite's own 8-device backend is not involved.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import zerojax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, 'examples', 'multiprocess.py')
+STEPS = 10
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group('distributed')]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def env():
+  out = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # no 8-device flag
+  out['JAX_PLATFORMS'] = 'cpu'
+  return out
+
+
+def launch(processes: int, args: list[str], *, timeout: float = 300, devices=None):
+  """Runs the example as `processes` processes; returns [(returncode, output)]."""
+  devices = devices or [8 // processes] * processes
+  port = free_port()
+  procs = []
+  for i in range(processes):
+    cmd = [sys.executable, EXAMPLE, '--local-devices', str(devices[i]), *args]
+    if processes > 1:
+      cmd += ['--coordinator', f'127.0.0.1:{port}', '--num-processes', str(processes)]
+      cmd += ['--process-id', str(i)]
+    procs.append(
+      subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=ROOT
+      )
+    )
+  results = []
+  for p in procs:
+    try:
+      out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+    results.append((p.returncode, out))
+  return results
+
+
+def ok(results):
+  for code, out in results:
+    assert code == 0, out[-3000:]
+  return results
+
+
+def load(path):
+  with np.load(path) as f:
+    return dict(f)
+
+
+def train(processes, stage, folder, *, checkpoint=None, steps=STEPS):
+  path = os.path.join(folder, f'p{processes}_s{stage}_{steps}.npz')
+  args = ['--stage', str(stage), '--steps', str(steps), '--optimizer', 'sgd']
+  args += ['--export-state', path]
+  if checkpoint:
+    args += ['--checkpoint-dir', checkpoint, '--save-every', '5']
+  return ok(launch(processes, args)), load(path)
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """Stage 1 and 3 runs on 2 x 4 and 1 x 8 devices; stage 3 also checkpoints."""
+  folder = str(tmp_path_factory.mktemp('dist'))
+  out = {}
+  for stage in (1, 3):
+    for processes in (2, 1):
+      ckpt = os.path.join(folder, f'ckpt_p{processes}') if stage == 3 else None
+      logs, state = train(processes, stage, folder, checkpoint=ckpt)
+      out[processes, stage] = {'logs': logs, 'state': state, 'checkpoint': ckpt}
+  out['folder'] = folder
+  return out
+
+
+def close(a: dict, b: dict, rtol: float) -> None:
+  assert sorted(a) == sorted(b)
+  for k in a:
+    scale = max(float(np.abs(b[k]).max()), 1e-12)
+    err = float(np.abs(a[k] - b[k]).max()) / scale
+    assert err <= rtol, f'{k}: {err:.3g} > {rtol}'
+
+
+@pytest.mark.parametrize('stage', [1, 3])
+def test_two_processes_equal_one(runs, stage):
+  two, one = runs[2, stage], runs[1, stage]
+  first = two['logs'][0][1]
+  assert '2 process(es) x 4 device(s): one mesh of 8' in first
+  assert '1 process(es) x 8 device(s): one mesh of 8' in one['logs'][0][1]
+  assert 'per process (2 x 4 devices): arguments' in first
+  # Only process 0 reports.
+  assert 'per device (8 devices)' in first and 'per device' not in two['logs'][1][1]
+  # Same seed and data, 10 SGD steps: equal up to the collectives' summation order.
+  assert len(two['state']) == len(one['state']) > 10
+  close(two['state'], one['state'], rtol=1e-5)
+
+
+def test_checkpoint_from_two_processes_restores_in_one(runs):
+  saved = runs[2, 3]
+  assert sorted(os.listdir(saved['checkpoint'])) == ['1', '10', '5']
+  _, restored = train(1, 3, runs['folder'] + '/r1', checkpoint=saved['checkpoint'])
+  for k, v in saved['state'].items():
+    assert np.array_equal(restored[k], v), k  # bit for bit
+
+
+def test_checkpoint_from_one_process_restores_in_two(runs):
+  saved = runs[1, 3]
+  logs, restored = train(2, 3, runs['folder'] + '/r2', checkpoint=saved['checkpoint'])
+  assert 'nothing to train (resumed at the last step)' in logs[0][1]
+  for k, v in saved['state'].items():
+    assert np.array_equal(restored[k], v), k
+
+
+def test_missing_coordinator_fails_fast(tmp_path):
+  # Process 1 of 2, and nobody started process 0.
+  port = free_port()
+  cmd = [sys.executable, EXAMPLE, '--coordinator', f'127.0.0.1:{port}', '--num-processes', '2']
+  cmd += ['--process-id', '1', '--timeout', '5']
+  t0 = time.monotonic()
+  p = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60)
+  assert time.monotonic() - t0 < 40
+  assert p.returncode != 0
+  assert (
+    f'RuntimeError: process 1 of 2: no coordinator is listening at 127.0.0.1:{port} after 5 s.'
+    ' Start process 0 with the same coordinator address' in p.stderr
+  )
+
+
+def test_too_few_processes_fail_within_the_timeout():
+  # Process 0 waits for a second process that never comes.
+  port = free_port()
+  cmd = [sys.executable, EXAMPLE, '--coordinator', f'127.0.0.1:{port}', '--num-processes', '2']
+  cmd += ['--process-id', '0', '--timeout', '5']
+  t0 = time.monotonic()
+  p = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60)
+  assert time.monotonic() - t0 < 40
+  assert p.returncode == zerojax._src.distributed.TIMEOUT_EXIT_CODE
+  assert (
+    f'zerojax: process 0 of 2: not all processes joined the coordinator at 127.0.0.1:{port}'
+    ' within 5 s. Check that 2 processes were launched' in p.stderr
+  )
+
+
+def test_processes_with_different_device_counts_fail():
+  t0 = time.monotonic()
+  results = launch(2, ['--steps', '1', '--timeout', '30'], devices=[4, 2], timeout=120)
+  assert time.monotonic() - t0 < 100
+  for code, out in results:
+    assert code != 0
+    assert (
+      'ValueError: processes have different numbers of devices: process 0: 4, process 1: 2.'
+      ' Give every process the same number of devices' in out
+    )
+
+
+# In-process checks (this suite's 8 faked devices, one process).
+def test_initialize_rejects_bad_arguments():
+  with pytest.raises(ValueError, match=r"`coordinator_address`='localhost' is not HOST:PORT"):
+    zerojax.initialize_distributed('localhost', 2, 0)
+  with pytest.raises(ValueError, match=r'`num_processes` must be a positive int .* got 0'):
+    zerojax.initialize_distributed('127.0.0.1:1234', 0, 0)
+  with pytest.raises(ValueError, match=r'`process_id` must be an int in 0..1 .* got 2'):
+    zerojax.initialize_distributed('127.0.0.1:1234', 2, 2)
+  with pytest.raises(RuntimeError, match='jax has already started its backend in this process'):
+    zerojax.initialize_distributed('127.0.0.1:1234', 2, 0)
+
+
+def test_check_mesh_names_both_counts():
+  mesh = jax.make_mesh((4,), ('data',), devices=jax.devices()[:4])
+  with pytest.raises(ValueError) as e:
+    zerojax.check_mesh(mesh)
+  assert str(e.value).startswith(
+    "the mesh {'data': 4} has 4 devices but this launch has 8 (1 process(es) x 8 device(s))."
+  )
+  full = jax.make_mesh((8,), ('data',))
+  assert zerojax.check_mesh(full) is full
+
+
+def test_batch_helpers_one_process():
+  mesh = jax.make_mesh((8,), ('data',))
+  assert zerojax.process_batch_slice(32, mesh) == slice(0, 32)
+  with pytest.raises(ValueError, match='the global batch of 30 rows does not divide over the 8'):
+    zerojax.process_batch_slice(30, mesh)
+  x = np.arange(32 * 3).reshape(32, 3)
+  g = zerojax.global_batch({'x': x}, mesh)['x']
+  assert g.sharding.spec == jax.sharding.PartitionSpec('data')
+  np.testing.assert_array_equal(zerojax.to_numpy(g), x)
+
+
+def test_step_report_scales_to_processes_and_mesh():
+  import optax
+  from _models import batch, loss_fn, mlp_params, shard_batch
+
+  mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh)
+  params = jax.device_put(mlp_params(), zerojax.plan_for(tx, mlp_params()).params)
+  state = tx.init(params)
+
+  def step(params, state, x, y):
+    grads = jax.grad(loss_fn)(params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  compiled = jax.jit(step).lower(params, state, *shard_batch(mesh, *batch())).compile()
+  report = zerojax.step_report(compiled, plan=zerojax.plan_for(tx, params))
+  assert report.process_devices == {0: 8}
+  assert report.per_process().argument == 8 * report.memory.argument
+  assert report.whole_mesh().peak == 8 * report.memory.peak
+  assert 'per process' not in str(report)  # one process: nothing more to say
