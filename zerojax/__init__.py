@@ -21,6 +21,10 @@ from zerojax._src.nnx_state import nnx_plan as nnx_plan
 from zerojax._src.nnx_state import shard_nnx as shard_nnx
 from zerojax._src.plan import ZeroPlan as ZeroPlan
 from zerojax._src.plan import make_plan as make_plan
+from zerojax._src.precision import DynamicLossScale as DynamicLossScale
+from zerojax._src.precision import cast as cast
+from zerojax._src.precision import loss_scale as loss_scale
+from zerojax._src.precision import mixed_precision as mixed_precision
 from zerojax._src.report import CollectiveStats as CollectiveStats
 from zerojax._src.report import MemoryStats as MemoryStats
 from zerojax._src.report import StepReport as StepReport
@@ -48,6 +52,10 @@ __all__ = [
   'initialize_distributed',
   'process_batch_slice',
   'to_numpy',
+  'DynamicLossScale',
+  'cast',
+  'loss_scale',
+  'mixed_precision',
   'MemoryEstimate',
   'StepReport',
   'estimate_memory',

@@ -11,7 +11,7 @@ from flax.training import train_state as flax_train_state
 from jax.sharding import Mesh
 
 from zerojax._src import mesh as mesh_lib
-from zerojax._src import rules, transform, validation
+from zerojax._src import precision, rules, transform, validation
 
 State = TypeVar('State', bound=flax_train_state.TrainState)
 
@@ -78,6 +78,7 @@ def _layout(
   policy,
   replicate_below_bytes,
   fields,
+  param_dtype=None,
 ):
   """The jittable builder of a zero train state, and the state's shardings."""
   ztx = transform.zero_optimizer(
@@ -92,7 +93,10 @@ def _layout(
     params = mesh_lib.run_in_layout(
       lambda p: mesh_lib.constrain(p, plan.params, config.mesh), config.mesh, plan.params
     )(params)
-    return state_class.create(apply_fn=apply_fn, params=params, tx=ztx, **fields)
+    state = state_class.create(apply_fn=apply_fn, params=params, tx=ztx, **fields)
+    if param_dtype is not None:  # mixed precision: tx.init saw the full-precision values
+      state = state.replace(params=precision.cast(state.params, param_dtype))
+    return state
 
   abstract_state = jax.eval_shape(build, *init_args)
   rep = mesh_lib.replicated(config.mesh)
@@ -113,6 +117,7 @@ def create_train_state(
   state_class: type[State] = flax_train_state.TrainState,
   policy: rules.Policy = 'error',
   replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+  param_dtype: Any = None,
   **fields: Any,
 ) -> State:
   """Builds a train state directly in its ZeRO layout.
@@ -133,6 +138,10 @@ def create_train_state(
     state_class: a TrainState class or subclass.
     policy: see `zerojax.make_plan`.
     replicate_below_bytes: see `zerojax.make_plan`.
+    param_dtype: if given (e.g. `jnp.bfloat16`), the state's parameters are
+      cast to it after `tx.init` has seen them at full precision: with
+      `zerojax.mixed_precision(tx)` the fp32 master copy lives in the
+      (sharded) optimizer state and the model computes in `param_dtype`.
     **fields: extra fields of `state_class`, passed to its `create`; their
       array leaves are replicated.
 
@@ -159,6 +168,7 @@ def create_train_state(
     policy=policy,
     replicate_below_bytes=replicate_below_bytes,
     fields=fields,
+    param_dtype=param_dtype,
   )
   return jax.jit(build, out_shardings=shardings)(*init_args)
 
@@ -174,6 +184,7 @@ def abstract_train_state(
   state_class: type[State] = flax_train_state.TrainState,
   policy: rules.Policy = 'error',
   replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+  param_dtype: Any = None,
   **fields: Any,
 ) -> State:
   """Like `create_train_state`, but allocates nothing.
@@ -203,6 +214,7 @@ def abstract_train_state(
     policy=policy,
     replicate_below_bytes=replicate_below_bytes,
     fields=fields,
+    param_dtype=param_dtype,
   )
   return jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings

@@ -1,0 +1,192 @@
+"""Mixed precision as in the ZeRO paper: compute-dtype params, an fp32 master copy in the optimizer.
+
+`mixed_precision(tx)` is an optax transformation. Its state holds the fp32 master
+parameters beside `tx`'s own state, so once wrapped by `zero_stage` the master
+copy is sharded like the rest of the optimizer state (stage 1 and up). The model
+keeps its parameters in the compute dtype (bf16 or fp16) and computes gradients
+in it; the update runs in fp32 on the master copy, and the new parameters are
+the master rounded to the compute dtype.
+
+fp16 needs loss scaling: with `loss_scale='dynamic'` the loss is multiplied by
+a scale before differentiation (see `loss_scale` and `zerojax.value_and_grad`),
+the update divides it out, and a step whose gradients overflow is skipped and
+halves the scale; after `growth_interval` good steps the scale doubles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+  """Dynamic loss scaling for fp16.
+
+  Attributes:
+    initial: the scale at the first step.
+    growth_interval: good steps in a row after which the scale is multiplied
+      by `factor`.
+    factor: growth factor, and the divisor on overflow.
+    minimum: the scale never goes below this.
+  """
+
+  initial: float = 2.0**15
+  growth_interval: int = 2000
+  factor: float = 2.0
+  minimum: float = 1.0
+
+
+class LossScaleState(NamedTuple):
+  """The loss scale and the number of good steps since it last changed."""
+
+  scale: chex.Array
+  good_steps: chex.Array
+
+
+class MixedPrecisionState(NamedTuple):
+  """State of `mixed_precision`: master parameters, the inner state, the loss scale."""
+
+  master: optax.Params
+  inner: optax.OptState
+  loss_scale: LossScaleState | None
+
+
+def _check_float(dtype: Any, name: str) -> jnp.dtype:
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(f'`{name}` must be a floating dtype, got {dtype}.')
+  return dtype
+
+
+def mixed_precision(
+  tx: optax.GradientTransformation,
+  *,
+  master_dtype: Any = jnp.float32,
+  loss_scale: None | float | str | DynamicLossScale = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Keeps an fp32 master copy of the parameters in `tx`'s state and updates it there.
+
+  Use with parameters in a compute dtype (e.g. `jnp.bfloat16`): `init` takes
+  the parameters at full precision (or any dtype) and keeps them as the master
+  copy; `update` casts the gradients to `master_dtype` (dividing out the loss
+  scale), runs `tx` on the master copy, and returns updates that turn the
+  compute-dtype parameters into the new master rounded to their dtype.
+
+  Args:
+    tx: the optimizer (any optax transformation).
+    master_dtype: dtype of the master copy and of the update arithmetic.
+    loss_scale: None (bf16 needs none); a number for a static scale; 'dynamic'
+      or a `DynamicLossScale` for fp16.
+
+  Returns:
+    An optax transformation; wrap it with `zerojax.zero_stage` to shard the
+    master copy with the optimizer state.
+
+  Example:
+  >>> import jax.numpy as jnp, optax, zerojax
+  >>> tx = zerojax.mixed_precision(optax.adam(1e-3))
+  >>> master = {'w': jnp.ones((2, 2))}
+  >>> state = tx.init(master)
+  >>> params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), master)
+  >>> grads = {'w': jnp.full((2, 2), 0.5, jnp.bfloat16)}
+  >>> updates, state = tx.update(grads, state, params)
+  >>> optax.apply_updates(params, updates)['w'].dtype
+  dtype(bfloat16)
+  """
+  master_dtype = _check_float(master_dtype, 'master_dtype')
+  if loss_scale == 'dynamic':
+    loss_scale = DynamicLossScale()
+  if isinstance(loss_scale, str) or (
+    loss_scale is not None and not isinstance(loss_scale, (int, float, DynamicLossScale))
+  ):
+    raise ValueError(
+      f'`loss_scale` must be None, a number, "dynamic" or a DynamicLossScale, got {loss_scale!r}.'
+    )
+  if isinstance(loss_scale, (int, float)) and not loss_scale > 0:
+    raise ValueError(f'`loss_scale` must be positive, got {loss_scale!r}.')
+  inner = optax.with_extra_args_support(tx)
+  dynamic = isinstance(loss_scale, DynamicLossScale)
+
+  def init(params: optax.Params) -> MixedPrecisionState:
+    master = jax.tree.map(lambda p: jnp.asarray(p, master_dtype), params)
+    scale = None
+    if loss_scale is not None:
+      initial = loss_scale.initial if dynamic else float(loss_scale)
+      scale = LossScaleState(jnp.asarray(initial, jnp.float32), jnp.zeros((), jnp.int32))
+    return MixedPrecisionState(master, inner.init(master), scale)
+
+  def update(grads, state: MixedPrecisionState, params=None, **extra_args):
+    if params is None:
+      raise ValueError(
+        'mixed_precision needs the parameters: call tx.update(grads, state, params)'
+        ' (flax TrainState.apply_gradients does).'
+      )
+    grads = jax.tree.map(lambda g: g.astype(master_dtype), grads)
+    scale = state.loss_scale
+    if scale is not None:
+      grads = jax.tree.map(lambda g: g / scale.scale.astype(master_dtype), grads)
+    new_updates, new_inner = inner.update(grads, state.inner, state.master, **extra_args)
+    new_master = optax.apply_updates(state.master, new_updates)
+    new_state = MixedPrecisionState(new_master, new_inner, scale)
+    if dynamic:
+      # One global answer, however the gradients are sharded.
+      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+      new_state = jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old),
+        new_state._replace(loss_scale=None),
+        state._replace(loss_scale=None),
+      )
+      new_state = new_state._replace(loss_scale=_next_scale(scale, finite, loss_scale))
+    # Updates in the compute dtype, so stages 1-2 all-gather 2 bytes per
+    # parameter: `params + updates` is the master rounded to the compute dtype,
+    # exactly when a value moved by less than 2x (Sterbenz), else to within a
+    # rounding step of the old value (values crossing or near zero).
+    updates = jax.tree.map(
+      lambda m, p: (m.astype(p.dtype) - p).astype(p.dtype), new_state.master, params
+    )
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _next_scale(state: LossScaleState, finite, cfg: DynamicLossScale) -> LossScaleState:
+  grown = state.good_steps + 1 >= cfg.growth_interval
+  scale = jnp.where(
+    finite,
+    jnp.where(grown, state.scale * cfg.factor, state.scale),
+    jnp.maximum(state.scale / cfg.factor, cfg.minimum),
+  )
+  good = jnp.where(finite & ~grown, state.good_steps + 1, 0)
+  return LossScaleState(scale.astype(jnp.float32), good.astype(jnp.int32))
+
+
+def loss_scale(opt_state: Any) -> jax.Array:
+  """The current loss scale in `opt_state` (1.0 when there is no `mixed_precision` scale).
+
+  Multiply the loss by it before differentiating; `mixed_precision` divides the
+  gradients by it.
+  """
+  found = [
+    x
+    for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+    if isinstance(x, LossScaleState)
+  ]
+  if not found:
+    return jnp.ones((), jnp.float32)
+  return found[0].scale
+
+
+def cast(tree: Any, dtype: Any) -> Any:
+  """Casts the floating-point leaves of `tree` to `dtype` (e.g. params to bf16)."""
+  dtype = _check_float(dtype, 'dtype')
+
+  def one(x):
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+  return jax.tree.map(one, tree)
