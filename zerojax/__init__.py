@@ -1,5 +1,6 @@
 """zerojax: ZeRO (the Zero Redundancy Optimizer) for JAX, as sharding layouts."""
 
+from zerojax._src.accumulate import value_and_grad as value_and_grad
 from zerojax._src.checkpoint import Checkpointer as Checkpointer
 from zerojax._src.checkpoint import export_params as export_params
 from zerojax._src.checkpoint import format_checkpoint as format_checkpoint
@@ -43,6 +44,7 @@ from zerojax._src.zero_stage import zero_stage as zero_stage
 __version__ = '0.1.0'
 
 __all__ = [
+  'value_and_grad',
   'Checkpointer',
   'export_params',
   'format_checkpoint',

@@ -172,11 +172,12 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
   counts: collections.Counter = collections.Counter()
   nbytes: collections.Counter = collections.Counter()
   ring: collections.Counter = collections.Counter()
-  seen_channels: set[str] = set()
+  # channel_id -> whether first seen inside a fusion.
+  seen_channels: dict[str, bool] = {}
   partitions = _PARTITIONS.search(text)
   default_group = int(partitions.group(1)) if partitions else 1
 
-  def visit(name: str, mult: int, stack: tuple[str, ...]) -> None:
+  def visit(name: str, mult: int, stack: tuple[str, ...], fused: bool = False) -> None:
     if name in stack or name not in bodies:
       return
     for line in bodies[name]:
@@ -190,11 +191,15 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
       if kind is not None:
         channel = _CHANNEL.search(line)
         if channel:
-          # One logical collective can appear in several fusions (TPU: the
-          # async start, an overlapped matmul, the done); it has one channel.
-          if channel.group(1) in seen_channels:
+          # One logical collective can be copied into several fusions (TPU: the
+          # async start, an overlapped matmul, the done), all with its channel.
+          # Distinct unfused ops may share a channel too (collectives written
+          # in shard_map on CPU all get channel 1): those all count.
+          ch = channel.group(1)
+          op_fused = fused or m.re is _FUSED_RS
+          if ch in seen_channels and (op_fused or seen_channels[ch]):
             continue
-          seen_channels.add(channel.group(1))
+          seen_channels.setdefault(ch, op_fused)
         counts[kind] += mult
         type_str = m.group('type')
         if m.groupdict().get('start') and type_str.startswith('('):
@@ -207,8 +212,9 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
         ring[kind] += mult * _ring_bytes(kind, size, _group_size(line, default_group))
         continue
       trip = _trip_count(line, bodies) if ' while(' in line else 1
+      in_fusion = fused or ' fusion(' in line
       for role, callee in _CALLS.findall(line):
-        visit(callee, mult * (trip if role == 'body' else 1), stack + (name,))
+        visit(callee, mult * (trip if role == 'body' else 1), stack + (name,), in_fusion)
       for group in _BRANCHES.findall(line):
         for callee in group.split(','):
           visit(callee.strip().lstrip('%'), mult, stack + (name,))

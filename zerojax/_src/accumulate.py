@@ -1,0 +1,198 @@
+"""`value_and_grad` for ZeRO: micro-batch accumulation with the gradient collective in its place.
+
+Differentiating a loss over a batch split across devices makes the compiler
+reduce the gradients where they are produced. With a micro-batch loop that
+means one reduction per micro-batch, which for stage 0-1 is wasted traffic. Here
+the loop runs inside `jax.shard_map` over the ZeRO axes, so the placement is
+explicit:
+
+- stages 0-1: each device accumulates its own unreduced gradients over the
+  micro-batches and the all-reduce runs once, after the loop;
+- stage 2-3: each micro-batch's gradients are reduce-scattered (`psum_scatter`,
+  a real reduce-scatter even on CPU) into an accumulator holding only this
+  device's shard; stage 3 all-gathers the parameters for the loop (XLA hoists
+  the loop-invariant gather out of it, so whole parameters live for the step:
+  for per-layer gathering use `jax.grad` with `gathered_linen` and friends).
+
+Other mesh axes (tensor parallelism) stay under the compiler's control.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec
+
+from zerojax._src import transform
+
+
+def _zero_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
+  """The dimension a spec splits over the ZeRO axes, if any."""
+  for dim, entry in enumerate(spec):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    if any(n in axes for n in names if n is not None):
+      return dim
+  return None
+
+
+def _manual_spec(spec: PartitionSpec, axes: tuple[str, ...], ndim: int) -> PartitionSpec:
+  """`spec` with only the ZeRO axes kept (shard_map's in/out specs name manual axes only)."""
+  out = []
+  for entry in tuple(spec) + (None,) * (ndim - len(spec)):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    kept = tuple(n for n in names if n in axes)
+    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return PartitionSpec(*out)
+
+
+def value_and_grad(
+  loss_fn: Callable[..., Any],
+  tx: optax.GradientTransformation,
+  *,
+  micro_batches: int = 1,
+  reduce_dtype: Any = None,
+  has_aux: bool = False,
+) -> Callable[..., Any]:
+  """`jax.value_and_grad` for a zero-wrapped optimizer, with gradient accumulation.
+
+  Args:
+    loss_fn: `loss_fn(params, batch, *args)` -> the mean loss over `batch` (or
+      `(loss, aux)` with `has_aux`). It sees whole parameters and one device's
+      micro-batch, and must not gather parameters itself.
+    tx: the optimizer from `zerojax.zero_stage` (its stage, mesh and plan decide
+      where the reduction goes).
+    micro_batches: split each device's rows into this many micro-batches,
+      run one after another (activations of one micro-batch live at a time).
+    reduce_dtype: accumulate and reduce gradients in this dtype (e.g.
+      `jnp.float32` for bf16 models); default: the parameters' dtype.
+    has_aux: `loss_fn` returns `(loss, aux)`; the aux of the last micro-batch
+      is returned, averaged over devices where it is floating point.
+
+  Returns:
+    `fn(params, batch, *args, loss_scale=None)` -> `(loss, grads)` (or
+    `((loss, aux), grads)`), to call inside `jax.jit`: the mean loss over the
+    global batch and its gradient, in the plan's gradient layout. `batch` is a
+    pytree of arrays whose leading dimension (the global batch) is split over
+    the ZeRO axes; `args` are passed to `loss_fn` unchanged (replicated).
+    With `loss_scale` (e.g. `zerojax.loss_scale(opt_state)` for fp16), the
+    gradients are of `loss * loss_scale`; the returned loss is unscaled.
+
+  Raises:
+    ValueError: the rows of a device do not divide into `micro_batches`.
+  """
+  config = transform.config_of(tx)
+  if config is None:
+    raise TypeError(
+      '`tx` was not made by zerojax.zero_stage; wrap it first:'
+      ' tx = zerojax.zero_stage(tx, stage, mesh=mesh).'
+    )
+  if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+    raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
+  axes, mesh, stage = config.axes, config.mesh, config.stage
+  axis_arg = axes if len(axes) > 1 else axes[0]
+  n = 1
+  for a in axes:
+    n *= mesh.shape[a]
+
+  def fn(params, batch, *args, loss_scale=None):
+    plan = config.plan(params)
+    leaves, treedef = jax.tree.flatten(params)
+    param_specs = [
+      _manual_spec(s.spec, axes, x.ndim) for s, x in zip(jax.tree.leaves(plan.params), leaves)
+    ]
+    grad_specs = [
+      _manual_spec(s.spec, axes, x.ndim) for s, x in zip(jax.tree.leaves(plan.grads), leaves)
+    ]
+    gather_dims = [_zero_dim(s, axes) for s in param_specs]
+    scatter_dims = [_zero_dim(s, axes) for s in grad_specs]
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+      rows = x.shape[0] if x.ndim else 0
+      if rows % (n * micro_batches):
+        raise ValueError(
+          f'batch{jax.tree_util.keystr(path)} has {rows} rows, which do not split into'
+          f' {n} devices x {micro_batches} micro-batches. Use a batch size divisible'
+          f' by {n * micro_batches}.'
+        )
+    batch_spec = PartitionSpec(axis_arg)
+    scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
+
+    def local(flat_params, batch, args, scale):
+      def gathered(flat):
+        return [
+          x if d is None else jax.lax.all_gather(x, axis_arg, axis=d, tiled=True)
+          for x, d in zip(flat, gather_dims)
+        ]
+
+      def micro_grads(flat_shards, mb):
+        full = jax.tree.unflatten(treedef, gathered(flat_shards))
+
+        def scaled(p):
+          out = loss_fn(p, mb, *args)
+          loss, aux = out if has_aux else (out, None)
+          return (loss * scale.astype(loss.dtype)).astype(loss.dtype), (loss, aux)
+
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(full)
+        grads = jax.tree.leaves(grads)
+        if reduce_dtype is not None:
+          grads = [g.astype(reduce_dtype) for g in grads]
+        return loss, aux, grads
+
+      def reduce_now(g, d):
+        # Stages 2-3: each micro-batch's gradient is reduce-scattered at once.
+        if stage >= 2 and d is not None:
+          return jax.lax.psum_scatter(g, axis_arg, scatter_dimension=d, tiled=True)
+        return g
+
+      micro = jax.tree.map(
+        lambda x: x.reshape(micro_batches, x.shape[0] // micro_batches, *x.shape[1:]), batch
+      )
+
+      def body(carry, mb):
+        acc, loss_sum = carry
+        loss, aux, grads = micro_grads(flat_params, mb)
+        acc = [a + reduce_now(g, d) for a, g, d in zip(acc, grads, scatter_dims)]
+        return (acc, loss_sum + loss.astype(jnp.float32)), aux
+
+      acc0 = []
+      for x, g, d in zip(flat_params, gather_dims, scatter_dims):
+        shape = list(x.shape)
+        if g is not None:  # stage 3: the local shard of a gathered leaf
+          shape[g] *= n
+        if stage >= 2 and d is not None:  # the accumulator holds one shard
+          shape[d] //= n
+        acc0.append(jnp.zeros(shape, reduce_dtype or x.dtype))
+      (acc, loss_sum), auxes = jax.lax.scan(body, (acc0, jnp.zeros((), jnp.float32)), micro)
+      # Stages 0-1 (and leaves kept whole): one all-reduce, after the loop.
+      acc = [
+        a if (stage >= 2 and d is not None) else jax.lax.psum(a, axis_arg)
+        for a, d in zip(acc, scatter_dims)
+      ]
+      denom = n * micro_batches
+      grads = [(a / (denom * scale.astype(a.dtype))).astype(a.dtype) for a in acc]
+      loss = jax.lax.pmean(loss_sum / micro_batches, axis_arg)
+      aux = None
+      if has_aux:
+        aux = jax.tree.map(lambda x: x[-1], auxes)
+        aux = jax.tree.map(
+          lambda x: jax.lax.pmean(x, axis_arg) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+          aux,
+        )
+      return loss, aux, grads
+
+    mapped = jax.shard_map(
+      local,
+      mesh=mesh,
+      in_specs=(param_specs, batch_spec, PartitionSpec(), PartitionSpec()),
+      out_specs=(PartitionSpec(), PartitionSpec(), grad_specs),
+      axis_names=set(axes),
+      check_vma=False,
+    )
+    loss, aux, grads = mapped(leaves, batch, args, scale)
+    grads = jax.tree.unflatten(treedef, grads)
+    return ((loss, aux), grads) if has_aux else (loss, grads)
+
+  return fn
