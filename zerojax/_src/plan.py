@@ -39,6 +39,7 @@ class PlanRow:
   at_rest: PartitionSpec
   grads: PartitionSpec | None  # params rows only
   reason: str | None  # why the leaf stays whole on the ZeRO axes, if it does
+  offloaded: bool = False  # kept in host memory (memory_kind='pinned_host')
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,6 +59,8 @@ class ZeroPlan:
     padding: per parameter leaf (in `jax.tree.leaves` order), None, or the
       (dimension, padded size) its gradient and optimizer state are padded to
       under policy='pad'.
+    param_axes: the axes stage-3 parameters are split over at rest (hpZ: a
+      subset of `axes`, e.g. the devices of one host); None means `axes`.
   """
 
   stage: int
@@ -69,6 +72,7 @@ class ZeroPlan:
   param_shards: Any
   rows: tuple[PlanRow, ...]
   padding: tuple[tuple[int, int] | None, ...] = ()
+  param_axes: tuple[str, ...] | None = None
 
   @property
   def num_shards(self) -> int:
@@ -76,10 +80,15 @@ class ZeroPlan:
     return mesh_lib.axes_size(self.mesh, self.axes)
 
   def bytes_per_device(self) -> dict[str, int]:
-    """Bytes one device holds of params and optimizer state at rest, and of grads."""
-    out = {'params': 0, 'grads': 0, 'opt_state': 0}
+    """Bytes per device of params and optimizer state at rest, and of grads.
+
+    Offloaded optimizer state is counted under 'host' (host memory per device),
+    not under 'opt_state'.
+    """
+    out = {'params': 0, 'grads': 0, 'opt_state': 0, 'host': 0}
     for r in self.rows:
-      out[r.group] += rules.bytes_per_device(r.shape, r.dtype, r.at_rest, self.mesh)
+      n = rules.bytes_per_device(r.shape, r.dtype, r.at_rest, self.mesh)
+      out['host' if r.offloaded else r.group] += n
       if r.grads is not None:
         out['grads'] += rules.bytes_per_device(r.shape, r.dtype, r.grads, self.mesh)
     return out
@@ -193,6 +202,8 @@ def make_plan(
   replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
   opt_state: optax.OptState | None = None,
   param_specs: Any = None,
+  param_axis: mesh_lib.AxisName | None = None,
+  offload: str | None = None,
 ) -> ZeroPlan:
   """Computes the ZeRO layouts of `params`, their grads, and `tx`'s state.
 
@@ -218,6 +229,13 @@ def make_plan(
     opt_state: an optimizer state to lay out instead of evaluating `tx.init`.
     param_specs: optional tree of PartitionSpecs (a prefix of `params`) giving
       the tensor-parallel layout of each parameter; overrides the leaves' own.
+    param_axis: hierarchical partitioning (ZeRO++ hpZ): at stage 3, split the
+      parameters at rest over only these axes (a subset of `axis`, e.g. the
+      devices of one host), so their all-gathers stay inside that group, while
+      gradients and optimizer state are split over all of `axis`.
+    offload: keep optimizer state in host memory (`memory_kind='pinned_host'`):
+      'opt_state' for all of it except a `mixed_precision` master copy,
+      'opt_state+master' for the master copy too. Scalars stay on device.
 
   Returns:
     A `ZeroPlan`.
@@ -238,6 +256,23 @@ def make_plan(
   policy = check_policy(policy)
   mesh = mesh_lib.resolve_mesh(mesh)
   axes = mesh_lib.resolve_axes(mesh, axis)
+  if offload not in OFFLOAD:
+    raise ValueError(
+      f'`offload` must be one of {OFFLOAD}, got {offload!r}: None keeps everything on'
+      " device, 'opt_state' moves the optimizer state to host memory, 'opt_state+master'"
+      ' also the mixed_precision master copy.'
+    )
+  param_axes = axes
+  if param_axis is not None:
+    param_axes = mesh_lib.resolve_axes(mesh, param_axis)
+    if not set(param_axes) <= set(axes):
+      raise ValueError(
+        f'`param_axis`={param_axis!r} must be a subset of the ZeRO axes {axes}: parameters'
+        ' are split within a group of the devices that split the optimizer state.'
+      )
+    # The parameter axes go first (major), so a parameter shard is a run of
+    # whole optimizer-state shards: one all-gather over the other axes.
+    axes = tuple(param_axes) + tuple(a for a in axes if a not in param_axes)
   abstract = validation.abstract_arrays(params, 'params')
 
   if param_specs is not None:
@@ -311,16 +346,22 @@ def make_plan(
       ' size divides one of their dimensions.'
     )
 
-  def layout(rule: rules.LeafRule, split: bool, padded_ok: bool = True) -> PartitionSpec:
+  def layout(
+    rule: rules.LeafRule, split: bool, padded_ok: bool = True, within=None
+  ) -> PartitionSpec:
     # A padded split exists only inside the optimizer: parameters and the
     # gradients handed to it keep their true shape, so they stay whole.
     if rule.padded_shape is not None and not padded_ok:
       return rule.base
-    return rule.sharded if split else rule.base
+    if not split:
+      return rule.base
+    if within is None or rule.dim is None:
+      return rule.sharded
+    return _restrict(rule.sharded, rule.dim, within)
 
   explicit = mesh_lib.any_explicit(mesh)
 
-  def named(spec: PartitionSpec) -> NamedSharding:
+  def named(spec: PartitionSpec, memory_kind: str | None = None) -> NamedSharding:
     # Match the form JAX itself gives arrays on this kind of mesh, so that
     # `array.sharding == plan_leaf` holds: Explicit meshes keep one entry per
     # dimension, Auto meshes drop trailing Nones.
@@ -329,7 +370,7 @@ def make_plan(
       while entries and entries[-1] is None:
         entries.pop()
       spec = PartitionSpec(*entries)
-    return NamedSharding(mesh, spec)
+    return NamedSharding(mesh, spec, memory_kind=memory_kind)
 
   def why(rule: rules.LeafRule, split: bool, padded_ok: bool = True) -> str | None:
     if not split:
@@ -343,7 +384,8 @@ def make_plan(
   rows = []
   p_rest, p_grad, p_shard = [], [], []
   for (path, _), rule in zip(param_entries, param_rules):
-    p_rest.append(named(layout(rule, must_split['params'], padded_ok=False)))
+    hpz = param_axes if param_axes != axes else None
+    p_rest.append(named(layout(rule, must_split['params'], padded_ok=False, within=hpz)))
     p_grad.append(named(layout(rule, must_split['grads'], padded_ok=False)))
     p_shard.append(named(layout(rule, stage >= 1)))
     rows.append(
@@ -359,7 +401,8 @@ def make_plan(
     )
   s_rest = []
   for (path, x), rule in zip(state_entries, state_rules):
-    s_rest.append(named(layout(rule, must_split['opt_state'])))
+    host = _offloaded(path, x, offload)
+    s_rest.append(named(layout(rule, must_split['opt_state']), HOST if host else None))
     rows.append(
       PlanRow(
         'opt_state',
@@ -369,6 +412,7 @@ def make_plan(
         s_rest[-1].spec,
         None,
         why(rule, must_split['opt_state']),
+        offloaded=host,
       )
     )
   return ZeroPlan(
@@ -383,4 +427,26 @@ def make_plan(
     padding=tuple(
       None if r.padded_shape is None else (r.dim, r.padded_shape[r.dim]) for r in param_rules
     ),
+    param_axes=param_axes if param_axes != axes else None,
   )
+
+
+OFFLOAD = (None, 'opt_state', 'opt_state+master')
+HOST = 'pinned_host'
+
+
+def _offloaded(path: tuple, x: Any, offload: str | None) -> bool:
+  """Whether an optimizer-state leaf goes to host memory under `offload`."""
+  if offload is None or not x.ndim:
+    return False
+  is_master = any(getattr(k, 'name', None) == 'master' for k in path)
+  return offload == 'opt_state+master' or not is_master
+
+
+def _restrict(spec: PartitionSpec, dim: int, within: tuple[str, ...]) -> PartitionSpec:
+  """`spec` with dimension `dim` split over only the axes in `within`."""
+  entries = list(spec)
+  names = entries[dim] if isinstance(entries[dim], tuple) else (entries[dim],)
+  kept = tuple(n for n in names if n in within)
+  entries[dim] = None if not kept else kept[0] if len(kept) == 1 else kept
+  return PartitionSpec(*entries)

@@ -32,6 +32,8 @@ def zero_train_state(
   policy: rules.Policy = 'error',
   replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
   param_specs: Any = None,
+  param_axis: mesh_lib.AxisName | None = None,
+  offload: str | None = None,
 ) -> State:
   """Re-lays out a train state for ZeRO `stage`; see `zerojax.zero_stage`."""
   if not isinstance(state.tx, optax.GradientTransformation):
@@ -48,6 +50,8 @@ def zero_train_state(
     policy=policy,
     replicate_below_bytes=replicate_below_bytes,
     param_specs=param_specs,
+    param_axis=param_axis,
+    offload=offload,
   )
   plan = transform.plan_for(tx, state.params)
   # Every check runs before anything is placed, so a failure leaves no
@@ -79,10 +83,17 @@ def _layout(
   replicate_below_bytes,
   fields,
   param_dtype=None,
+  **zero_kwargs,
 ):
   """The jittable builder of a zero train state, and the state's shardings."""
   ztx = transform.zero_optimizer(
-    tx, stage, mesh=mesh, axis=axis, policy=policy, replicate_below_bytes=replicate_below_bytes
+    tx,
+    stage,
+    mesh=mesh,
+    axis=axis,
+    policy=policy,
+    replicate_below_bytes=replicate_below_bytes,
+    **zero_kwargs,
   )
   config = transform.config_of(ztx)
   abstract_params = jax.eval_shape(init_fn, *init_args)
@@ -118,6 +129,9 @@ def create_train_state(
   policy: rules.Policy = 'error',
   replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
   param_dtype: Any = None,
+  param_specs: Any = None,
+  param_axis: mesh_lib.AxisName | None = None,
+  offload: str | None = None,
   **fields: Any,
 ) -> State:
   """Builds a train state directly in its ZeRO layout.
@@ -142,6 +156,7 @@ def create_train_state(
       cast to it after `tx.init` has seen them at full precision: with
       `zerojax.mixed_precision(tx)` the fp32 master copy lives in the
       (sharded) optimizer state and the model computes in `param_dtype`.
+    param_specs, param_axis, offload: see `zerojax.zero_stage`.
     **fields: extra fields of `state_class`, passed to its `create`; their
       array leaves are replicated.
 
@@ -169,6 +184,9 @@ def create_train_state(
     replicate_below_bytes=replicate_below_bytes,
     fields=fields,
     param_dtype=param_dtype,
+    param_specs=param_specs,
+    param_axis=param_axis,
+    offload=offload,
   )
   return jax.jit(build, out_shardings=shardings)(*init_args)
 
@@ -185,6 +203,9 @@ def abstract_train_state(
   policy: rules.Policy = 'error',
   replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
   param_dtype: Any = None,
+  param_specs: Any = None,
+  param_axis: mesh_lib.AxisName | None = None,
+  offload: str | None = None,
   **fields: Any,
 ) -> State:
   """Like `create_train_state`, but allocates nothing.
@@ -215,6 +236,9 @@ def abstract_train_state(
     replicate_below_bytes=replicate_below_bytes,
     fields=fields,
     param_dtype=param_dtype,
+    param_specs=param_specs,
+    param_axis=param_axis,
+    offload=offload,
   )
   return jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
@@ -29,6 +29,8 @@ class ZeroConfig:
     policy: the policy for large leaves that cannot be split.
     replicate_below_bytes: the size under which such leaves are replicated.
     param_specs: the tensor-parallel PartitionSpecs given, if any.
+    param_axis: the hpZ parameter axes, if any (see `zerojax.make_plan`).
+    offload: which optimizer state lives in host memory, if any.
   """
 
   inner: optax.GradientTransformation
@@ -38,6 +40,8 @@ class ZeroConfig:
   policy: str
   replicate_below_bytes: int
   param_specs: Any = None
+  param_axis: Any = None
+  offload: str | None = None
   # Plans computed at `init`, by tree structure and shapes. Under an Auto mesh a
   # jitted `update` cannot see its arguments' tensor-parallel layouts, so it
   # reuses the plan that `init` derived from the concrete parameters.
@@ -61,6 +65,8 @@ class ZeroConfig:
       replicate_below_bytes=self.replicate_below_bytes,
       opt_state=opt_state,
       param_specs=self.param_specs,
+      param_axis=self.param_axis,
+      offload=self.offload,
     )
     if not _has_tracers(params):
       self._plans[key] = plan
@@ -105,6 +111,34 @@ def _unpad(tree: Any, plan: plan_lib.ZeroPlan, like: Any) -> Any:
   return jax.tree.unflatten(treedef, out)
 
 
+def _offloaded(shardings: Any) -> bool:
+  return any(s.memory_kind == plan_lib.HOST for s in jax.tree.leaves(shardings))
+
+
+def _on_device(shardings: Any) -> Any:
+  """The same layouts in device memory."""
+  if not _offloaded(shardings):
+    return shardings
+  return jax.tree.map(lambda s: s.with_memory_kind('device'), shardings)
+
+
+def _to_memory(tree: Any, shardings: Any, *, host: bool) -> Any:
+  """Moves the leaves that `shardings` offloads to host (or device) memory, inside jit."""
+  if not _offloaded(shardings):
+    return tree
+
+  def one(x, s):
+    if s.memory_kind != plan_lib.HOST:
+      return x
+    # Runs where Auto-axis constraints are legal (see mesh.run_in_layout).
+    target = NamedSharding(
+      mesh_lib.auto_mesh(s.mesh), s.spec, memory_kind=plan_lib.HOST if host else 'device'
+    )
+    return jax.device_put(x, target)
+
+  return jax.tree.map(one, tree, shardings)
+
+
 def config_of(tx: Any) -> ZeroConfig | None:
   """The `ZeroConfig` of a transformation made by `zero_stage`, else None."""
   update = getattr(tx, 'update', None)
@@ -139,6 +173,8 @@ def zero_optimizer(
   policy: rules.Policy = 'error',
   replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
   param_specs: Any = None,
+  param_axis: mesh_lib.AxisName | None = None,
+  offload: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Rewrites an optax transformation for ZeRO `stage`; see `zerojax.zero_stage`."""
   stage = plan_lib.check_stage(stage)
@@ -154,6 +190,13 @@ def zero_optimizer(
     )
   mesh = mesh_lib.resolve_mesh(mesh)
   axes = mesh_lib.resolve_axes(mesh, axis)
+  if offload not in plan_lib.OFFLOAD:
+    plan_lib.make_plan({}, stage=stage, mesh=mesh, axis=axes, offload=offload)  # raises
+  if param_axis is not None:
+    param_axes = mesh_lib.resolve_axes(mesh, param_axis)
+    if not set(param_axes) <= set(axes):
+      plan_lib.make_plan({}, stage=stage, mesh=mesh, axis=axes, param_axis=param_axis)  # raises
+    axes = tuple(param_axes) + tuple(a for a in axes if a not in param_axes)
   inner = optax.with_extra_args_support(tx)
   config = ZeroConfig(
     inner=tx,
@@ -163,6 +206,8 @@ def zero_optimizer(
     policy=policy,
     replicate_below_bytes=int(replicate_below_bytes),
     param_specs=param_specs,
+    param_axis=param_axis,
+    offload=offload,
   )
 
   def init(params: optax.Params) -> optax.OptState:
@@ -170,7 +215,8 @@ def zero_optimizer(
     plan = config.plan(params)
 
     def body(p):
-      return mesh_lib.constrain(inner.init(_pad(p, plan)), plan.opt_state, mesh)
+      state = mesh_lib.constrain(inner.init(_pad(p, plan)), _on_device(plan.opt_state), mesh)
+      return _to_memory(state, plan.opt_state, host=True)
 
     body = mesh_lib.run_in_layout(body, mesh, plan.opt_state)
     if _has_tracers(params):
@@ -190,6 +236,8 @@ def zero_optimizer(
     plan = config.plan(params if params is not None else updates, opt_state=state)
 
     def body(grads, state, params):
+      # Offloaded state streams through the device for the update.
+      state = _to_memory(state, plan.opt_state, host=False)
       # Reduce into the stage's gradient layout: from stage 2 the compiler
       # emits a reduce-scatter here (XLA:CPU: all-reduce + dynamic-slice).
       like = grads
@@ -210,8 +258,8 @@ def zero_optimizer(
       new_updates = _unpad(new_updates, plan, like)
       # Stages 1-2 all-gather the updated shards; stage 3 keeps them sharded.
       new_updates = mesh_lib.constrain(new_updates, plan.params, mesh)
-      new_state = mesh_lib.constrain(new_state, plan.opt_state, mesh)
-      return new_updates, new_state
+      new_state = mesh_lib.constrain(new_state, _on_device(plan.opt_state), mesh)
+      return new_updates, _to_memory(new_state, plan.opt_state, host=True)
 
     body = mesh_lib.run_in_layout(body, mesh, (plan.params, plan.opt_state))
     return body(updates, state, params)

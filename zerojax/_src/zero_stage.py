@@ -20,6 +20,8 @@ def zero_stage(
   policy: rules.Policy = 'error',
   replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
   param_specs: Any = None,
+  param_axis: mesh_lib.AxisName | None = None,
+  offload: str | None = None,
 ) -> Any:
   """Applies ZeRO `stage` to an optax optimizer or a flax train state.
 
@@ -44,7 +46,16 @@ def zero_stage(
     replicate_below_bytes: such leaves below this size are replicated under any
       policy; the plan lists them.
     param_specs: optional PartitionSpecs (a prefix tree of the params) for
-      tensor-parallel layouts, overriding those the params carry.
+      tensor-parallel layouts, overriding those the params carry (see
+      `zerojax.logical_param_specs` for Flax logical partitioning).
+    param_axis: hierarchical partitioning (ZeRO++ hpZ): at stage 3 split the
+      parameters over only these axes (a subset of `axis`, e.g. the devices of
+      one host) so their all-gathers stay inside that group; gradients and
+      optimizer state are still split over all of `axis`.
+    offload: ZeRO-Offload: 'opt_state' keeps the optimizer state in host
+      memory (`memory_kind='pinned_host'`) and streams it through the device
+      for the update; 'opt_state+master' also the fp32 master copy of
+      `zerojax.mixed_precision`. Default None: all on device.
 
   Returns:
     For an optimizer: an `optax.GradientTransformationExtraArgs` whose `init`
@@ -75,6 +86,8 @@ def zero_stage(
     policy=policy,
     replicate_below_bytes=replicate_below_bytes,
     param_specs=param_specs,
+    param_axis=param_axis,
+    offload=offload,
   )
   if isinstance(target, optax.GradientTransformation):
     return transform.zero_optimizer(target, stage, **kwargs)

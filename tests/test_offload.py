@@ -1,0 +1,139 @@
+"""ZeRO-Offload: optimizer state (and the fp32 master) in host memory, streamed through the device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, shard_batch
+
+import zerojax
+
+STAGES = [0, 1, 2, 3]
+
+
+def kinds(tree):
+  return {
+    jax.tree_util.keystr(p): x.sharding.memory_kind
+    for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
+
+
+@pytest.mark.parametrize('stage', STAGES)
+@pytest.mark.parametrize('offload', ['opt_state', 'opt_state+master'])
+def test_memory_kinds_and_numerics(stage, offload, mesh):
+  tx = optax.adam(1e-2)
+  ztx = zerojax.zero_stage(zerojax.mixed_precision(tx), stage, mesh=mesh, offload=offload)
+  params = mlp_params()
+  opt_state = ztx.init(params)
+  plan = zerojax.plan_for(ztx, params)
+  params = jax.device_put(params, plan.params)
+  got = kinds(opt_state)
+  master_kind = 'pinned_host' if offload == 'opt_state+master' else 'device'
+  for path, kind in got.items():
+    if '.master' in path:
+      assert kind == master_kind, path
+    elif path.endswith('.count'):
+      assert kind == 'device', path  # scalars stay on device
+    else:
+      assert kind == 'pinned_host', path  # Adam's moments
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(params)} == {'device'}
+  x, y = shard_batch(mesh, *batch())
+
+  @jax.jit
+  def step(params, opt_state):
+    grads = jax.grad(lambda p: loss_fn(zerojax.gather_params(p, plan), x, y))(params)
+    updates, opt_state = ztx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  for _ in range(10):
+    params, opt_state = step(params, opt_state)
+  assert kinds(opt_state) == got  # still offloaded after the steps
+  assert jax.tree.map(lambda a: a.sharding, opt_state) == plan.opt_state
+  # fp32 parameters with an fp32 master: the same numbers as plain optax.
+  assert max_rel_err(params, plain_run(tx, 10)) < 1e-6
+
+
+def test_plan_counts_host_bytes(auto_mesh):
+  params = mlp_params()
+  psi = sum(x.size for x in jax.tree.leaves(params))
+  on = zerojax.make_plan(params, optax.adam(1e-3), stage=1, mesh=auto_mesh, offload='opt_state')
+  off = zerojax.make_plan(params, optax.adam(1e-3), stage=1, mesh=auto_mesh)
+  assert on.bytes_per_device()['host'] == 8 * psi // 8  # both moments, sharded
+  assert on.bytes_per_device()['opt_state'] == off.bytes_per_device()['opt_state'] - 8 * psi // 8
+  assert off.bytes_per_device()['host'] == 0
+
+
+def test_train_state_with_offload(auto_mesh):
+  state = zerojax.create_train_state(
+    lambda k: mlp_params(),
+    jax.random.key(0),
+    tx=optax.adamw(1e-3),
+    stage=2,
+    mesh=auto_mesh,
+    offload='opt_state',
+  )
+  assert kinds(state.opt_state)["[0].mu['dense1']['kernel']"] == 'pinned_host'
+  x, y = shard_batch(auto_mesh, *batch())
+
+  @jax.jit
+  def step(state):
+    return state.apply_gradients(grads=jax.grad(lambda p: loss_fn(p, x, y))(state.params))
+
+  state2 = step(state)
+  assert kinds(state2.opt_state) == kinds(state.opt_state)
+  assert not np.array_equal(
+    np.asarray(state2.params['dense1']['kernel']), mlp_params()['dense1']['kernel']
+  )
+
+
+def test_bad_offload_value(auto_mesh):
+  with pytest.raises(ValueError) as e:
+    zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh, offload='cpu')
+  assert str(e.value).startswith(
+    "`offload` must be one of (None, 'opt_state', 'opt_state+master'), got 'cpu'"
+  )
+
+
+# --- Ahead of time for a TPU v5e:2x4: device bytes per chip drop by the offloaded bytes.
+D = 1024
+PSI = 2 * D * D + 2 * D
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+@pytest.mark.parametrize('stage', [1, 3])
+def test_tpu_device_bytes_drop_by_offloaded_bytes(stage):
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  from jax.experimental import topologies
+  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+  from test_memory_and_collectives import make_init
+  from test_precision import mp_step
+
+  init_fn = make_init(D)  # d = 1024: every shard is whole TPU tiles, so no padding
+
+  topology = topologies.get_topology_desc(topology_name='v5e:2x4', platform='tpu')
+  mesh = Mesh(np.array(topology.devices), ('data',), axis_types=(AxisType.Auto,))
+  x = jax.ShapeDtypeStruct(
+    (64, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data'))
+  )
+  out = {}
+  for offload in (None, 'opt_state', 'opt_state+master'):
+    state = zerojax.abstract_train_state(
+      init_fn,
+      jax.random.key(0),
+      tx=zerojax.mixed_precision(optax.adam(1e-3)),
+      stage=stage,
+      mesh=mesh,
+      param_dtype=jnp.bfloat16,
+      offload=offload,
+    )
+    compiled = jax.jit(mp_step, donate_argnums=0).lower(state, x).compile()
+    out[offload] = compiled.memory_analysis()
+  moments, master = 8 * PSI // 8, 4 * PSI // 8
+  base = out[None]
+  assert base.host_argument_size_in_bytes == 0
+  for offload, host in [('opt_state', moments), ('opt_state+master', moments + master)]:
+    m = out[offload]
+    assert m.host_argument_size_in_bytes == host
+    assert base.argument_size_in_bytes - m.argument_size_in_bytes == host
