@@ -17,6 +17,7 @@ from zerojax._src.gather import gather_params as gather_params
 from zerojax._src.layers import gather_leaves as gather_leaves
 from zerojax._src.layers import gathered_linen as gathered_linen
 from zerojax._src.layers import gathered_nnx as gathered_nnx
+from zerojax._src.logical import logical_param_specs as logical_param_specs
 from zerojax._src.nnx_state import create_nnx_model as create_nnx_model
 from zerojax._src.nnx_state import nnx_plan as nnx_plan
 from zerojax._src.nnx_state import shard_nnx as shard_nnx
@@ -58,6 +59,7 @@ __all__ = [
   'cast',
   'loss_scale',
   'mixed_precision',
+  'logical_param_specs',
   'MemoryEstimate',
   'StepReport',
   'estimate_memory',

@@ -357,7 +357,7 @@ def make_plan(
       return rule.base
     if within is None or rule.dim is None:
       return rule.sharded
-    return _restrict(rule.sharded, rule.dim, within)
+    return _restrict(rule.sharded, rule.dim, within, axes)
 
   explicit = mesh_lib.any_explicit(mesh)
 
@@ -443,10 +443,12 @@ def _offloaded(path: tuple, x: Any, offload: str | None) -> bool:
   return offload == 'opt_state+master' or not is_master
 
 
-def _restrict(spec: PartitionSpec, dim: int, within: tuple[str, ...]) -> PartitionSpec:
-  """`spec` with dimension `dim` split over only the axes in `within`."""
+def _restrict(
+  spec: PartitionSpec, dim: int, within: tuple[str, ...], axes: tuple[str, ...]
+) -> PartitionSpec:
+  """`spec` with dimension `dim` split over only the ZeRO axes in `within` (others kept)."""
   entries = list(spec)
   names = entries[dim] if isinstance(entries[dim], tuple) else (entries[dim],)
-  kept = tuple(n for n in names if n in within)
+  kept = tuple(n for n in names if n in within or n not in axes)
   entries[dim] = None if not kept else kept[0] if len(kept) == 1 else kept
   return PartitionSpec(*entries)

@@ -51,7 +51,8 @@ _COMPARE_LT = re.compile(r'compare\([^)]*%([\w.\-]+)\),\s*direction=LT')
 # mesh['axis_0'=8, ...] {'axis_0'} form.
 _GROUPS_LIST = re.compile(r'replica_groups=\{\{([\d,]*)\}')
 _GROUPS_IOTA = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
-_GROUPS_MESH = re.compile(r'replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}')
+# (an optional `device_ids=(...)` permutation may sit between the two parts).
+_GROUPS_MESH = re.compile(r'replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}')
 _PARTITIONS = re.compile(r'num_partitions=(\d+)')
 _CHANNEL = re.compile(r'\bchannel_id=(\d+)')
 

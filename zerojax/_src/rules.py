@@ -116,6 +116,21 @@ def leaf_rule(
     entries[dim] = zero_entry
     return LeafRule(shape, dtype, base, PartitionSpec(*entries), dim, None, False)
 
+  # No free dimension divides: split a tensor-parallel dimension further, its
+  # ZeRO part minor, so gathering over the ZeRO axes gives back the TP shard.
+  taken = [
+    i
+    for i, entry in enumerate(base)
+    if entry is not None
+    and (shape[i] // math.prod(mesh.shape[a] for a in spec_axes(entry))) % n == 0
+    and shape[i] % (n * math.prod(mesh.shape[a] for a in spec_axes(entry))) == 0
+  ]
+  if taken and n > 1:
+    dim = max(taken, key=lambda i: (shape[i], -i))
+    entries = list(base)
+    entries[dim] = spec_axes(base[dim]) + tuple(axes)
+    return LeafRule(shape, dtype, base, PartitionSpec(*entries), dim, None, False)
+
   nbytes = bytes_per_device(shape, dtype, base, mesh)
   if not shape:
     reason = 'scalar'
