@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 from flax import linen as nn
-from flax import nnx
 from jax.sharding import PartitionSpec
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
@@ -17,10 +16,11 @@ def logical_param_specs(tree: Any, rules: Rules) -> Any:
   """Mesh PartitionSpecs from Flax logical axis names, for `zero_stage(param_specs=...)`.
 
   Args:
-    tree: parameters carrying logical names: linen params made with
-      `nn.with_logical_partitioning` (boxed, as `model.init` or
-      `jax.eval_shape(model.init, ...)` return them), or an NNX state whose
-      variables have `sharding` metadata (e.g. `nnx.state(model, nnx.Param)`).
+    tree: linen parameters made with `nn.with_logical_partitioning` (boxed,
+      as `model.init` or `jax.eval_shape(model.init, ...)` return them). NNX
+      needs no conversion: its variables are sharded when created (under
+      `jax.set_mesh` with logical rules), and zerojax keeps the
+      tensor-parallel axes that arrays already carry.
     rules: logical name -> mesh axis (or None), e.g.
       `(('embed', None), ('mlp', 'model'), ('heads', 'model'))`.
 
@@ -38,18 +38,9 @@ def logical_param_specs(tree: Any, rules: Rules) -> Any:
   ...     nn.initializers.lecun_normal(), ('embed', 'mlp')))
   >>> params = jax.eval_shape(dense.init, jax.random.key(0), jnp.ones((1, 16)))['params']
   >>> zerojax.logical_param_specs(params, [('embed', None), ('mlp', 'model')])['kernel']
-  PartitionSpec(None, 'model')
+  P(None, 'model')
   """
-  if isinstance(tree, nnx.State):
-    logical = nnx.get_partition_spec(tree)
-    logical = jax.tree.map(
-      lambda x: getattr(x, 'sharding', None) or PartitionSpec(),
-      logical,
-      is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
-    logical = nnx.to_pure_dict(nnx.State(logical)) if isinstance(logical, nnx.State) else logical
-  else:
-    logical = nn.get_partition_spec(tree)
+  logical = nn.get_partition_spec(tree)
   known = {name for name, _ in rules}
 
   def to_mesh(path, spec):
