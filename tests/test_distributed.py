@@ -81,7 +81,7 @@ def train(processes, stage, folder, *, checkpoint=None, steps=STEPS):
   return ok(launch(processes, args)), load(path)
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='session')  # once per worker, even if other modules' tests interleave
 def runs(tmp_path_factory):
   """Stage 1 and 3 runs on 2 x 4 and 1 x 8 devices; stage 3 also checkpoints."""
   folder = str(tmp_path_factory.mktemp('dist'))

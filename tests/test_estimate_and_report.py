@@ -139,3 +139,15 @@ def test_estimate_command():
   lines = proc.stdout.splitlines()
   assert lines[0].split()[:5] == ['stage', 'params', 'grads', 'opt', 'state']
   assert lines[4].split()[:5] == ['3', '0.058', '0.058', '0.116', '0.233']
+
+
+def test_estimate_command_mixed_precision_and_offload():
+  proc = _run_cli(
+    'estimate', '--params', '1e9', '--devices', '64', '--mixed-precision', '--offload', 'opt_state'
+  )
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines[0].split()[-5:] == ['total', 'host', 'GiB', 'per', 'device']
+  # Stage 3: bf16 params and grads 2/N each, master 4/N on device, moments 8/N on host.
+  gib = 1e9 / 64 / 2**30
+  assert lines[4].split()[1:6] == [f'{x * gib:.3f}' for x in (2, 2, 4, 8, 8)]

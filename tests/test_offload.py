@@ -21,9 +21,12 @@ def kinds(tree):
 
 @pytest.mark.parametrize('stage', STAGES)
 @pytest.mark.parametrize('offload', ['opt_state', 'opt_state+master'])
-def test_memory_kinds_and_numerics(stage, offload, mesh):
-  tx = optax.adam(1e-2)
-  ztx = zerojax.zero_stage(zerojax.mixed_precision(tx), stage, mesh=mesh, offload=offload)
+@pytest.mark.parametrize('update_on', ['device', 'host'])
+def test_memory_kinds_and_numerics(stage, offload, update_on, mesh):
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  ztx = zerojax.zero_stage(
+    zerojax.mixed_precision(tx), stage, mesh=mesh, offload=offload, update_on=update_on
+  )
   params = mlp_params()
   opt_state = ztx.init(params)
   plan = zerojax.plan_for(ztx, params)
@@ -62,6 +65,7 @@ def test_plan_counts_host_bytes(auto_mesh):
   assert on.bytes_per_device()['host'] == 8 * psi // 8  # both moments, sharded
   assert on.bytes_per_device()['opt_state'] == off.bytes_per_device()['opt_state'] - 8 * psi // 8
   assert off.bytes_per_device()['host'] == 0
+  assert f'in host memory (offloaded) {8 * psi // 8 / 1024:.2f} KiB' in str(on)
 
 
 def test_train_state_with_offload(auto_mesh):
@@ -93,6 +97,10 @@ def test_bad_offload_value(auto_mesh):
   assert str(e.value).startswith(
     "`offload` must be one of (None, 'opt_state', 'opt_state+master'), got 'cpu'"
   )
+  with pytest.raises(ValueError, match="`update_on` must be 'device' or 'host', got 'gpu'"):
+    zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh, offload='opt_state', update_on='gpu')
+  with pytest.raises(ValueError, match="`update_on='host'` runs the update where offloaded"):
+    zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh, update_on='host')
 
 
 # --- Ahead of time for a TPU v5e:2x4: device bytes per chip drop by the offloaded bytes.
@@ -118,7 +126,12 @@ def test_tpu_device_bytes_drop_by_offloaded_bytes(stage):
     (64, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data'))
   )
   out = {}
-  for offload in (None, 'opt_state', 'opt_state+master'):
+  for offload, update_on in [
+    (None, 'device'),
+    ('opt_state', 'device'),
+    ('opt_state+master', 'device'),
+    ('opt_state+master', 'host'),
+  ]:
     state = zerojax.abstract_train_state(
       init_fn,
       jax.random.key(0),
@@ -127,13 +140,31 @@ def test_tpu_device_bytes_drop_by_offloaded_bytes(stage):
       mesh=mesh,
       param_dtype=jnp.bfloat16,
       offload=offload,
+      update_on=update_on,
     )
     compiled = jax.jit(mp_step, donate_argnums=0).lower(state, x).compile()
-    out[offload] = compiled.memory_analysis()
+    out[offload, update_on] = compiled.memory_analysis()
   moments, master = 8 * PSI // 8, 4 * PSI // 8
-  base = out[None]
+  base = out[None, 'device']
   assert base.host_argument_size_in_bytes == 0
-  for offload, host in [('opt_state', moments), ('opt_state+master', moments + master)]:
-    m = out[offload]
+  for key, host in [
+    (('opt_state', 'device'), moments),
+    (('opt_state+master', 'device'), moments + master),
+    (('opt_state+master', 'host'), moments + master),
+  ]:
+    m = out[key]
     assert m.host_argument_size_in_bytes == host
     assert base.argument_size_in_bytes - m.argument_size_in_bytes == host
+
+  def peak(m):
+    return (
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      - m.alias_size_in_bytes
+      + m.temp_size_in_bytes
+    )
+
+  # Streaming the state through the device brings it all down at once: temporaries grow
+  # by about what the arguments lost. Updating on the host keeps it off the device.
+  assert peak(out['opt_state+master', 'device']) > peak(base)
+  assert peak(out['opt_state+master', 'host']) < peak(base)

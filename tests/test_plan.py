@@ -107,7 +107,9 @@ def test_tensor_parallel_sharding_is_kept(kind):
   # The ZeRO axis goes to a free dimension; 'model' stays where it was.
   assert specs(plan.params)['dense1']['kernel'] == P('data', 'model')
   assert specs(plan.params)['dense2']['kernel'] == P('model', 'data')
-  assert specs(plan.opt_state)[0].mu['dense1']['bias'] == P('model')  # 64 = 2*4*8: dim taken
+  # The bias's one dimension is taken by 'model': ZeRO splits it further (64 = 2 x 4 x 8).
+  assert specs(plan.opt_state)[0].mu['dense1']['bias'] == P(('model', 'data'))
+  assert specs(plan.params)['dense1']['bias'] == P(('model', 'data'))
   assert plan.num_shards == 4
 
 
@@ -202,6 +204,7 @@ def test_printed_plan(explicit_mesh):
     'params': 64 * 16 * 4 + 12,
     'grads': 64 * 16 * 4 // 8 + 12,
     'opt_state': 2 * (512 + 12) + 4,
+    'host': 0,  # nothing offloaded
   }
   assert 'per device: params 4.01 KiB, grads 524 B, opt_state 1.03 KiB; total 5.55 KiB' in text
   assert "replicated over 'data' (4):" in text

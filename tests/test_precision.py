@@ -236,3 +236,21 @@ def test_non_finite_gradients_skip_the_step(stage, mesh):
     np.testing.assert_array_equal(np.asarray(a), b)
   assert int(state2.notfinite_count) == 1
   assert jax.tree.map(lambda a: a.sharding, (params2, state2)) == (plan.params, plan.opt_state)
+
+
+def test_estimate_mixed_precision_and_offload():
+  n, psi = 64, 10**6 * 64
+  tx = zerojax.mixed_precision(optax.adam(1e-3))
+  est = zerojax.estimate_memory(psi, tx, num_devices=n, dtype=jnp.bfloat16)
+  # bf16 params and grads, fp32 master + Adam (K = 12): 16, 4+12/N, 2+14/N, 16/N bytes/param
+  # (DESIGN.md), plus Adam's 4-byte step count.
+  assert [e.total - 4 for e in est] == [
+    16 * psi,
+    4 * psi + 12 * psi // n,
+    2 * psi + 14 * psi // n,
+    16 * psi // n,
+  ]
+  off = zerojax.estimate_memory(psi, tx, num_devices=n, dtype=jnp.bfloat16, offload='opt_state')
+  assert [e.host for e in off] == [8 * psi, 8 * psi // n, 8 * psi // n, 8 * psi // n]
+  assert [e.total + e.host for e in off] == [e.total for e in est]
+  assert 'host' in zerojax.format_estimates(off)

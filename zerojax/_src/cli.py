@@ -189,7 +189,14 @@ def cmd_estimate(args) -> int:
     params = int(float(args.params))
   else:
     raise SystemExit('error: give --params COUNT (e.g. 7e9) or --model PRESET')
-  estimates = zerojax.estimate_memory(params, _optimizer(args.optimizer), num_devices=args.devices)
+  tx, dtype = _optimizer(args.optimizer), jnp.float32
+  if args.mixed_precision:
+    tx, dtype = zerojax.mixed_precision(tx), jnp.bfloat16
+    if not isinstance(params, int):
+      params = zerojax.cast(params, dtype)
+  estimates = zerojax.estimate_memory(
+    params, tx, num_devices=args.devices, dtype=dtype, offload=args.offload
+  )
   print(zerojax.format_estimates(estimates))
   return 0
 
@@ -236,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
   e.add_argument('--model', help='or a preset name')
   e.add_argument('--devices', type=int, required=True)
   e.add_argument('--optimizer', default='adam', choices=OPTIMIZERS)
+  e.add_argument(
+    '--mixed-precision',
+    action='store_true',
+    help='bf16 params and grads, fp32 master copy in the optimizer state',
+  )
+  e.add_argument('--offload', choices=('opt_state', 'opt_state+master'), help='host offload')
   e.set_defaults(func=cmd_estimate)
   i = sub.add_parser('inspect', help='describe a checkpoint folder: steps, stage, mesh, leaves')
   i.add_argument('directory')

@@ -24,7 +24,8 @@ class MemoryEstimate:
     num_devices: devices on the ZeRO axis.
     params: parameters at rest.
     grads: gradients, as reduced (before the update).
-    opt_state: optimizer state.
+    opt_state: optimizer state in device memory.
+    host: optimizer state offloaded to host memory (per device).
   """
 
   stage: int
@@ -32,6 +33,7 @@ class MemoryEstimate:
   params: int
   grads: int
   opt_state: int
+  host: int = 0
 
   @property
   def total(self) -> int:
@@ -52,6 +54,7 @@ def estimate_memory(
   dtype: Any = jnp.float32,
   policy: rules.Policy = 'replicate',
   replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
+  offload: str | None = None,
 ) -> list[MemoryEstimate]:
   """Per-device bytes of params, grads and optimizer state for each stage.
 
@@ -70,6 +73,9 @@ def estimate_memory(
     policy: for leaves that do not divide by N: 'replicate' (default: count
       them whole, as they would be), 'pad' or 'error'.
     replicate_below_bytes: see `zerojax.make_plan`.
+    offload: see `zerojax.zero_stage`; offloaded bytes are reported as `host`.
+      For mixed precision pass `zerojax.mixed_precision(tx)` and
+      `dtype=jnp.bfloat16`.
 
   Returns:
     One `MemoryEstimate` per stage.
@@ -92,10 +98,13 @@ def estimate_memory(
       mesh=mesh,
       policy=policy,
       replicate_below_bytes=replicate_below_bytes,
+      offload=offload,
     )
     sizes = plan.bytes_per_device()
     out.append(
-      MemoryEstimate(stage, num_devices, sizes['params'], sizes['grads'], sizes['opt_state'])
+      MemoryEstimate(
+        stage, num_devices, sizes['params'], sizes['grads'], sizes['opt_state'], sizes['host']
+      )
     )
   return out
 
@@ -106,9 +115,13 @@ def format_estimates(estimates: Sequence[MemoryEstimate]) -> str:
   lines = [
     f'{"stage":>5}  {"params":>10}  {"grads":>10}  {"opt state":>10}  {"total":>10}   GiB per device'
   ]
+  host = any(e.host for e in estimates)
+  if host:
+    lines[0] = lines[0].replace('   GiB', f'  {"host":>10}   GiB')
   for e in estimates:
     lines.append(
       f'{e.stage:>5}  {gib(e.params)}  {gib(e.grads)}  {gib(e.opt_state)}  {gib(e.total)}'
-      f'   (N={e.num_devices})'
+      + (f'  {gib(e.host)}' if host else '')
+      + f'   (N={e.num_devices})'
     )
   return '\n'.join(lines)

@@ -146,11 +146,13 @@ def format_plan(plan: ZeroPlan) -> str:
   lines.append('  '.join('-' * w for w in widths))
   lines.extend(fmt(row) for row in table)
   totals = plan.bytes_per_device()
+  host = totals.pop('host')
   total = sum(totals.values())
   lines.append(
     'per device: '
     + ', '.join(f'{k} {_fmt_bytes(v)}' for k, v in totals.items())
     + f'; total {_fmt_bytes(total)}'
+    + (f'; in host memory (offloaded) {_fmt_bytes(host)}' if host else '')
   )
   reps = plan.replicated()
   if reps:

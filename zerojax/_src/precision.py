@@ -187,6 +187,10 @@ def cast(tree: Any, dtype: Any) -> Any:
   dtype = _check_float(dtype, 'dtype')
 
   def one(x):
-    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+    return x.astype(dtype)
 
   return jax.tree.map(one, tree)

@@ -34,6 +34,7 @@ def zero_train_state(
   param_specs: Any = None,
   param_axis: mesh_lib.AxisName | None = None,
   offload: str | None = None,
+  update_on: str = 'device',
 ) -> State:
   """Re-lays out a train state for ZeRO `stage`; see `zerojax.zero_stage`."""
   if not isinstance(state.tx, optax.GradientTransformation):
@@ -52,6 +53,7 @@ def zero_train_state(
     param_specs=param_specs,
     param_axis=param_axis,
     offload=offload,
+    update_on=update_on,
   )
   plan = transform.plan_for(tx, state.params)
   # Every check runs before anything is placed, so a failure leaves no
@@ -132,6 +134,7 @@ def create_train_state(
   param_specs: Any = None,
   param_axis: mesh_lib.AxisName | None = None,
   offload: str | None = None,
+  update_on: str = 'device',
   **fields: Any,
 ) -> State:
   """Builds a train state directly in its ZeRO layout.
@@ -156,7 +159,7 @@ def create_train_state(
       cast to it after `tx.init` has seen them at full precision: with
       `zerojax.mixed_precision(tx)` the fp32 master copy lives in the
       (sharded) optimizer state and the model computes in `param_dtype`.
-    param_specs, param_axis, offload: see `zerojax.zero_stage`.
+    param_specs, param_axis, offload, update_on: see `zerojax.zero_stage`.
     **fields: extra fields of `state_class`, passed to its `create`; their
       array leaves are replicated.
 
@@ -187,6 +190,7 @@ def create_train_state(
     param_specs=param_specs,
     param_axis=param_axis,
     offload=offload,
+    update_on=update_on,
   )
   return jax.jit(build, out_shardings=shardings)(*init_args)
 
@@ -206,6 +210,7 @@ def abstract_train_state(
   param_specs: Any = None,
   param_axis: mesh_lib.AxisName | None = None,
   offload: str | None = None,
+  update_on: str = 'device',
   **fields: Any,
 ) -> State:
   """Like `create_train_state`, but allocates nothing.
@@ -239,6 +244,7 @@ def abstract_train_state(
     param_specs=param_specs,
     param_axis=param_axis,
     offload=offload,
+    update_on=update_on,
   )
   return jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental import compute_on
 from jax.sharding import Mesh, NamedSharding
 
 from zerojax._src import mesh as mesh_lib
@@ -31,6 +32,7 @@ class ZeroConfig:
     param_specs: the tensor-parallel PartitionSpecs given, if any.
     param_axis: the hpZ parameter axes, if any (see `zerojax.make_plan`).
     offload: which optimizer state lives in host memory, if any.
+    update_on: where the optimizer update runs: 'device' or 'host'.
   """
 
   inner: optax.GradientTransformation
@@ -42,6 +44,7 @@ class ZeroConfig:
   param_specs: Any = None
   param_axis: Any = None
   offload: str | None = None
+  update_on: str = 'device'
   # Plans computed at `init`, by tree structure and shapes. Under an Auto mesh a
   # jitted `update` cannot see its arguments' tensor-parallel layouts, so it
   # reuses the plan that `init` derived from the concrete parameters.
@@ -139,6 +142,34 @@ def _to_memory(tree: Any, shardings: Any, *, host: bool) -> Any:
   return jax.tree.map(one, tree, shardings)
 
 
+def _move(tree: Any, space: Any) -> Any:
+  return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def _update_on_host(inner, grads, state, params, extra_args):
+  """Runs `inner.update` in host memory on the host (`compute_on('device_host')`)."""
+  host = jax.memory.Space.Host
+
+  @compute_on.compute_on('device_host')
+  @jax.jit
+  def run(grads, state, params):
+    return inner.update(grads, state, params, **extra_args)
+
+  updates, state = run(_move(grads, host), _move(state, host), _move(params, host))
+  return _move(updates, jax.memory.Space.Device), state
+
+
+def _to_plan_memory(tree: Any, shardings: Any) -> Any:
+  """Leaves computed in host memory go back to device memory unless the plan offloads them."""
+  return jax.tree.map(
+    lambda x, s: (
+      x if s.memory_kind == plan_lib.HOST else jax.device_put(x, jax.memory.Space.Device)
+    ),
+    tree,
+    shardings,
+  )
+
+
 def config_of(tx: Any) -> ZeroConfig | None:
   """The `ZeroConfig` of a transformation made by `zero_stage`, else None."""
   update = getattr(tx, 'update', None)
@@ -175,6 +206,7 @@ def zero_optimizer(
   param_specs: Any = None,
   param_axis: mesh_lib.AxisName | None = None,
   offload: str | None = None,
+  update_on: str = 'device',
 ) -> optax.GradientTransformationExtraArgs:
   """Rewrites an optax transformation for ZeRO `stage`; see `zerojax.zero_stage`."""
   stage = plan_lib.check_stage(stage)
@@ -197,6 +229,16 @@ def zero_optimizer(
     if not set(param_axes) <= set(axes):
       plan_lib.make_plan({}, stage=stage, mesh=mesh, axis=axes, param_axis=param_axis)  # raises
     axes = tuple(param_axes) + tuple(a for a in axes if a not in param_axes)
+  if update_on not in ('device', 'host'):
+    raise ValueError(
+      f"`update_on` must be 'device' or 'host', got {update_on!r}: 'host' runs the"
+      " optimizer update on the host, on offloaded state (needs offload='opt_state')."
+    )
+  if update_on == 'host' and offload is None:
+    raise ValueError(
+      "`update_on='host'` runs the update where offloaded state lives: pass"
+      " offload='opt_state' (or 'opt_state+master') too."
+    )
   inner = optax.with_extra_args_support(tx)
   config = ZeroConfig(
     inner=tx,
@@ -208,6 +250,7 @@ def zero_optimizer(
     param_specs=param_specs,
     param_axis=param_axis,
     offload=offload,
+    update_on=update_on,
   )
 
   def init(params: optax.Params) -> optax.OptState:
@@ -235,9 +278,12 @@ def zero_optimizer(
       validation.check_like_params(updates, params, 'grads')
     plan = config.plan(params if params is not None else updates, opt_state=state)
 
+    on_host = config.update_on == 'host'
+
     def body(grads, state, params):
-      # Offloaded state streams through the device for the update.
-      state = _to_memory(state, plan.opt_state, host=False)
+      if not on_host:
+        # Offloaded state streams through the device for the update.
+        state = _to_memory(state, plan.opt_state, host=False)
       # Reduce into the stage's gradient layout: from stage 2 the compiler
       # emits a reduce-scatter here (XLA:CPU: all-reduce + dynamic-slice).
       like = grads
@@ -254,6 +300,14 @@ def zero_optimizer(
           params = mesh_lib.constrain(params, plan.params, mesh)
           if any(plan.padding):
             params = mesh_lib.constrain(_pad(params, plan), plan.param_shards, mesh)
+      if on_host:
+        # ZeRO-Offload's CPU update: gradient shards go to host memory, the
+        # optimizer runs there on the offloaded state, and only the updates
+        # come back; the state never occupies device memory.
+        new_updates, new_state = _update_on_host(inner, grads, state, params, extra_args)
+        new_updates = _unpad(new_updates, plan, like)
+        new_updates = mesh_lib.constrain(new_updates, plan.params, mesh)
+        return new_updates, _to_plan_memory(new_state, plan.opt_state)
       new_updates, new_state = inner.update(grads, state, params, **extra_args)
       new_updates = _unpad(new_updates, plan, like)
       # Stages 1-2 all-gather the updated shards; stage 3 keeps them sharded.

@@ -22,6 +22,7 @@ def zero_stage(
   param_specs: Any = None,
   param_axis: mesh_lib.AxisName | None = None,
   offload: str | None = None,
+  update_on: str = 'device',
 ) -> Any:
   """Applies ZeRO `stage` to an optax optimizer or a flax train state.
 
@@ -56,6 +57,10 @@ def zero_stage(
       memory (`memory_kind='pinned_host'`) and streams it through the device
       for the update; 'opt_state+master' also the fp32 master copy of
       `zerojax.mixed_precision`. Default None: all on device.
+    update_on: with `offload`, where the optimizer update runs: 'device'
+      (stream the offloaded state through device memory) or 'host' (run it on
+      the host with `compute_on('device_host')`: only gradient shards go down
+      and updates come up, so the state never takes device memory).
 
   Returns:
     For an optimizer: an `optax.GradientTransformationExtraArgs` whose `init`
@@ -88,6 +93,7 @@ def zero_stage(
     param_specs=param_specs,
     param_axis=param_axis,
     offload=offload,
+    update_on=update_on,
   )
   if isinstance(target, optax.GradientTransformation):
     return transform.zero_optimizer(target, stage, **kwargs)
