@@ -4,7 +4,9 @@ Each run is `examples/multiprocess.py` in fresh processes (2 x 4 faked CPU
 devices, or 1 x 8), so the suite's own 8-device backend is not involved.
 """
 
+import fcntl
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -81,18 +83,34 @@ def train(processes, stage, folder, *, checkpoint=None, steps=STEPS):
   return ok(launch(processes, args)), load(path)
 
 
-@pytest.fixture(scope='session')  # once per worker, even if other modules' tests interleave
+@pytest.fixture(scope='session')
 def runs(tmp_path_factory):
-  """Stage 1 and 3 runs on 2 x 4 and 1 x 8 devices; stage 3 also checkpoints."""
-  folder = str(tmp_path_factory.mktemp('dist'))
-  out = {}
-  for stage in (1, 3):
-    for processes in (2, 1):
-      ckpt = os.path.join(folder, f'ckpt_p{processes}') if stage == 3 else None
-      logs, state = train(processes, stage, folder, checkpoint=ckpt)
-      out[processes, stage] = {'logs': logs, 'state': state, 'checkpoint': ckpt}
-  out['folder'] = folder
-  return out
+  """Stage 1 and 3 runs on 2 x 4 and 1 x 8 devices; stage 3 also checkpoints.
+
+  Made once per test run: the results sit in a folder shared by the xdist
+  workers, under a lock, so a second worker reads them instead of training again.
+  """
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):  # basetemp is per worker; its parent per run
+    base = base.parent
+  folder = str(base / 'distributed_runs')
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, 'lock'), 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    done = os.path.join(folder, 'runs.pkl')
+    if os.path.exists(done):
+      with open(done, 'rb') as f:
+        return pickle.load(f)
+    out = {}
+    for stage in (1, 3):
+      for processes in (2, 1):
+        ckpt = os.path.join(folder, f'ckpt_p{processes}') if stage == 3 else None
+        logs, state = train(processes, stage, folder, checkpoint=ckpt)
+        out[processes, stage] = {'logs': logs, 'state': state, 'checkpoint': ckpt}
+    out['folder'] = folder
+    with open(done, 'wb') as f:
+      pickle.dump(out, f)
+    return out
 
 
 def close(a: dict, b: dict, rtol: float) -> None:
