@@ -36,6 +36,7 @@ def memory_table(plan, compiled) -> str:
     ('params at rest', sizes['params']),
     ('grads (reduced)', sizes['grads']),
     ('optimizer state', sizes['opt_state']),
+    *([('  + in host memory', sizes['host'])] if sizes['host'] else []),
     ('step arguments', mem.argument),
     ('step temporaries', mem.temp),
     ('step peak (est.)', mem.peak),
@@ -65,6 +66,8 @@ def train(
   mesh=None,
   checkpoint_dir: str | None = None,
   save_every: int = 50,
+  param_dtype=None,
+  **zero_kwargs,
 ) -> dict:
   """Trains `model` under ZeRO `stage`: the loop every example shares.
 
@@ -80,6 +83,8 @@ def train(
     checkpoint_dir: if given, save there every `save_every` steps (async,
       keeping the last 3) and resume from the latest checkpoint: state and
       data position, so the resumed run is bitwise the uninterrupted one.
+    param_dtype: compute dtype of the parameters (with a mixed_precision tx).
+    **zero_kwargs: more options of `zerojax.create_train_state` (offload, ...).
 
   Returns:
     losses [(step, loss)], the final state, the plan, the compiled step, the
@@ -100,6 +105,8 @@ def train(
     stage=stage,
     mesh=mesh,
     apply_fn=model.apply,
+    param_dtype=param_dtype,
+    **zero_kwargs,
   )
   plan = zerojax.plan_for(state.tx, state.params)
   rows = zerojax.process_batch_slice(len(next(iter(init_batch.values()))), mesh)

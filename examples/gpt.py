@@ -140,7 +140,7 @@ class GPT(nn.Module):
 
 def loss_fn(apply_fn, params, batch):
   tokens = batch['tokens']
-  logits = apply_fn({'params': params}, tokens[:, :-1])
+  logits = apply_fn({'params': params}, tokens[:, :-1]).astype(jnp.float32)
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
@@ -155,13 +155,19 @@ def run(
   checkpoint_dir: str | None = None,
   save_every: int = 50,
   tx=None,
+  mixed_precision: bool = False,
+  **zero_kwargs,
 ) -> dict:
   """Trains for `steps` steps; returns losses, the state, the plan and the compiled step.
 
-  `tx` defaults to AdamW with the config's learning rate.
+  `tx` defaults to AdamW with the config's learning rate. With
+  `mixed_precision`, parameters are bf16 and the optimizer keeps an fp32
+  master copy (`zerojax.mixed_precision`); `zero_kwargs` go to
+  `zerojax.create_train_state` (e.g. offload='opt_state', update_on='host').
   """
   data = load_text(text)
   mesh = make_mesh()
+  tx = tx or optax.adamw(cfg.lr, weight_decay=0.01)
   return train(
     model=GPT(cfg, mesh),
     init_inputs={'tokens': jnp.zeros((1, cfg.seq_len), jnp.int32)},
@@ -170,13 +176,15 @@ def run(
     batch_at=lambda step: {'tokens': batch_at(data, step, cfg)},
     stage=stage,
     steps=steps,
-    tx=tx or optax.adamw(cfg.lr, weight_decay=0.01),
+    tx=zerojax.mixed_precision(tx) if mixed_precision else tx,
+    param_dtype=jnp.bfloat16 if mixed_precision else None,
     name='gpt',
     log_every=log_every,
     quiet=quiet,
     mesh=mesh,
     checkpoint_dir=checkpoint_dir,
     save_every=save_every,
+    **zero_kwargs,
   )
 
 
@@ -190,6 +198,15 @@ def main(argv=None) -> int:
   parser.add_argument('--batch', type=int, default=16)
   parser.add_argument('--checkpoint-dir', help='save here and resume from the latest checkpoint')
   parser.add_argument('--save-every', type=int, default=50)
+  parser.add_argument(
+    '--mixed-precision', action='store_true', help='bf16 parameters, fp32 master copy'
+  )
+  parser.add_argument(
+    '--offload', choices=('opt_state', 'opt_state+master'), help='optimizer state in host memory'
+  )
+  parser.add_argument(
+    '--update-on', default='device', choices=('device', 'host'), help='with --offload'
+  )
   args = parser.parse_args(argv)
   cfg = Config(d_model=args.d_model, n_layers=args.layers, batch=args.batch)
   out = run(
@@ -199,6 +216,9 @@ def main(argv=None) -> int:
     text=args.text,
     checkpoint_dir=args.checkpoint_dir,
     save_every=args.save_every,
+    mixed_precision=args.mixed_precision,
+    offload=args.offload,
+    update_on=args.update_on,
   )
   report(out, 'gpt')
   return 0

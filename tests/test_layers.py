@@ -89,6 +89,27 @@ def test_gpt_loss_decreases():
   assert last < first - 1.0  # from ~5.5 (uniform over bytes) down to ~3
 
 
+def test_gpt_mixed_precision_with_host_offload_trains():
+  cfg = gpt.Config(d_model=64, n_layers=2)
+  out = gpt.run(
+    stage=3,
+    steps=30,
+    cfg=cfg,
+    log_every=1,
+    quiet=True,
+    mixed_precision=True,
+    offload='opt_state+master',
+    update_on='host',
+  )
+  losses = [loss for _, loss in out['losses']]
+  assert np.mean(losses[-5:]) < losses[0] - 1.0
+  state = out['state']
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+  kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state) if x.ndim}
+  assert kinds == {'pinned_host'}
+  assert out['plan'].bytes_per_device()['host'] == 12 * out['num_params'] // 8
+
+
 def test_gpt_text_file_and_loader(tmp_path):
   path = tmp_path / 'corpus.txt'
   path.write_bytes(b'hello zerojax ' * 200)

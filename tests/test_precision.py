@@ -254,3 +254,17 @@ def test_estimate_mixed_precision_and_offload():
   assert [e.host for e in off] == [8 * psi, 8 * psi // n, 8 * psi // n, 8 * psi // n]
   assert [e.total + e.host for e in off] == [e.total for e in est]
   assert 'host' in zerojax.format_estimates(off)
+
+
+def test_train_state_plan_counts_compute_dtype(auto_mesh):
+  state = zerojax.create_train_state(
+    init_fn,
+    jax.random.key(0),
+    tx=zerojax.mixed_precision(optax.adam(1e-3)),
+    stage=3,
+    mesh=auto_mesh,
+    param_dtype=jnp.bfloat16,
+  )
+  sizes = zerojax.plan_for(state.tx, state.params).bytes_per_device()
+  assert sizes['params'] == 2 * PSI // N  # bf16 at rest
+  assert sizes['opt_state'] == 12 * PSI // N + 4  # fp32 master + Adam, and its count

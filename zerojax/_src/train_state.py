@@ -99,6 +99,8 @@ def _layout(
   )
   config = transform.config_of(ztx)
   abstract_params = jax.eval_shape(init_fn, *init_args)
+  if param_dtype is not None:  # the plan's accounting uses the dtype the state will hold
+    abstract_params = precision.cast(abstract_params, param_dtype)
   plan = config.plan(abstract_params)
 
   def build(*args):
