@@ -134,7 +134,7 @@ def cmd_plan(args) -> int:
     f'\n{spec.name} | {num_params / 1e9:.2f}B params | ZeRO stage {args.stage} | {args.optimizer}'
     f' | {args.topology} ({n} chips) | batch {args.batch_per_chip}/chip x {batch_sds.shape[1:]}'
   )
-  sizes = plan.bytes_per_device()
+  sizes = {k: v for k, v in plan.bytes_per_device().items() if v or k != 'host'}
   print('plan per chip: ' + ', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in sizes.items()))
   print(report)
   fits = None
