@@ -258,23 +258,8 @@ def make_plan(
   policy = check_policy(policy)
   mesh = mesh_lib.resolve_mesh(mesh)
   axes = mesh_lib.resolve_axes(mesh, axis)
-  if offload not in OFFLOAD:
-    raise ValueError(
-      f'`offload` must be one of {OFFLOAD}, got {offload!r}: None keeps everything on'
-      " device, 'opt_state' moves the optimizer state to host memory, 'opt_state+master'"
-      ' also the mixed_precision master copy.'
-    )
-  param_axes = axes
-  if param_axis is not None:
-    param_axes = mesh_lib.resolve_axes(mesh, param_axis)
-    if not set(param_axes) <= set(axes):
-      raise ValueError(
-        f'`param_axis`={param_axis!r} must be a subset of the ZeRO axes {axes}: parameters'
-        ' are split within a group of the devices that split the optimizer state.'
-      )
-    # The parameter axes go first (major), so a parameter shard is a run of
-    # whole optimizer-state shards: one all-gather over the other axes.
-    axes = tuple(param_axes) + tuple(a for a in axes if a not in param_axes)
+  check_offload(offload)
+  axes, param_axes = order_axes(mesh, axes, param_axis)
   abstract = validation.abstract_arrays(params, 'params')
 
   if param_specs is not None:
@@ -435,6 +420,38 @@ def make_plan(
 
 OFFLOAD = (None, 'opt_state', 'opt_state+master')
 HOST = 'pinned_host'
+
+
+def check_offload(offload: Any) -> str | None:
+  if offload not in OFFLOAD:
+    raise ValueError(
+      f'`offload` must be one of {OFFLOAD}, got {offload!r}: None keeps everything on'
+      " device, 'opt_state' moves the optimizer state to host memory, 'opt_state+master'"
+      ' also the mixed_precision master copy.'
+    )
+  return offload
+
+
+def order_axes(
+  mesh: Mesh, axes: tuple[str, ...], param_axis: mesh_lib.AxisName | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """The ZeRO axes with hpZ's parameter axes first, and the parameter axes.
+
+  Parameter axes go first (major), so a parameter shard is a run of whole
+  optimizer-state shards: one all-gather over the other axes rebuilds it.
+
+  Raises:
+    ValueError: `param_axis` names an axis that is not a ZeRO axis.
+  """
+  if param_axis is None:
+    return axes, axes
+  param_axes = mesh_lib.resolve_axes(mesh, param_axis)
+  if not set(param_axes) <= set(axes):
+    raise ValueError(
+      f'`param_axis`={param_axis!r} must be a subset of the ZeRO axes {axes}: parameters'
+      ' are split within a group of the devices that split the optimizer state.'
+    )
+  return tuple(param_axes) + tuple(a for a in axes if a not in param_axes), param_axes
 
 
 def _offloaded(path: tuple, x: Any, offload: str | None) -> bool:

@@ -222,13 +222,8 @@ def zero_optimizer(
     )
   mesh = mesh_lib.resolve_mesh(mesh)
   axes = mesh_lib.resolve_axes(mesh, axis)
-  if offload not in plan_lib.OFFLOAD:
-    plan_lib.make_plan({}, stage=stage, mesh=mesh, axis=axes, offload=offload)  # raises
-  if param_axis is not None:
-    param_axes = mesh_lib.resolve_axes(mesh, param_axis)
-    if not set(param_axes) <= set(axes):
-      plan_lib.make_plan({}, stage=stage, mesh=mesh, axis=axes, param_axis=param_axis)  # raises
-    axes = tuple(param_axes) + tuple(a for a in axes if a not in param_axes)
+  plan_lib.check_offload(offload)
+  axes, _ = plan_lib.order_axes(mesh, axes, param_axis)
   if update_on not in ('device', 'host'):
     raise ValueError(
       f"`update_on` must be 'device' or 'host', got {update_on!r}: 'host' runs the"
