@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
+from zerojax._src import mesh as mesh_lib
 from zerojax._src import transform
 
 
@@ -94,9 +95,7 @@ def value_and_grad(
     raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
   axes, mesh, stage = config.axes, config.mesh, config.stage
   axis_arg = axes if len(axes) > 1 else axes[0]
-  n = 1
-  for a in axes:
-    n *= mesh.shape[a]
+  n = mesh_lib.axes_size(mesh, axes)
 
   def fn(params, batch, *args, loss_scale=None):
     plan = config.plan(params)
