@@ -85,12 +85,7 @@ def value_and_grad(
   Raises:
     ValueError: the rows of a device do not divide into `micro_batches`.
   """
-  config = transform.config_of(tx)
-  if config is None:
-    raise TypeError(
-      '`tx` was not made by zerojax.zero_stage; wrap it first:'
-      ' tx = zerojax.zero_stage(tx, stage, mesh=mesh).'
-    )
+  config = transform.require_config(tx)
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
     raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
   axes, mesh, stage = config.axes, config.mesh, config.stage

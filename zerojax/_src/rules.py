@@ -122,7 +122,6 @@ def leaf_rule(
     i
     for i, entry in enumerate(base)
     if entry is not None
-    and (shape[i] // math.prod(mesh.shape[a] for a in spec_axes(entry))) % n == 0
     and shape[i] % (n * math.prod(mesh.shape[a] for a in spec_axes(entry))) == 0
   ]
   if taken and n > 1:

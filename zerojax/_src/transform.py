@@ -176,12 +176,8 @@ def config_of(tx: Any) -> ZeroConfig | None:
   return getattr(update, _CONFIG_ATTR, None)
 
 
-def plan_for(tx: optax.GradientTransformation, params: optax.Params) -> plan_lib.ZeroPlan:
-  """The plan a zero-wrapped optimizer uses for `params`.
-
-  Args:
-    tx: a transformation returned by `zerojax.zero_stage`.
-    params: the parameters (arrays or ShapeDtypeStructs).
+def require_config(tx: Any) -> ZeroConfig:
+  """The `ZeroConfig` of a transformation made by `zero_stage`.
 
   Raises:
     TypeError: if `tx` was not made by `zero_stage`.
@@ -192,6 +188,20 @@ def plan_for(tx: optax.GradientTransformation, params: optax.Params) -> plan_lib
       '`tx` was not made by zerojax.zero_stage; wrap it first:'
       ' tx = zerojax.zero_stage(tx, stage, mesh=mesh).'
     )
+  return config
+
+
+def plan_for(tx: optax.GradientTransformation, params: optax.Params) -> plan_lib.ZeroPlan:
+  """The plan a zero-wrapped optimizer uses for `params`.
+
+  Args:
+    tx: a transformation returned by `zerojax.zero_stage`.
+    params: the parameters (arrays or ShapeDtypeStructs).
+
+  Raises:
+    TypeError: if `tx` was not made by `zero_stage`.
+  """
+  config = require_config(tx)
   return config.plan(params)
 
 
