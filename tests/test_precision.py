@@ -269,3 +269,61 @@ def test_train_state_plan_counts_compute_dtype(auto_mesh):
   sizes = zerojax.plan_for(state.tx, state.params).bytes_per_device()
   assert sizes['params'] == 2 * PSI // N  # bf16 at rest
   assert sizes['opt_state'] == 12 * PSI // N + 4  # fp32 master + Adam, and its count
+
+
+def _one_scaled_sgd_step(mesh, stage, scale, path):
+  """One SGD(lr=1) step under `mixed_precision` with a loss scale; returns (master, new master, grad)."""
+  ztx = zerojax.zero_stage(
+    zerojax.mixed_precision(optax.sgd(1.0), loss_scale=scale), stage, mesh=mesh
+  )
+  master = mlp_params()
+  opt_state = ztx.init(master)
+  plan = zerojax.plan_for(ztx, master)
+  params = jax.device_put(master, plan.params)
+  xs, ys = shard_batch(mesh, *batch())
+  data = {'x': xs, 'y': ys}
+
+  def batch_loss(p, b):
+    return loss_fn(p, b['x'], b['y'])
+
+  def grads_of(params, scale_value):
+    if path == 'value_and_grad':
+      grad_fn = zerojax.value_and_grad(batch_loss, ztx, micro_batches=2)
+      return grad_fn(params, data, loss_scale=scale_value)[1]
+    scaled = lambda p: batch_loss(zerojax.gather_params(p, plan), data) * scale_value
+    return jax.grad(scaled)(params)
+
+  @jax.jit
+  def step(params, opt_state):
+    grads = grads_of(params, zerojax.loss_scale(opt_state))
+    _, opt_state = ztx.update(grads, opt_state, params)
+    return opt_state
+
+  # The true gradient, by the same path with no scale.
+  grad = jax.jit(lambda p: grads_of(p, jnp.float32(1)))(params)
+  new_state = step(params, opt_state)
+  return jax.tree.map(np.asarray, (master, new_state.master, grad))
+
+
+@pytest.mark.parametrize('path', ['value_and_grad', 'jax.grad'])
+@pytest.mark.parametrize('scale', [1024.0, 'dynamic'])
+@pytest.mark.parametrize('stage', STAGES)
+def test_loss_scale_is_divided_out_exactly_once(stage, scale, path, mesh):
+  master, new_master, grad = _one_scaled_sgd_step(mesh, stage, scale, path)
+  # SGD is not scale-invariant: a scale divided out twice (or never) shows. The
+  # scales are powers of two, so the unscaled gradient is bit for bit the true one.
+  for m, new, g in zip(*map(jax.tree.leaves, (master, new_master, grad))):
+    np.testing.assert_array_equal(new, m - 1.0 * g)
+    assert np.abs(g).max() > 1e-3
+
+
+@pytest.mark.parametrize('stage', [1, 3])
+def test_mixed_precision_outside_zero_stage_is_refused(stage, mesh):
+  ztx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
+  with pytest.raises(ValueError) as e:
+    zerojax.mixed_precision(ztx)
+  assert str(e.value) == (
+    '`tx` is already wrapped by zero_stage, so the fp32 master copy that mixed_precision adds'
+    ' would sit outside the sharded optimizer state, whole on every device. Nest them the'
+    ' other way round: zerojax.zero_stage(zerojax.mixed_precision(tx), stage, mesh=mesh).'
+  )

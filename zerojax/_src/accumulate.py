@@ -80,7 +80,9 @@ def value_and_grad(
     pytree of arrays whose leading dimension (the global batch) is split over
     the ZeRO axes; `args` are passed to `loss_fn` unchanged (replicated).
     With `loss_scale` (e.g. `zerojax.loss_scale(opt_state)` for fp16), the
-    gradients are of `loss * loss_scale`; the returned loss is unscaled.
+    gradients are of `loss * loss_scale` (still scaled: the optimizer's
+    `zerojax.mixed_precision` divides the scale out and skips steps that
+    overflowed); the returned loss is unscaled.
 
   Raises:
     ValueError: the rows of a device do not divide into `micro_batches`.
@@ -165,8 +167,11 @@ def value_and_grad(
         a if (stage >= 2 and d is not None) else jax.lax.psum(a, axis_arg)
         for a, d in zip(acc, scatter_dims)
       ]
+      # The mean over devices and micro-batches. A loss scale stays in: the
+      # optimizer's `mixed_precision` divides it out, once, beside its
+      # overflow check (dividing here too made every step 1/scale too small).
       denom = n * micro_batches
-      grads = [(a / (denom * scale.astype(a.dtype))).astype(a.dtype) for a in acc]
+      grads = [(a / denom).astype(a.dtype) for a in acc]
       loss = jax.lax.pmean(loss_sum / micro_batches, axis_arg)
       aux = None
       if has_aux:

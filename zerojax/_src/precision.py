@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zerojax._src import transform
+
 
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
@@ -72,14 +74,26 @@ def mixed_precision(
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps an fp32 master copy of the parameters in `tx`'s state and updates it there.
 
+  Wrap it with `zero_stage`, not the other way round:
+  `zero_stage(mixed_precision(tx), stage, mesh=mesh)` shards the master copy
+  with the rest of the optimizer state.
+
   Use with parameters in a compute dtype (e.g. `jnp.bfloat16`): `init` takes
   the parameters at full precision (or any dtype) and keeps them as the master
   copy; `update` casts the gradients to `master_dtype` (dividing out the loss
   scale), runs `tx` on the master copy, and returns updates that turn the
   compute-dtype parameters into the new master rounded to their dtype.
 
+  Loss scaling is undone here and only here: with `loss_scale`, pass the
+  gradients of `loss * zerojax.loss_scale(opt_state)` (as
+  `zerojax.value_and_grad(..., loss_scale=...)` returns them, or from your own
+  `jax.grad` of the scaled loss); `update` divides them by the scale in
+  `master_dtype` before `tx` sees them, so clipping and the optimizer see true
+  gradients.
+
   Args:
-    tx: the optimizer (any optax transformation).
+    tx: the optimizer (any optax transformation not yet wrapped by
+      `zero_stage`).
     master_dtype: dtype of the master copy and of the update arithmetic.
     loss_scale: None (bf16 needs none); a number for a static scale; 'dynamic'
       or a `DynamicLossScale` for fp16.
@@ -87,6 +101,10 @@ def mixed_precision(
   Returns:
     An optax transformation; wrap it with `zerojax.zero_stage` to shard the
     master copy with the optimizer state.
+
+  Raises:
+    ValueError: `tx` was already wrapped by `zero_stage` (the error shows the
+      right nesting), or a bad `loss_scale`.
 
   Example:
   >>> import jax.numpy as jnp, optax, zerojax
@@ -110,6 +128,13 @@ def mixed_precision(
     )
   if isinstance(loss_scale, (int, float)) and not loss_scale > 0:
     raise ValueError(f'`loss_scale` must be positive, got {loss_scale!r}.')
+  if transform.config_of(tx) is not None:
+    raise ValueError(
+      '`tx` is already wrapped by zero_stage, so the fp32 master copy that'
+      ' mixed_precision adds would sit outside the sharded optimizer state, whole on'
+      ' every device. Nest them the other way round:'
+      ' zerojax.zero_stage(zerojax.mixed_precision(tx), stage, mesh=mesh).'
+    )
   inner = optax.with_extra_args_support(tx)
   dynamic = isinstance(loss_scale, DynamicLossScale)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -32,21 +33,22 @@ _DTYPE_BYTES = {
   'f8e5m2': 1,
 }
 _HEADER = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
-_OP = re.compile(
-  r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s+(?P<op>'
-  + '|'.join(COLLECTIVES)
-  + r')(?P<start>-start)?\('
-)
-_FUSED_RS = re.compile(
-  r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s+fusion\(.*kind=kCustom.*calls=%?all-reduce-scatter'
-)
+# One instruction: `[ROOT] %name = TYPE opcode(operands), attributes`. The type
+# may be a (nested) tuple, so the opcode is found after it by `_split_type`.
+_INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$')
+_OPCODE = re.compile(r'^\s*(?P<op>[\w\-]+)\(')
+_COMMENT = re.compile(r'/\*.*?\*/')
+_FUSED_RS = re.compile(r'fusion\(.*kind=kCustom.*calls=%?all-reduce-scatter')
 _SHAPE = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([\d,]*)\]')
-_CALLS = re.compile(r'\b(body|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)')
-_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLS = re.compile(r'\b(calls|to_apply)=%?([\w.\-]+)')
+_BODY = re.compile(r'\bbody=%?([\w.\-]+)')
 _CONDITION = re.compile(r'\bcondition=%?([\w.\-]+)')
-_CONSTANT = re.compile(r'^\s*%?([\w.\-]+)\s*=\s*s32\[\][^ ]*\s+constant\((\d+)\)')
-_COMPARE_LT = re.compile(r'compare\([^)]*%([\w.\-]+)\),\s*direction=LT')
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_TRUE_FALSE = re.compile(r'\b(?:true_computation|false_computation)=%?([\w.\-]+)')
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_INIT_STEP = re.compile(r'"known_init_step":\{"init":"(-?\d+)","step":"(-?\d+)"\}')
+_CONSTANT = re.compile(r'^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\][^ ]*\s+constant\((-?\d+)\)')
+_OPERANDS = re.compile(r'%([\w.\-]+)')
 # Replica groups: explicit lists, iota form [groups,size]<=[...], or TPU's
 # mesh['axis_0'=8, ...] {'axis_0'} form.
 _GROUPS_LIST = re.compile(r'replica_groups=\{\{([\d,]*)\}')
@@ -55,6 +57,10 @@ _GROUPS_IOTA = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
 _GROUPS_MESH = re.compile(r'replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}')
 _PARTITIONS = re.compile(r'num_partitions=(\d+)')
 _CHANNEL = re.compile(r'\bchannel_id=(\d+)')
+
+
+class CollectiveCountWarning(UserWarning):
+  """A collective count could not be determined exactly from the HLO."""
 
 
 def _group_size(line: str, default: int) -> int:
@@ -85,22 +91,91 @@ def _ring_bytes(kind: str, result_bytes: int, n: int) -> float:
   return float(result_bytes)  # collective-permute
 
 
-def _trip_count(line: str, bodies: dict[str, list[str]]) -> int:
-  """Iterations of a `while`: XLA's known_trip_count, else its condition `i < N`."""
+def _split_type(rest: str) -> tuple[str, str]:
+  """Splits `TYPE opcode(...)...` into the type and what follows it."""
+  rest = rest.lstrip()
+  if not rest.startswith('('):
+    head, _, tail = rest.partition(' ')
+    return head, tail
+  depth = 0
+  for i, ch in enumerate(rest):
+    depth += ch in '([{'
+    depth -= ch in ')]}'
+    if depth == 0:
+      return rest[: i + 1], rest[i + 1 :]
+  return rest, ''
+
+
+def _tuple_elements(type_str: str) -> list[str]:
+  """The top-level elements of a tuple type (or [type_str] for an array type)."""
+  type_str = type_str.strip()
+  if not type_str.startswith('('):
+    return [type_str]
+  out, depth, current = [], 0, ''
+  for ch in type_str[1:-1]:
+    if ch == ',' and depth == 0:
+      out.append(current.strip())
+      current = ''
+      continue
+    depth += ch in '([{'
+    depth -= ch in ')]}'
+    current += ch
+  if current.strip():
+    out.append(current.strip())
+  return out
+
+
+def _result_type(kind: str, is_start: bool, type_str: str) -> str:
+  """The type of what an op delivers (an async start also carries its operands)."""
+  if not is_start:
+    return type_str
+  elements = _tuple_elements(type_str)
+  if kind == 'all-reduce' and not elements[0].startswith('('):
+    # all-reduce-start's type is its results only (a tuple when variadic).
+    return type_str
+  # all-gather-start (operands, results); collective-permute-start (operand,
+  # result, contexts); the generic async form ((operands), result, context).
+  return elements[1] if len(elements) > 1 else type_str
+
+
+def _trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
+  """Iterations of a `while`, or None when the HLO does not determine them.
+
+  XLA's `known_trip_count` when present; else a condition `i < N` (directly or
+  in a fusion) with N a constant and the loop's `known_init_step`. Nothing is
+  assumed beyond that.
+  """
   m = _TRIP.search(line)
   if m:
     return int(m.group(1))
+  init_step = _INIT_STEP.search(line)
   cond = _CONDITION.search(line)
-  if cond and cond.group(1) in bodies:
-    consts = {}
-    for cline in bodies[cond.group(1)]:
-      c = _CONSTANT.match(cline)
-      if c:
-        consts[c.group(1)] = int(c.group(2))
-      lt = _COMPARE_LT.search(cline)
-      if lt and lt.group(1) in consts:
-        return consts[lt.group(1)]
-  return 1
+  if not (init_step and cond and cond.group(1) in bodies):
+    return None
+  init, step = int(init_step.group(1)), int(init_step.group(2))
+  lines = bodies[cond.group(1)]
+  consts = {}
+  for cline in lines:
+    c = _CONSTANT.match(cline)
+    if c:
+      consts[c.group(1)] = int(c.group(2))
+  root = next((x for x in lines if x.lstrip().startswith('ROOT')), None)
+  if root is None or step <= 0:
+    return None
+  is_lt = 'compare(' in root and 'direction=LT' in root
+  callee = _CALLS.search(root)
+  if not is_lt and callee and callee.group(2) in bodies:
+    is_lt = any(
+      x.lstrip().startswith('ROOT') and 'compare(' in x and 'direction=LT' in x
+      for x in bodies[callee.group(2)]
+    )
+  if not is_lt:
+    return None
+  _, tail = _split_type(_INSTR.match(root).group('rest'))
+  operands = _OPERANDS.findall(tail[tail.index('(') + 1 : tail.index(')')])
+  if len(operands) != 2 or operands[1] not in consts:
+    return None
+  return max(0, -(-(consts[operands[1]] - init) // step))
 
 
 def _type_bytes(type_str: str) -> int:
@@ -121,11 +196,20 @@ class CollectiveStats:
     ring_bytes: kind -> bytes each device sends per step if each op runs as a
       ring (all-reduce 2S(n-1)/n, all-gather and all-to-all S(n-1)/n of the
       result S, reduce-scatter S(n-1), over groups of n devices).
+    uncertain: why the counts are not exact, one line per cause (a loop whose
+      trip count the HLO does not give is counted once; a conditional whose
+      branches differ is counted as its costliest branch). Empty when exact.
   """
 
   counts: dict[str, int]
   result_bytes: dict[str, int]
   ring_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+  uncertain: tuple[str, ...] = ()
+
+  @property
+  def exact(self) -> bool:
+    """Whether every count was determined from the program."""
+    return not self.uncertain
 
   @property
   def total_ring_bytes(self) -> float:
@@ -135,23 +219,27 @@ class CollectiveStats:
     return self.counts.get(kind, 0)
 
 
-def count_collectives(compiled_or_text: Any) -> CollectiveStats:
-  """Counts the collectives in a compiled program's HLO, per executed step.
+class _Tally:
+  """Counts, result bytes and ring bytes by kind, accumulated over a walk."""
 
-  Ops inside a `while` body count once per iteration (XLA's known_trip_count,
-  or the loop condition's `i < N` bound), so a scanned model is not
-  undercounted. Asynchronous pairs count once (the `-start` op), and so does a collective
-  that the compiler copies into several fusions (one `channel_id`; TPU puts one
-  in the async start, an overlapped matmul and the done). TPU's fused
-  `all-reduce-scatter` counts as a reduce-scatter.
+  def __init__(self):
+    self.counts = collections.Counter()
+    self.nbytes = collections.Counter()
+    self.ring = collections.Counter()
 
-  Args:
-    compiled_or_text: a `jax.stages.Compiled`, or its `as_text()`.
+  def add(self, other: _Tally, mult: int = 1) -> None:
+    for src, dst in ((other.counts, self.counts), (other.nbytes, self.nbytes)):
+      for k, v in src.items():
+        dst[k] += mult * v
+    for k, v in other.ring.items():
+      self.ring[k] += mult * v
 
-  Returns:
-    A `CollectiveStats`.
-  """
-  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+  def key(self) -> tuple:
+    return tuple(sorted(self.counts.items())), tuple(sorted(self.nbytes.items()))
+
+
+def _parse_computations(text: str) -> tuple[dict[str, list[str]], str]:
+  """Computation name -> its instruction lines (comments dropped), and the entry's name."""
   bodies: dict[str, list[str]] = {}
   entry = None
   current = None
@@ -166,62 +254,154 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
       if line.strip() == '}':
         current = None
       else:
-        bodies[current].append(line)
+        bodies[current].append(_COMMENT.sub('', line))
   if entry is None:
     raise ValueError('no ENTRY computation found in the HLO text')
+  return bodies, entry
 
-  counts: collections.Counter = collections.Counter()
-  nbytes: collections.Counter = collections.Counter()
-  ring: collections.Counter = collections.Counter()
+
+def _collective(line: str) -> tuple[str, bool, str] | None:
+  """(kind, is an async start, type) of a collective instruction, else None."""
+  m = _INSTR.match(line)
+  if m is None:
+    return None
+  type_str, tail = _split_type(m.group('rest'))
+  if _FUSED_RS.match(tail.lstrip()):
+    return 'reduce-scatter', False, type_str
+  op = _OPCODE.match(tail)
+  if op is None:
+    return None
+  name = op.group('op')
+  for kind in COLLECTIVES:
+    if name == kind:
+      return kind, False, type_str
+    if name == kind + '-start':
+      return kind, True, type_str
+  return None
+
+
+def _opcode(line: str) -> tuple[str, str]:
+  """(instruction name, opcode) of an HLO line, or ('', '')."""
+  m = _INSTR.match(line)
+  if m is None:
+    return '', ''
+  op = _OPCODE.match(_split_type(m.group('rest'))[1])
+  return m.group('name'), op.group('op') if op else ''
+
+
+def count_collectives(compiled_or_text: Any) -> CollectiveStats:
+  """Counts the collectives in a compiled program's HLO, per executed step.
+
+  Ops inside a `while` body count once per iteration (XLA's known_trip_count,
+  or a condition `i < N` with a constant N and the loop's known start and
+  step), so a scanned model is not undercounted. Asynchronous pairs count once
+  (the `-start` op, with the bytes of the results it delivers), and so does a
+  collective that the compiler copies into several fusions (one `channel_id`;
+  TPU puts one in the async start, an overlapped matmul and the done). TPU's
+  fused `all-reduce-scatter` counts as a reduce-scatter. One branch of a
+  `conditional` runs per step: branches with the same collectives count once.
+
+  Where the HLO does not determine a count (a loop with no known trip count,
+  a conditional whose branches differ), `uncertain` says so and a
+  `CollectiveCountWarning` is issued: such a loop is counted once per
+  enclosing step (a lower bound), such a conditional as its costliest branch
+  (an upper bound).
+
+  Args:
+    compiled_or_text: a `jax.stages.Compiled`, or its `as_text()`.
+
+  Returns:
+    A `CollectiveStats`.
+
+  >>> import zerojax
+  >>> stats = zerojax.count_collectives(
+  ...     'ENTRY %main (p: f32[8]) -> f32[8] {\\n'
+  ...     '  %p = f32[8]{0} parameter(0)\\n'
+  ...     '  ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add\\n'
+  ...     '}')
+  >>> stats['all-reduce'], stats.result_bytes['all-reduce'], stats.exact
+  (1, 32, True)
+  """
+  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+  bodies, entry = _parse_computations(text)
+  uncertain: list[str] = []
   # channel_id -> whether first seen inside a fusion.
   seen_channels: dict[str, bool] = {}
   partitions = _PARTITIONS.search(text)
   default_group = int(partitions.group(1)) if partitions else 1
 
-  def visit(name: str, mult: int, stack: tuple[str, ...], fused: bool = False) -> None:
+  def count_op(line: str, found, mult: int, tally: _Tally, fused: bool) -> None:
+    kind, is_start, type_str = found
+    channel = _CHANNEL.search(line)
+    if channel:
+      # One logical collective can be copied into several fusions (TPU: the
+      # async start, an overlapped matmul, the done), all with its channel.
+      # Distinct unfused ops may share a channel too (collectives written in
+      # shard_map on CPU all get channel 1): those all count.
+      ch = channel.group(1)
+      op_fused = fused or kind == 'reduce-scatter' and ' fusion(' in line
+      if ch in seen_channels and (op_fused or seen_channels[ch]):
+        return
+      seen_channels.setdefault(ch, op_fused)
+    size = _type_bytes(_result_type(kind, is_start, type_str))
+    tally.counts[kind] += mult
+    tally.nbytes[kind] += mult * size
+    tally.ring[kind] += mult * _ring_bytes(kind, size, _group_size(line, default_group))
+
+  def visit(name: str, mult: int, stack: tuple[str, ...], tally: _Tally, fused: bool) -> None:
     if name in stack or name not in bodies:
       return
+    inner = stack + (name,)
     for line in bodies[name]:
-      m = _OP.match(line)
-      kind = None
-      if m:
-        kind = m.group('op')
-      elif _FUSED_RS.match(line):
-        m = _FUSED_RS.match(line)
-        kind = 'reduce-scatter'
-      if kind is not None:
-        channel = _CHANNEL.search(line)
-        if channel:
-          # One logical collective can be copied into several fusions (TPU: the
-          # async start, an overlapped matmul, the done), all with its channel.
-          # Distinct unfused ops may share a channel too (collectives written
-          # in shard_map on CPU all get channel 1): those all count.
-          ch = channel.group(1)
-          op_fused = fused or m.re is _FUSED_RS
-          if ch in seen_channels and (op_fused or seen_channels[ch]):
-            continue
-          seen_channels.setdefault(ch, op_fused)
-        counts[kind] += mult
-        type_str = m.group('type')
-        if m.groupdict().get('start') and type_str.startswith('('):
-          # An async start returns (operands, results); count the results.
-          shapes = _SHAPE.findall(type_str)
-          half = len(shapes) // 2
-          type_str = ' '.join(f'{d}[{s}]' for d, s in shapes[half:]) if half else type_str
-        size = _type_bytes(type_str)
-        nbytes[kind] += mult * size
-        ring[kind] += mult * _ring_bytes(kind, size, _group_size(line, default_group))
+      found = _collective(line)
+      if found is not None:
+        count_op(line, found, mult, tally, fused)
         continue
-      trip = _trip_count(line, bodies) if ' while(' in line else 1
-      in_fusion = fused or ' fusion(' in line
-      for role, callee in _CALLS.findall(line):
-        visit(callee, mult * (trip if role == 'body' else 1), stack + (name,), in_fusion)
-      for group in _BRANCHES.findall(line):
-        for callee in group.split(','):
-          visit(callee.strip().lstrip('%'), mult, stack + (name,))
+      instr, op = _opcode(line)
+      if op == 'while':
+        body = _BODY.search(line)
+        trip = _trip_count(line, bodies)
+        sub = _Tally()
+        if body:
+          visit(body.group(1), 1, inner, sub, fused)
+        if trip is None and sub.counts:
+          uncertain.append(
+            f'while loop %{instr} in %{name} has no known trip count in the HLO; the'
+            ' collectives of its body are counted once'
+          )
+        tally.add(sub, mult * (1 if trip is None else trip))
+        continue
+      if op == 'conditional':
+        branches = _BRANCHES.search(line)
+        names = (
+          [b.strip().lstrip('%') for b in branches.group(1).split(',')]
+          if branches
+          else _TRUE_FALSE.findall(line)
+        )
+        subs = []
+        for b in names:
+          subs.append(_Tally())
+          visit(b, mult, inner, subs[-1], fused)
+        if len({s.key() for s in subs}) > 1:
+          uncertain.append(
+            f'conditional %{instr} in %{name}: its {len(subs)} branches run different'
+            ' collectives and one runs per step; the costliest branch is counted'
+          )
+        if subs:
+          tally.add(max(subs, key=lambda s: (sum(s.ring.values()), sum(s.counts.values()))))
+        continue
+      if op in ('async-update', 'async-done'):
+        continue  # they name the computation that the async-start already ran
+      for _, callee in _CALLS.findall(line):
+        visit(callee, mult, inner, tally, fused or op == 'fusion')
 
-  visit(entry, 1, ())
-  return CollectiveStats(dict(counts), dict(nbytes), dict(ring))
+  total = _Tally()
+  visit(entry, 1, (), total, False)
+  for reason in uncertain:
+    warnings.warn(f'count_collectives: {reason}.', CollectiveCountWarning, stacklevel=2)
+  return CollectiveStats(
+    dict(total.counts), dict(total.nbytes), dict(total.ring), uncertain=tuple(uncertain)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +565,8 @@ def format_report(report: StepReport) -> str:
         f' {c.ring_bytes.get(kind, 0):>18,.0f}'
       )
   lines.append(f'  {"total":<20} {sum(c.counts.values()):>7} {"":>16} {c.total_ring_bytes:>18,.0f}')
+  for reason in c.uncertain:
+    lines.append(f'  not exact: {reason}')
   if report.floor_bytes is not None:
     ratio = c.total_ring_bytes / report.floor_bytes if report.floor_bytes else float('nan')
     factor = 3 if report.stage == 3 else 2
