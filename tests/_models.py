@@ -46,6 +46,7 @@ def plain_run(tx: optax.GradientTransformation, steps: int, *, extra: bool = Fal
   """Reference: plain optax on one device."""
   params = mlp_params()
   x, y = batch()
+  tx = optax.with_extra_args_support(tx)  # extra args reach only optimizers that take them
   state = tx.init(params)
 
   @jax.jit

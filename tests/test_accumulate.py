@@ -143,3 +143,24 @@ def test_errors(auto_mesh):
     zerojax.value_and_grad(batch_loss, tx, micro_batches=0)
   with pytest.raises(TypeError, match='`tx` was not made by zerojax.zero_stage'):
     zerojax.value_and_grad(batch_loss, optax.adam(1e-3))
+
+
+@pytest.mark.parametrize('stage', [2, 3])
+@pytest.mark.parametrize('micro', [1, 2])
+def test_hierarchical_partitioning_equals_full_batch_gradient(stage, micro):
+  # hpZ: stage-3 parameters split over 'data' only (4 devices), gradients over all 8.
+  mesh = jax.make_mesh((2, 4), ('replica', 'data'))
+  x, y = batch()
+  want_loss, want = jax.value_and_grad(loss_fn)(mlp_params(), x, y)
+  tx = zerojax.zero_stage(
+    optax.adam(1e-3), stage, mesh=mesh, axis=('replica', 'data'), param_axis='data'
+  )
+  plan = zerojax.plan_for(tx, mlp_params())
+  params = jax.device_put(mlp_params(), plan.params)
+  data = jax.device_put({'x': x, 'y': y}, NamedSharding(mesh, PartitionSpec(('replica', 'data'))))
+  loss, grads = jax.jit(zerojax.value_and_grad(batch_loss, tx, micro_batches=micro))(params, data)
+  assert abs(float(loss) - float(want_loss)) < 1e-6
+  assert max_rel_err(grads, want) < 1e-6
+  assert jax.tree.map(lambda g: g.sharding.spec, grads) == jax.tree.map(
+    lambda s: s.spec, plan.grads
+  )

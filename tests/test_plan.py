@@ -213,3 +213,39 @@ def test_printed_plan(explicit_mesh):
     in lines
   )
   assert '  opt_state[0].count: scalar' in lines
+
+
+@pytest.mark.parametrize('stage', [1, 3])
+def test_plan_follows_the_dtype_it_is_asked_about(stage, mesh):
+  tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
+  fp32 = mlp_params()
+  tx.init(fp32)
+  bf16 = zerojax.cast(fp32, jnp.bfloat16)
+  psi = sum(x.size for x in jax.tree.leaves(fp32))
+  got = zerojax.plan_for(tx, bf16).bytes_per_device()
+  want = zerojax.make_plan(bf16, optax.adam(1e-3), stage=stage, mesh=mesh).bytes_per_device()
+  assert got == want
+  # bf16 parameters: 2 bytes each (whole, or split 8 ways at stage 3), not fp32's 4.
+  assert got['params'] == (2 * psi if stage < 3 else 2 * psi // 8)
+  assert zerojax.plan_for(tx, fp32).bytes_per_device()['params'] == 2 * got['params']
+
+
+def test_plan_follows_the_tensor_parallel_layout_of_the_leaves():
+  mesh = jax.make_mesh((4, 2), ('data', 'model'), axis_types=(AxisType.Explicit,) * 2)
+  tx = zerojax.zero_stage(optax.sgd(1e-3), 3, mesh=mesh)
+  params = {'w': jnp.zeros((64, 32))}
+  tx.init(params)
+  tp = {'w': jax.device_put(params['w'], NamedSharding(mesh, P(None, 'model')))}
+  assert zerojax.plan_for(tx, params).params['w'].spec == P('data', None)
+  assert zerojax.plan_for(tx, tp).params['w'].spec == P('data', 'model')
+
+
+def test_plan_cache_is_bounded(explicit_mesh):
+  tx = zerojax.zero_stage(optax.adam(1e-3), 1, mesh=explicit_mesh)
+  config = zerojax.config_of(tx)
+  for rows in range(8, 8 * 40, 8):
+    zerojax.plan_for(tx, {'w': jax.ShapeDtypeStruct((rows, 8), jnp.float32)})
+  assert len(config._plans) <= 16
+  # The newest plans are kept.
+  last = {'w': jax.ShapeDtypeStruct((8 * 39, 8), jnp.float32)}
+  assert zerojax.plan_for(tx, last) is zerojax.plan_for(tx, last)

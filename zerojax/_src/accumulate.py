@@ -28,16 +28,32 @@ import optax
 from jax.sharding import PartitionSpec
 
 from zerojax._src import mesh as mesh_lib
+from zerojax._src import plan as plan_lib
 from zerojax._src import transform
 
 
-def _zero_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> int | None:
-  """The dimension a spec splits over the ZeRO axes, if any."""
+def _zero_dim(spec: PartitionSpec, axes: tuple[str, ...]) -> tuple[int, tuple[str, ...]] | None:
+  """The dimension a spec splits over ZeRO axes, and those axes (in the spec's order)."""
   for dim, entry in enumerate(spec):
     names = entry if isinstance(entry, tuple) else (entry,)
-    if any(n in axes for n in names if n is not None):
-      return dim
+    kept = tuple(n for n in names if n in axes)
+    if kept:
+      return dim, kept
   return None
+
+
+def _batch_spec(x: Any, axes: tuple[str, ...]) -> PartitionSpec:
+  """Rows split over the ZeRO axes, in the order the batch already uses if it is so split."""
+  spec = plan_lib.spec_of(x)
+  if spec is not None and len(spec) and spec[0] is not None:
+    first = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    if set(first) == set(axes):
+      return PartitionSpec(_axis_arg(first))
+  return PartitionSpec(_axis_arg(axes))
+
+
+def _axis_arg(names: tuple[str, ...]) -> str | tuple[str, ...]:
+  return names[0] if len(names) == 1 else names
 
 
 def _manual_spec(spec: PartitionSpec, axes: tuple[str, ...], ndim: int) -> PartitionSpec:
@@ -113,14 +129,16 @@ def value_and_grad(
           f' {n} devices x {micro_batches} micro-batches. Use a batch size divisible'
           f' by {n * micro_batches}.'
         )
-    batch_spec = PartitionSpec(axis_arg)
+    batch_spec = jax.tree.map(lambda x: _batch_spec(x, axes), batch)
     scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
 
     def local(flat_params, batch, args, scale):
       def gathered(flat):
+        # Over the axes that split the leaf at rest: all ZeRO axes, or under
+        # hpZ (`param_axis`) only the parameter axes.
         return [
-          x if d is None else jax.lax.all_gather(x, axis_arg, axis=d, tiled=True)
-          for x, d in zip(flat, gather_dims)
+          x if g is None else jax.lax.all_gather(x, _axis_arg(g[1]), axis=g[0], tiled=True)
+          for x, g in zip(flat, gather_dims)
         ]
 
       def micro_grads(flat_shards, mb):
@@ -138,9 +156,12 @@ def value_and_grad(
         return loss, aux, grads
 
       def reduce_now(g, d):
-        # Stages 2-3: each micro-batch's gradient is reduce-scattered at once.
+        # Stages 2-3: each micro-batch's gradient is reduce-scattered at once
+        # over the axes that split it, and summed over any other ZeRO axes.
         if stage >= 2 and d is not None:
-          return jax.lax.psum_scatter(g, axis_arg, scatter_dimension=d, tiled=True)
+          g = jax.lax.psum_scatter(g, _axis_arg(d[1]), scatter_dimension=d[0], tiled=True)
+          rest = tuple(a for a in axes if a not in d[1])
+          return jax.lax.psum(g, _axis_arg(rest)) if rest else g
         return g
 
       micro = jax.tree.map(
@@ -157,9 +178,9 @@ def value_and_grad(
       for x, g, d in zip(flat_params, gather_dims, scatter_dims):
         shape = list(x.shape)
         if g is not None:  # stage 3: the local shard of a gathered leaf
-          shape[g] *= n
+          shape[g[0]] *= mesh_lib.axes_size(mesh, g[1])
         if stage >= 2 and d is not None:  # the accumulator holds one shard
-          shape[d] //= n
+          shape[d[0]] //= mesh_lib.axes_size(mesh, d[1])
         acc0.append(jnp.zeros(shape, reduce_dtype or x.dtype))
       (acc, loss_sum), auxes = jax.lax.scan(body, (acc0, jnp.zeros((), jnp.float32)), micro)
       # Stages 0-1 (and leaves kept whole): one all-reduce, after the loop.

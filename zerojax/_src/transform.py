@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.experimental import compute_on
 from jax.sharding import Mesh, NamedSharding
@@ -45,18 +47,28 @@ class ZeroConfig:
   param_axis: Any = None
   offload: str | None = None
   update_on: str = 'device'
-  # Plans computed at `init`, by tree structure and shapes. Under an Auto mesh a
-  # jitted `update` cannot see its arguments' tensor-parallel layouts, so it
-  # reuses the plan that `init` derived from the concrete parameters.
-  _plans: dict = dataclasses.field(default_factory=dict, repr=False)
+  # Plans already computed, keyed by everything that decides one: the tree,
+  # each leaf's shape, dtype and own layout (least recently used dropped past
+  # `_PLAN_CACHE_SIZE`). Under an Auto mesh a jitted `update` cannot see its
+  # arguments' tensor-parallel layouts, so a traced tree reuses the plan derived
+  # from concrete parameters of the same tree, shapes and dtypes.
+  _plans: collections.OrderedDict = dataclasses.field(
+    default_factory=collections.OrderedDict, repr=False
+  )
 
   def plan(
     self, params: optax.Params, opt_state: optax.OptState | None = None
   ) -> plan_lib.ZeroPlan:
     """The `ZeroPlan` of this optimizer for `params`."""
-    key = _signature(params)
+    key = self._signature(params)
     cached = self._plans.get(key)
+    traced = _has_tracers(params)
+    if cached is None and traced and not mesh_lib.any_explicit(self.mesh):
+      blind = key[:2]
+      cached = next((p for k, p in reversed(self._plans.items()) if k[:2] == blind), None)
     if cached is not None:
+      if key in self._plans:
+        self._plans.move_to_end(key)
       return cached
     plan = plan_lib.make_plan(
       params,
@@ -71,14 +83,32 @@ class ZeroConfig:
       param_axis=self.param_axis,
       offload=self.offload,
     )
-    if not _has_tracers(params):
+    if not traced:
       self._plans[key] = plan
+      while len(self._plans) > _PLAN_CACHE_SIZE:
+        self._plans.popitem(last=False)
     return plan
 
 
-def _signature(tree: Any) -> tuple:
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple(tuple(getattr(x, 'shape', ())) for x in leaves)
+  def _signature(self, tree: Any) -> tuple:
+    """(tree structure, (shape, dtype) per leaf, layout per leaf): what a plan depends on.
+
+    Layouts are those over the other mesh axes (tensor parallelism): where the
+    ZeRO axes split a leaf is the plan's own output, not an input.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = tuple(
+      (tuple(getattr(x, 'shape', ())), str(getattr(x, 'dtype', type(x).__name__)))
+      for x in leaves
+    )
+    specs = tuple(
+      rules.normalize_spec(plan_lib.spec_of(x), len(shape), self.mesh, drop=self.axes)
+      for x, (shape, _) in zip(leaves, shapes)
+    )
+    return treedef, shapes, specs
+
+
+_PLAN_CACHE_SIZE = 16
 
 
 def _has_tracers(tree: Any) -> bool:
@@ -144,6 +174,37 @@ def _to_memory(tree: Any, shardings: Any, *, host: bool) -> Any:
 
 def _move(tree: Any, space: Any) -> Any:
   return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+def _split_extra_args(extra_args: dict, plan: plan_lib.ZeroPlan, mesh: Mesh) -> tuple[dict, dict]:
+  """Extra args as (array trees, the rest), ready for the update's layout region.
+
+  On a mesh with Explicit axes the update body runs under `auto_axes`: array
+  extras (`value`, `grad`) enter it as arguments, so their types follow, and a
+  callable extra (`value_fn` of line searches) is called back in Explicit
+  mode on parameters laid out as at rest, as the caller wrote it.
+  """
+  arrays, others = {}, {}
+  for name, value in extra_args.items():
+    leaves = jax.tree.leaves(value)
+    if leaves and all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves):
+      arrays[name] = value
+    elif callable(value) and mesh_lib.any_explicit(mesh):
+      others[name] = _explicit_callback(value, plan)
+    else:
+      others[name] = value
+  return arrays, others
+
+
+def _explicit_callback(fn: Any, plan: plan_lib.ZeroPlan) -> Any:
+  specs = jax.tree.map(lambda s: s.spec, plan.params)
+
+  def call(params, *args, **kwargs):
+    return jax.sharding.explicit_axes(
+      lambda p: fn(p, *args, **kwargs), in_sharding=(specs,)
+    )(params)
+
+  return call
 
 
 def _update_on_host(inner, grads, state, params, extra_args):
@@ -285,7 +346,10 @@ def zero_optimizer(
 
     on_host = config.update_on == 'host'
 
-    def body(grads, state, params):
+    arrays, others = _split_extra_args(extra_args, plan, mesh)
+
+    def body(grads, state, params, arrays):
+      extra_args = {**others, **arrays}
       if not on_host:
         # Offloaded state streams through the device for the update.
         state = _to_memory(state, plan.opt_state, host=False)
@@ -321,7 +385,7 @@ def zero_optimizer(
       return new_updates, _to_memory(new_state, plan.opt_state, host=True)
 
     body = mesh_lib.run_in_layout(body, mesh, (plan.params, plan.opt_state))
-    return body(updates, state, params)
+    return body(updates, state, params, arrays)
 
   setattr(update, _CONFIG_ATTR, config)
   return optax.GradientTransformationExtraArgs(init, update)
