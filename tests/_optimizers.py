@@ -11,7 +11,6 @@ import inspect
 import jax
 import optax
 import optax.contrib
-
 from _models import batch, loss_fn, mlp_params
 
 LEARNING_RATE_ARGS = ('learning_rate', 'max_learning_rate')
@@ -45,27 +44,37 @@ def _candidates():
         yield f'{prefix}.{name}', fn, lr[0]
 
 
-def _runs(make) -> bool:
+def _runs(make, extra: bool) -> bool:
   """Whether one plain-optax step of `make()` runs in the installed version."""
   params = mlp_params()
   x, y = batch()
   tx = optax.with_extra_args_support(make())
-  try:
+
+  def step(params):
     state = tx.init(params)
     value, grads = jax.value_and_grad(loss_fn)(params, x, y)
-    tx.update(grads, state, params, value=value, grad=grads, value_fn=lambda p: loss_fn(p, x, y))
-  except Exception:  # noqa: BLE001 - an optimizer broken in this optax is not ours to test
+    kwargs = dict(value=value, grad=grads, value_fn=lambda p: loss_fn(p, x, y)) if extra else {}
+    return tx.update(grads, state, params, **kwargs)
+
+  try:
+    jax.eval_shape(step, params)  # traced, not run: quick, and fails where a run would
+  except Exception:  # noqa: BLE001 - an optimizer that fails in plain optax is not ours to test
     return False
   return True
 
 
 def discover() -> dict:
-  """name -> a zero-argument factory of the optimizer."""
+  """name -> (a zero-argument factory of the optimizer, whether it needs extra args).
+
+  Extra args are `value`, `grad` and `value_fn` (line searches, Polyak steps).
+  """
   found = {}
   for name, fn, lr in _candidates():
     make = lambda fn=fn, lr=lr: fn(**{lr: 1e-2})
-    if _runs(make):
-      found[name] = make
+    if _runs(make, extra=False):
+      found[name] = (make, False)
+    elif _runs(make, extra=True):
+      found[name] = (make, True)
   return found
 
 

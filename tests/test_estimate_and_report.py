@@ -83,9 +83,10 @@ def test_report_bytes_equal_hand_count_for_scanned_model():
   assert 'ZeRO floor (stage 3: 3Ψ(N-1)/N' in text
 
 
-def _run_cli(*args, timeout=600):
+def _run_cli(*args, timeout=600, drop=('XLA_FLAGS',)):
   env = dict(os.environ)
-  env.pop('XLA_FLAGS', None)
+  for name in drop:
+    env.pop(name, None)
   return subprocess.run(
     [sys.executable, '-m', 'zerojax', *args],
     capture_output=True,
@@ -151,3 +152,32 @@ def test_estimate_command_mixed_precision_and_offload():
   # Stage 3: bf16 params and grads 2/N each, master 4/N on device, moments 8/N on host.
   gib = 1e9 / 64 / 2**30
   assert lines[4].split()[1:6] == [f'{x * gib:.3f}' for x in (2, 2, 4, 8, 8)]
+
+
+LIBTPU_NOISE = ('Failed to find host bounds', 'INVALID_ARGUMENT', 'TPU_WORKER_HOSTNAMES')
+
+
+@pytest.mark.slow
+def test_cli_sets_up_jax_itself_before_its_backends_start():
+  # No JAX_PLATFORMS and no XLA_FLAGS: `python -m zerojax` must choose the CPU
+  # (no TPU probing, whose complaints libtpu prints) and fake the devices asked for.
+  proc = _run_cli(
+    'plan', '--model', 'tiny', '--topology', 'cpu:4', drop=('XLA_FLAGS', 'JAX_PLATFORMS')
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert 'topology cpu:4: 4 devices (cpu)' in proc.stdout
+  assert not [n for n in LIBTPU_NOISE if n in proc.stderr], proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_tpu_plan_output_is_only_what_was_asked_for():
+  pytest.importorskip('libtpu', reason='needs the tpu extra')
+  proc = _run_cli(
+    'plan', '--model', 'tiny', '--topology', 'v5e:2x4', drop=('XLA_FLAGS', 'JAX_PLATFORMS')
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert not [n for n in LIBTPU_NOISE if n in proc.stderr], proc.stderr
+  assert 'CollectiveCountWarning' not in proc.stderr  # the scans' trip counts are found
+  assert 'FITS' in proc.stdout

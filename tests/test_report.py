@@ -24,7 +24,9 @@ LOOP_BODY = """%body (t: (s32[], f32[8])) -> (s32[], f32[8]) {
   %x = f32[8]{0} get-tuple-element(%t), index=1
   %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
   %i = s32[] get-tuple-element(%t), index=0
-  ROOT %out = (s32[], f32[8]{0}) tuple(%i, %ar)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[8]{0}) tuple(%next, %ar)
 }"""
 LOOP_COND = """%cond (t: (s32[], f32[8])) -> pred[] {
   %t = (s32[], f32[8]{0}) parameter(0)
@@ -34,14 +36,15 @@ LOOP_COND = """%cond (t: (s32[], f32[8])) -> pred[] {
 }"""
 
 
-def loop_module(backend_config: str) -> str:
+def loop_module(backend_config: str, start: str = 'constant(0)') -> str:
   return hlo(
     LOOP_BODY,
     LOOP_COND,
     entry=module(
       '  %p = f32[8]{0} parameter(0)\n'
-      '  %z = s32[] constant(0)\n'
-      '  %init = (s32[], f32[8]{0}) tuple(%z, %p)\n'
+      f'  %z = s32[] {start}\n'
+      '  %c = s32[] copy(%z)\n'
+      '  %init = (s32[], f32[8]{0}) tuple(%c, %p)\n'
       f'  %w = (s32[], f32[8]{{0}}) while(%init), condition=%cond, body=%body{backend_config}\n'
       '  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1'
     ),
@@ -63,8 +66,17 @@ def test_while_trip_count_from_condition_and_known_start_and_step():
   assert stats.exact
 
 
+def test_while_trip_count_from_the_loop_itself():
+  # The TPU compiler's form: no backend config; `i` starts at a constant in the
+  # initial tuple, the body adds a constant, the condition compares with one.
+  stats = zerojax.count_collectives(loop_module(''))
+  assert stats['all-reduce'] == 6  # i = 0..5 < 6
+  assert stats.exact
+  assert zerojax.count_collectives(loop_module('', 'constant(4)'))['all-reduce'] == 2
+
+
 def test_while_without_trip_count_says_so_and_does_not_guess():
-  text = loop_module('')
+  text = loop_module('', start='parameter(1)')  # starts where the program is called
   with pytest.warns(CollectiveCountWarning, match='while loop %w in %main has no known trip'):
     stats = zerojax.count_collectives(text)
   assert stats['all-reduce'] == 1  # counted once per step, flagged as a lower bound

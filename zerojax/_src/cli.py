@@ -7,11 +7,13 @@ python -m zerojax estimate --params 7e9 --devices 256
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -55,7 +57,8 @@ def _devices(topology: str):
   except ImportError as e:  # pragma: no cover
     raise SystemExit(f'error: this jax has no ahead-of-time topologies: {e}') from None
   try:
-    desc = topologies.get_topology_desc(topology_name=topology, platform='tpu')
+    with _quiet_libtpu():
+      desc = topologies.get_topology_desc(topology_name=topology, platform='tpu')
   except Exception as e:  # libtpu missing or an unknown topology name
     raise SystemExit(
       f'error: cannot compile for TPU topology {topology!r}: {e}\n'
@@ -64,6 +67,36 @@ def _devices(topology: str):
     ) from None
   chip = topology.split(':', 1)[0]
   return list(desc.devices), HBM_GIB.get(chip)
+
+
+# What libtpu prints to stderr when it starts on a machine without a TPU: it
+# looks for the TPU VM it runs on, which ahead-of-time compilation does not need.
+_LIBTPU_NOISE = (
+  'TPU_ACCELERATOR_TYPE',
+  'TPU_WORKER_HOSTNAMES',
+  'Logging before InitGoogle',
+  'Source Location Trace',
+  'libtpu_init_utils',
+)
+
+
+@contextlib.contextmanager
+def _quiet_libtpu():
+  """Drops libtpu's start-up complaints from stderr (C++ writes them to fd 2); keeps the rest."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode='w+b') as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      for line in captured.read().decode(errors='replace').splitlines(keepends=True):
+        if not any(noise in line for noise in _LIBTPU_NOISE):
+          sys.stderr.write(line)
 
 
 def _load_model(args) -> Any:
@@ -114,12 +147,9 @@ def cmd_plan(args) -> int:
 
   lowered = jax.jit(train_step, donate_argnums=0).lower(state, batch)
   _log(start, 'lowered; compiling (large models take minutes on a small machine)')
-  try:
-    from rich.console import Console
+  from rich.console import Console
 
-    with Console(stderr=True).status('compiling...'):
-      compiled = lowered.compile()
-  except ImportError:  # pragma: no cover
+  with Console(stderr=True).status('compiling...'):
     compiled = lowered.compile()
   _log(start, 'compiled')
 
@@ -256,15 +286,28 @@ def main(argv: list[str] | None = None) -> int:
   i.set_defaults(func=cmd_inspect)
   args = parser.parse_args(argv)
 
-  # Before jax starts: no TPU probing when compiling ahead of time, and the
-  # faked devices for cpu:N.
-  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
-  topology = getattr(args, 'topology', '')
-  if topology.startswith('cpu:'):
-    os.environ['XLA_FLAGS'] = (
-      os.environ.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={topology[4:]}'
-    )
+  _configure_jax(getattr(args, 'topology', ''))
   return args.func(args)
+
+
+def _configure_jax(topology: str) -> None:
+  """Before jax starts its backends: CPU only (no TPU probing when compiling
+  ahead of time), and the faked devices of `--topology cpu:N`.
+
+  `python -m zerojax` has imported jax already (through the package), so
+  environment variables set here would come too late; jax's config is read
+  when the first backend starts, which has not happened yet.
+  """
+  import jax
+
+  if 'JAX_PLATFORMS' not in os.environ:
+    jax.config.update('jax_platforms', 'cpu')
+  if topology.startswith('cpu:'):
+    try:
+      count = int(topology[4:])
+    except ValueError:
+      raise SystemExit(f'error: --topology {topology!r}: expected cpu:N, e.g. cpu:8') from None
+    jax.config.update('jax_num_cpu_devices', count)
 
 
 if __name__ == '__main__':

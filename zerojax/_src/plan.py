@@ -395,7 +395,7 @@ def make_plan(
         'opt_state',
         jax.tree_util.keystr(path),
         tuple(x.shape),
-        np.dtype(x.dtype),
+        rules.as_dtype(x.dtype),
         s_rest[-1].spec,
         None,
         why(rule, must_split['opt_state']),

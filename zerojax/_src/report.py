@@ -138,44 +138,134 @@ def _result_type(kind: str, is_start: bool, type_str: str) -> str:
   return elements[1] if len(elements) > 1 else type_str
 
 
-def _trip_count(line: str, bodies: dict[str, list[str]]) -> int | None:
-  """Iterations of a `while`, or None when the HLO does not determine them.
+def _instructions(lines: list[str]) -> dict[str, tuple[str, list[str], str]]:
+  """name -> (opcode, operand names, the whole line) for one computation."""
+  out = {}
+  for line in lines:
+    m = _INSTR.match(line)
+    if m is None:
+      continue
+    _, tail = _split_type(m.group('rest'))
+    op = _OPCODE.match(tail)
+    if op is None:
+      continue
+    depth, end = 0, len(tail)
+    for i, ch in enumerate(tail):
+      depth += ch == '('
+      depth -= ch == ')'
+      if ch == ')' and depth == 0:
+        end = i
+        break
+    out[m.group('name')] = (op.group('op'), _OPERANDS.findall(tail[: end + 1]), line)
+  return out
 
-  XLA's `known_trip_count` when present; else a condition `i < N` (directly or
-  in a fusion) with N a constant and the loop's `known_init_step`. Nothing is
-  assumed beyond that.
+
+_PASS_THROUGH = ('copy', 'bitcast', 'convert')
+_INDEX = re.compile(r'\bindex=(\d+)')
+
+
+def _through(instrs: dict, name: str) -> str:
+  """`name`, followed back through copies and bitcasts."""
+  seen = set()
+  while name in instrs and instrs[name][0] in _PASS_THROUGH and name not in seen:
+    seen.add(name)
+    name = instrs[name][1][0]
+  return name
+
+
+def _int_constant(instrs: dict, name: str) -> int | None:
+  name = _through(instrs, name)
+  if name in instrs and instrs[name][0] == 'constant':
+    c = _CONSTANT.match(instrs[name][2])
+    return int(c.group(2)) if c else None
+  return None
+
+
+def _tuple_index(instrs: dict, name: str) -> int | None:
+  """k when `name` is element k of the computation's parameter tuple."""
+  name = _through(instrs, name)
+  if name in instrs and instrs[name][0] == 'get-tuple-element':
+    source = _through(instrs, instrs[name][1][0])
+    if source in instrs and instrs[source][0] == 'parameter':
+      m = _INDEX.search(instrs[name][2])
+      return int(m.group(1)) if m else None
+  return None
+
+
+def _compare_lt(instrs: dict, root: str, bodies: dict) -> tuple[str, str] | None:
+  """The operands (i, N) of a root `compare(i, N), direction=LT`, directly or in a fusion."""
+  op, operands, line = instrs[root]
+  if op == 'compare' and 'direction=LT' in line and len(operands) == 2:
+    return operands[0], operands[1]
+  callee = _CALLS.search(line)
+  if op == 'fusion' and callee and callee.group(2) in bodies:
+    inner = _instructions(bodies[callee.group(2)])
+    inner_root = next((n for n, v in inner.items() if v[2].lstrip().startswith('ROOT')), None)
+    if inner_root is None:
+      return None
+    iop, iargs, iline = inner[inner_root]
+    if iop == 'compare' and 'direction=LT' in iline and len(iargs) == 2:
+      params = {}
+      for n, (o, _, pline) in inner.items():
+        m = re.search(r'parameter\((\d+)\)', pline)
+        if o == 'parameter' and m:
+          params[n] = int(m.group(1))
+      if iargs[0] in params and iargs[1] in params:
+        return operands[params[iargs[0]]], operands[params[iargs[1]]]
+  return None
+
+
+def _trip_count(line: str, where: str, bodies: dict[str, list[str]]) -> int | None:
+  """Iterations of the `while` on `line` (in computation `where`), or None if undetermined.
+
+  XLA's `known_trip_count` when present (XLA:CPU writes it). Otherwise the
+  loop must read as `for i = C; i < N; i += S` with constants C, N and S: the
+  condition's root compares tuple element k with a constant, the loop's
+  initial tuple holds a constant at k, and the body's result holds
+  `element k + constant` at k (the TPU compiler's form). Nothing else is
+  assumed.
   """
   m = _TRIP.search(line)
   if m:
     return int(m.group(1))
+  cond, body = _CONDITION.search(line), _BODY.search(line)
+  if not (cond and body and cond.group(1) in bodies and body.group(1) in bodies):
+    return None
+  cond_instrs = _instructions(bodies[cond.group(1)])
+  root = next((n for n, v in cond_instrs.items() if v[2].lstrip().startswith('ROOT')), None)
+  compared = _compare_lt(cond_instrs, root, bodies) if root else None
+  if compared is None:
+    return None
+  k, limit = _tuple_index(cond_instrs, compared[0]), _int_constant(cond_instrs, compared[1])
+  if k is None or limit is None:
+    return None
   init_step = _INIT_STEP.search(line)
-  cond = _CONDITION.search(line)
-  if not (init_step and cond and cond.group(1) in bodies):
+  outer = _instructions(bodies.get(where, []))
+  init = None
+  if init_step:
+    init, step = int(init_step.group(1)), int(init_step.group(2))
+  else:
+    # The initial value: element k of the while's operand tuple.
+    this = _INSTR.match(line).group('name')
+    operand = _through(outer, outer[this][1][0]) if this in outer and outer[this][1] else None
+    if operand in outer and outer[operand][0] == 'tuple' and k < len(outer[operand][1]):
+      init = _int_constant(outer, outer[operand][1][k])
+    # The step: element k of the body's result is `element k + S`.
+    body_instrs = _instructions(bodies[body.group(1)])
+    broot = next((n for n, v in body_instrs.items() if v[2].lstrip().startswith('ROOT')), None)
+    step = None
+    if broot and body_instrs[broot][0] == 'tuple' and k < len(body_instrs[broot][1]):
+      new = _through(body_instrs, body_instrs[broot][1][k])
+      if new in body_instrs and body_instrs[new][0] == 'add' and len(body_instrs[new][1]) == 2:
+        a, b = body_instrs[new][1]
+        for i_arg, c_arg in ((a, b), (b, a)):
+          if _tuple_index(body_instrs, i_arg) == k and _int_constant(body_instrs, c_arg):
+            step = _int_constant(body_instrs, c_arg)
+    if init is None or step is None:
+      return None
+  if step <= 0:
     return None
-  init, step = int(init_step.group(1)), int(init_step.group(2))
-  lines = bodies[cond.group(1)]
-  consts = {}
-  for cline in lines:
-    c = _CONSTANT.match(cline)
-    if c:
-      consts[c.group(1)] = int(c.group(2))
-  root = next((x for x in lines if x.lstrip().startswith('ROOT')), None)
-  if root is None or step <= 0:
-    return None
-  is_lt = 'compare(' in root and 'direction=LT' in root
-  callee = _CALLS.search(root)
-  if not is_lt and callee and callee.group(2) in bodies:
-    is_lt = any(
-      x.lstrip().startswith('ROOT') and 'compare(' in x and 'direction=LT' in x
-      for x in bodies[callee.group(2)]
-    )
-  if not is_lt:
-    return None
-  _, tail = _split_type(_INSTR.match(root).group('rest'))
-  operands = _OPERANDS.findall(tail[tail.index('(') + 1 : tail.index(')')])
-  if len(operands) != 2 or operands[1] not in consts:
-    return None
-  return max(0, -(-(consts[operands[1]] - init) // step))
+  return max(0, -(-(limit - init) // step))
 
 
 def _type_bytes(type_str: str) -> int:
@@ -360,7 +450,7 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
       instr, op = _opcode(line)
       if op == 'while':
         body = _BODY.search(line)
-        trip = _trip_count(line, bodies)
+        trip = _trip_count(line, name, bodies)
         sub = _Tally()
         if body:
           visit(body.group(1), 1, inner, sub, fused)

@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
+import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
@@ -75,9 +76,19 @@ def spec_axes(entry) -> tuple[str, ...]:
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def is_key(dtype) -> bool:
+  """Whether `dtype` is a typed PRNG key dtype (`jax.random.key`)."""
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def as_dtype(dtype):
+  """`np.dtype(dtype)`, except that typed PRNG key dtypes are kept as they are."""
+  return dtype if is_key(dtype) else np.dtype(dtype)
+
+
 def bytes_per_device(shape: Sequence[int], dtype, spec: PartitionSpec, mesh: Mesh) -> int:
   """Bytes one device holds of an array of `shape` laid out as `spec`."""
-  size = np.dtype(dtype).itemsize
+  size = as_dtype(dtype).itemsize
   for d, entry in zip(shape, list(spec) + [None] * (len(shape) - len(spec))):
     parts = math.prod(mesh.shape[a] for a in spec_axes(entry))
     size *= -(-d // parts)
@@ -100,8 +111,12 @@ def leaf_rule(
   largest free dimension after padding it to a multiple of the axis size.
   """
   shape = tuple(int(d) for d in shape)
-  dtype = np.dtype(dtype)
+  dtype = as_dtype(dtype)
   base = normalize_spec(base, len(shape), mesh, drop=axes)
+  if is_key(dtype):
+    # Typed PRNG keys (e.g. optax.noisy_sgd's) stay whole: every device draws
+    # the same noise as plain optax does, and a key is a few bytes.
+    return LeafRule(shape, dtype, base, base, None, 'PRNG key (kept whole)', False)
   n = math.prod(mesh.shape[a] for a in axes)
   zero_entry = axes[0] if len(axes) == 1 else axes
 

@@ -37,7 +37,10 @@ def zero_train_state(
   update_on: str = 'device',
 ) -> State:
   """Re-lays out a train state for ZeRO `stage`; see `zerojax.zero_stage`."""
-  if not isinstance(state.tx, optax.GradientTransformation):
+  if not (
+    isinstance(state.tx, optax.GradientTransformation)
+    or (callable(getattr(state.tx, 'init', None)) and callable(getattr(state.tx, 'update', None)))
+  ):
     raise TypeError(
       f'`train_state.tx` must be an optax GradientTransformation, got'
       f' {type(state.tx).__name__}: {state.tx!r:.80}. Create the state with'

@@ -89,7 +89,6 @@ class ZeroConfig:
         self._plans.popitem(last=False)
     return plan
 
-
   def _signature(self, tree: Any) -> tuple:
     """(tree structure, (shape, dtype) per leaf, layout per leaf): what a plan depends on.
 
@@ -98,8 +97,7 @@ class ZeroConfig:
     """
     leaves, treedef = jax.tree.flatten(tree)
     shapes = tuple(
-      (tuple(getattr(x, 'shape', ())), str(getattr(x, 'dtype', type(x).__name__)))
-      for x in leaves
+      (tuple(getattr(x, 'shape', ())), str(getattr(x, 'dtype', type(x).__name__))) for x in leaves
     )
     specs = tuple(
       rules.normalize_spec(plan_lib.spec_of(x), len(shape), self.mesh, drop=self.axes)
@@ -200,9 +198,9 @@ def _explicit_callback(fn: Any, plan: plan_lib.ZeroPlan) -> Any:
   specs = jax.tree.map(lambda s: s.spec, plan.params)
 
   def call(params, *args, **kwargs):
-    return jax.sharding.explicit_axes(
-      lambda p: fn(p, *args, **kwargs), in_sharding=(specs,)
-    )(params)
+    return jax.sharding.explicit_axes(lambda p: fn(p, *args, **kwargs), in_sharding=(specs,))(
+      params
+    )
 
   return call
 
@@ -228,6 +226,23 @@ def _to_plan_memory(tree: Any, shardings: Any) -> Any:
     ),
     tree,
     shardings,
+  )
+
+
+def as_transformation(tx: Any, name: str) -> optax.GradientTransformation:
+  """`tx` as an optax transformation: objects with optax's `init`/`update`
+  protocol (such as `optax.MultiSteps`) are accepted as they are.
+
+  Raises:
+    TypeError: `tx` has no `init` and `update` methods.
+  """
+  if isinstance(tx, optax.GradientTransformation):
+    return tx
+  if callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None)):
+    return optax.GradientTransformationExtraArgs(tx.init, tx.update)
+  raise TypeError(
+    f'{name} must be an optax GradientTransformation (or have its init/update methods,'
+    f' like optax.MultiSteps), got {type(tx).__name__}: {tx!r:.80}.'
   )
 
 
@@ -282,8 +297,7 @@ def zero_optimizer(
   """Rewrites an optax transformation for ZeRO `stage`; see `zerojax.zero_stage`."""
   stage = plan_lib.check_stage(stage)
   policy = plan_lib.check_policy(policy)
-  if not isinstance(tx, optax.GradientTransformation):
-    raise TypeError(f'`tx` must be an optax GradientTransformation, got {type(tx).__name__}.')
+  tx = as_transformation(tx, '`tx`')
   inner_config = config_of(tx)
   if inner_config is not None:
     raise ValueError(

@@ -101,8 +101,7 @@ def zero_stage(
     return train_state.zero_train_state(target, stage, **kwargs)
   if callable(getattr(target, 'init', None)) and callable(getattr(target, 'update', None)):
     # Objects with optax's init/update protocol, such as optax.MultiSteps.
-    tx = optax.GradientTransformationExtraArgs(target.init, target.update)
-    return transform.zero_optimizer(tx, stage, **kwargs)
+    return transform.zero_optimizer(target, stage, **kwargs)
   raise TypeError(
     '`target` must be an optax GradientTransformation or a flax TrainState, got'
     f' {type(target).__name__}. Wrap the optimizer: zero_stage(optax.adam(1e-3),'

@@ -1,0 +1,120 @@
+"""Every optimizer of optax and optax.contrib under zero_stage equals plain optax.
+
+The list is discovered from the installed optax (`_optimizers.py`), in the
+optimizer form (`zero_stage(tx)`) and the TrainState form (`zero_stage(state)`),
+on Explicit and Auto meshes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, shard_batch, zero_run
+from _optimizers import OPTIMIZERS
+from flax.training import train_state
+
+import zerojax
+
+STEPS = 3
+
+
+def test_discovery_found_the_optimizers_people_use():
+  # Not the list under test (that is everything discovered), a guard that the
+  # discovery itself works.
+  for name in ('optax.adam', 'optax.sgd', 'optax.lbfgs', 'optax.noisy_sgd', 'optax.polyak_sgd'):
+    assert name in OPTIMIZERS
+  assert sum(name.startswith('optax.contrib.') for name in OPTIMIZERS) >= 10
+  assert OPTIMIZERS['optax.lbfgs'][1] and not OPTIMIZERS['optax.adam'][1]
+
+
+def _close(got, want, tol=1e-5):
+  err = max_rel_err(got, want)
+  assert np.isfinite(err) and err <= tol, err
+
+
+# Stages 1 and 3 carry every layout an optimizer sees (sharded state; sharded
+# or whole parameters); stages 0-3 of hand-picked optimizers and wrappers are
+# in test_transform.py.
+@pytest.mark.parametrize('stage', [1, 3])
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_optimizer_form_equals_plain_optax(name, stage, mesh):
+  make, extra = OPTIMIZERS[name]
+  want = plain_run(make(), STEPS, extra=extra)
+  params, opt_state, plan = zero_run(make(), mesh, stage, STEPS, extra=extra)
+  _close(params, want)
+  assert jax.tree.map(lambda a: a.sharding, opt_state) == plan.opt_state
+
+
+def _train_state_run(make, extra, mesh, stage):
+  x, y = shard_batch(mesh, *batch())
+  state = train_state.TrainState.create(apply_fn=None, params=mlp_params(), tx=make())
+  state = zerojax.zero_stage(state, stage, mesh=mesh)
+  plan = zerojax.plan_for(state.tx, state.params)
+
+  @jax.jit
+  def step(state):
+    loss = lambda p: loss_fn(zerojax.gather_params(p, plan), x, y)
+    value, grads = jax.value_and_grad(loss)(state.params)
+    if not extra:
+      return state.apply_gradients(grads=grads)
+    # apply_gradients passes no extra args: line searches call the optimizer.
+    updates, opt_state = state.tx.update(
+      grads, state.opt_state, state.params, value=value, grad=grads, value_fn=loss
+    )
+    params = optax.apply_updates(state.params, updates)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+
+  for _ in range(STEPS):
+    state = step(state)
+  return state, plan
+
+
+@pytest.mark.parametrize('stage', [2])
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_train_state_form_equals_plain_optax(name, stage, mesh):
+  make, extra = OPTIMIZERS[name]
+  want = plain_run(make(), STEPS, extra=extra)
+  state, plan = _train_state_run(make, extra, mesh, stage)
+  _close(state.params, want)
+  assert jax.tree.map(lambda a: a.sharding, state.opt_state) == plan.opt_state
+
+
+@pytest.mark.parametrize('stage', [0, 3])
+def test_multisteps_in_a_train_state(stage, mesh):
+  make = lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+  state, plan = _train_state_run(make, False, mesh, stage)
+  _close(state.params, plain_run(make(), STEPS))
+  # The accumulator is optimizer state: sharded from stage 1.
+  acc = state.opt_state.acc_grads['dense1']['kernel']
+  assert acc.sharding == plan.opt_state.acc_grads['dense1']['kernel']
+
+
+def _keyed_noise(scale):
+  """A transformation whose state holds typed PRNG keys in nested places."""
+
+  def init(params):
+    keys = jax.random.split(jax.random.key(0), 8)
+    return {'one': jax.random.key(1), 'nested': [(keys, jnp.zeros(()))]}
+
+  def update(updates, state, params=None):
+    del params
+    key, sub = jax.random.split(state['one'])
+    noise = jax.tree.map(lambda u: scale * jax.random.normal(sub, u.shape), updates)
+    keys = jax.vmap(lambda k: jax.random.split(k)[0])(state['nested'][0][0])
+    new = {'one': key, 'nested': [(keys, state['nested'][0][1] + 1)]}
+    return jax.tree.map(jnp.add, updates, noise), new
+
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_typed_keys_anywhere_in_the_state(stage, mesh):
+  make = lambda: optax.chain(_keyed_noise(1e-3), optax.sgd(1e-2))
+  params, opt_state, plan = zero_run(make(), mesh, stage, STEPS)
+  _close(params, plain_run(make(), STEPS))
+  keys = opt_state[0]['nested'][0][0]
+  assert jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
+  assert keys.sharding == plan.opt_state[0]['nested'][0][0]
+  rows = [r for r in plan.rows if r.group == 'opt_state' and 'nested' in r.path]
+  assert rows[0].reason == ('PRNG key (kept whole)' if stage else None)
