@@ -3,13 +3,14 @@
 python _checkpoint_worker.py save N DIR STAGE [STAGE ...]   -> DIR/n{N}_s{STAGE}/
 python _checkpoint_worker.py restore N DIR STAGE [...]      -> restores every DIR/n*_s*/
 python _checkpoint_worker.py kill DIR                       -> saves step 1, then a big step 2
+python _checkpoint_worker.py exit DIR                       -> starts an async save, then exits
 """
 
 import json
 import os
 import sys
 
-N = int(sys.argv[2]) if sys.argv[1] != 'kill' else 2
+N = int(sys.argv[2]) if sys.argv[1] not in ('kill', 'exit') else 2
 os.environ['JAX_PLATFORMS'] = 'cpu'
 os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={N}'
 
@@ -94,11 +95,20 @@ def kill(folder):
     print('SAVED 2', flush=True)
 
 
+def exit_without_close(folder):
+  # No close(), no `with`: the script just ends while the write is in flight.
+  ckpt = zerojax.Checkpointer(folder)
+  ckpt.save(1, {'w': jnp.arange(16 * 1024 * 1024, dtype=jnp.float32)})
+  print('RETURNED', flush=True)
+
+
 if __name__ == '__main__':
   mode, rest = sys.argv[1], sys.argv[2:]
   if mode == 'save':
     save(rest[1], [int(s) for s in rest[2:]])
   elif mode == 'restore':
     restore(rest[1], [int(s) for s in rest[2:]])
+  elif mode == 'exit':
+    exit_without_close(rest[0])
   else:
     kill(rest[0])

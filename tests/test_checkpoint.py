@@ -125,13 +125,23 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
   )
   for line in proc.stdout:
     if line.startswith('SAVING 2'):
-      time.sleep(0.3)
-      proc.send_signal(signal.SIGKILL)
       break
+  # Kill it while step 2 is being written (its temporary folder exists).
+  deadline = time.time() + 60
+  while not glob.glob(str(tmp_path / '2*tmp*')) and time.time() < deadline:
+    time.sleep(0.05)
+  time.sleep(0.2)
+  proc.send_signal(signal.SIGKILL)
   assert proc.wait(timeout=60) == -signal.SIGKILL
-  assert glob.glob(str(tmp_path / '2*tmp*'))  # the partial save is there...
+  tmp = glob.glob(str(tmp_path / '2*tmp*'))
+  assert tmp  # the partial save is there...
+  text = zerojax.format_checkpoint(tmp_path)  # ...shown, not removed, by inspect...
+  assert text.splitlines()[0] == f'{tmp_path}: steps [1]'
+  assert text.splitlines()[-1].startswith('incomplete saves (killed before committing;')
+  assert os.path.basename(tmp[0]) in text and glob.glob(str(tmp_path / '2*tmp*'))
   with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
-    assert ckpt.all_steps() == [1] and ckpt.latest_step() == 1  # ...and ignored
+    assert ckpt.all_steps() == [1] and ckpt.latest_step() == 1  # ...never restored...
+    assert ckpt.incomplete() == []  # ...and cleaned when a Checkpointer opens the folder
     restored, _ = ckpt.restore({'w': jax.ShapeDtypeStruct((8, 8), jnp.float32)})
     assert np.array_equal(np.asarray(restored['w']), np.ones((8, 8)))
 
@@ -153,7 +163,7 @@ def test_corrupted_checkpoint_names_step_and_file(tmp_path):
   target = {'w': jax.ShapeDtypeStruct((64, 64), jnp.float32)}
   with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
     with pytest.raises(
-      ValueError, match=re.escape(f'checkpoint step 2 in {tmp_path} could not be read')
+      ValueError, match=re.escape(f'checkpoint step 2 in {tmp_path} could not be read from')
     ) as err:
       ckpt.restore(target, step=2)
     assert str(tmp_path / '2') in str(err.value)
@@ -314,3 +324,166 @@ def test_nnx_model_and_optimizer_restore_at_another_stage(tmp_path, mesh):
     assert np.array_equal(np.asarray(a), np.asarray(b))
   assert new_model.fc.kernel[...].sharding.is_fully_replicated
   assert not new_opt.opt_state[0].mu['fc']['kernel'][...].sharding.is_fully_replicated
+
+
+@pytest.mark.slow
+def test_async_save_finishes_when_the_script_ends_without_close(tmp_path):
+  out = worker('exit', tmp_path)
+  assert 'RETURNED' in out
+  assert not glob.glob(str(tmp_path / '*tmp*'))
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    assert ckpt.all_steps() == [1]
+    restored, _ = ckpt.restore({'w': jax.ShapeDtypeStruct((16 * 1024 * 1024,), jnp.float32)})
+  assert np.array_equal(np.asarray(restored['w']), np.arange(16 * 1024 * 1024, dtype=np.float32))
+
+
+def test_fresh_train_state_saves_and_restores(tmp_path, mesh):
+  from flax.training import train_state
+
+  state = train_state.TrainState.create(apply_fn=None, params=mlp_params(), tx=optax.adam(1e-2))
+  assert state.step == 0 and isinstance(state.step, int)  # a Python int, as flax makes it
+  state = zerojax.zero_stage(state, 2, mesh=mesh)
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(0, state)
+    restored, _ = ckpt.restore(state)
+  assert int(restored.step) == 0
+  for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(state.params)):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def _data_files(folder):
+  return [
+    f
+    for f in glob.glob(str(folder / 'state' / '**' / 'd' / '*'), recursive=True)
+    if os.path.isfile(f)
+  ]
+
+
+def test_overwritten_bytes_are_caught_by_the_checksum(tmp_path):
+  w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, {'w': jnp.asarray(w)})
+    ckpt.save(2, {'w': jnp.asarray(w), 'b': jnp.ones((8,), jnp.float32)})
+  # Overwrite bytes in the middle of the file holding w's values (the largest),
+  # keeping its size: only a checksum can tell.
+  path = max(_data_files(tmp_path / '2'), key=os.path.getsize)
+  with open(path, 'r+b') as fh:
+    data = bytearray(fh.read())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    fh.seek(0)
+    fh.write(data)
+  target = {
+    'w': jax.ShapeDtypeStruct((64, 64), jnp.float32),
+    'b': jax.ShapeDtypeStruct((8,), jnp.float32),
+  }
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with pytest.raises(ValueError) as err:
+      ckpt.restore(target, step=2)
+    assert str(err.value) == (
+      f"checkpoint step 2 in {tmp_path}: ['state']['tree']['w'] does not match the checksum"
+      ' recorded when it was saved (its bytes changed on disk afterwards); it is stored in'
+      f' {tmp_path / "2" / "state"}. Restore another step (committed: [1, 2]) or save it again.'
+    )
+    restored, _ = ckpt.restore({'w': target['w']}, step=1)
+    assert np.array_equal(np.asarray(restored['w']), w)
+
+
+def test_missing_file_keeps_the_kind_of_error(tmp_path):
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, {'w': jnp.ones((64, 64))})
+  for f in _data_files(tmp_path / '1'):
+    os.remove(f)
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with pytest.raises((OSError, ValueError)) as err:
+      ckpt.restore({'w': jax.ShapeDtypeStruct((64, 64), jnp.float32)})
+  message = str(err.value)
+  assert message.startswith(f'checkpoint step 1 in {tmp_path} could not be read from')
+  # The cause and its kind are kept, not replaced by a generic message.
+  assert type(err.value.__cause__).__name__ in message
+  assert isinstance(err.value, type(err.value.__cause__))
+
+
+def test_padded_state_is_saved_logical_and_restores_on_another_device_count(tmp_path):
+  # (265, 254) fp32 is above replicate_below_bytes and no dimension divides by
+  # 8 or 4: under policy='pad' its Adam moments are padded to 272 rows on 8
+  # devices and to 268 on 4 (and not at all on 1).
+  def init_fn(key):
+    return {'w': jax.random.normal(key, (265, 254)), 'b': jnp.zeros((8,))}
+
+  def make(n):
+    m = jax.make_mesh((n,), ('data',), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+    return zerojax.create_train_state(
+      init_fn, jax.random.key(0), tx=optax.adam(1e-2), stage=1, mesh=m, policy='pad'
+    )
+
+  state = make(8)
+  state = state.apply_gradients(grads=jax.tree.map(jnp.cos, state.params))
+  assert state.opt_state[0].mu['w'].shape == (272, 254)
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, state)
+    assert ckpt.metadata()['leaves']["['state']['opt_state'][0].mu['w']"]['shape'] == [265, 254]
+  for n in (4, 1):
+    target = make(n)
+    with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+      restored, _ = ckpt.restore(target)
+    mu, want = restored.opt_state[0].mu['w'], np.asarray(state.opt_state[0].mu['w'])[:265]
+    assert mu.shape == target.opt_state[0].mu['w'].shape
+    assert mu.sharding == target.opt_state[0].mu['w'].sharding
+    assert np.array_equal(np.asarray(mu)[:265], want)
+    assert not np.asarray(mu)[265:].any()  # the padding is zeros
+    assert np.array_equal(np.asarray(restored.params['w']), np.asarray(state.params['w']))
+
+
+def test_nested_extra_round_trips(tmp_path):
+  key = jax.random.key(3)
+  extra = {
+    'rng': {'data': key, 'dropout': [jax.random.key(4), jax.random.key(5)]},
+    'position': {'epoch': jnp.array(2), 'batch': (jnp.array(7), jnp.arange(3.0))},
+  }
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, {'w': jnp.ones((8,))}, extra=extra)
+    _, got = ckpt.restore({'w': jax.ShapeDtypeStruct((8,), jnp.float32)})
+  assert jax.tree.structure(got) == jax.tree.structure(extra)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(extra)):
+    if jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key):
+      assert np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
+    else:
+      assert np.array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(TypeError, match=r"`extra`\['cfg'\] is a str; extra holds arrays"):
+    with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+      ckpt.save(2, {'w': jnp.ones((8,))}, extra={'cfg': 'adam'})
+
+
+def test_dtype_mismatch_is_refused(tmp_path):
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, {'w': jnp.ones((8,), jnp.float32)})
+    with pytest.raises(ValueError) as err:
+      ckpt.restore({'w': jax.ShapeDtypeStruct((8,), jnp.bfloat16)})
+  assert str(err.value) == (
+    f"checkpoint step 1 in {tmp_path}: ['state']['tree']['w'] is float32 in the checkpoint"
+    ' but bfloat16 in the target. Restore into a target of the saved dtype (e.g. build it'
+    ' with the same param_dtype) and cast afterwards.'
+  )
+
+
+def test_typed_keys_in_optimizer_state_come_back_typed(tmp_path, mesh):
+  tx = optax.noisy_sgd(1e-2, key=jax.random.key(0))
+  state = zerojax.create_train_state(init, jax.random.key(0), tx=tx, stage=1, mesh=mesh)
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, state)
+    restored, _ = ckpt.restore(state)
+  keys = [
+    x
+    for x in jax.tree.leaves(restored.opt_state)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  ]
+  assert keys
+  want = [
+    x
+    for x in jax.tree.leaves(state.opt_state)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  ]
+  assert all(
+    np.array_equal(jax.random.key_data(a), jax.random.key_data(b)) for a, b in zip(keys, want)
+  )

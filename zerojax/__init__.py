@@ -40,9 +40,8 @@ from zerojax._src.transform import ZeroConfig as ZeroConfig
 from zerojax._src.transform import config_of as config_of
 from zerojax._src.transform import plan_for as plan_for
 from zerojax._src.transform import unwrap as unwrap
+from zerojax._src.version import __version__ as __version__
 from zerojax._src.zero_stage import zero_stage as zero_stage
-
-__version__ = '0.1.0'
 
 __all__ = [
   'value_and_grad',

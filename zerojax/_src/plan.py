@@ -61,6 +61,9 @@ class ZeroPlan:
       under policy='pad'.
     param_axes: the axes stage-3 parameters are split over at rest (hpZ: a
       subset of `axes`, e.g. the devices of one host); None means `axes`.
+    state_padding: per optimizer-state leaf (in `jax.tree.leaves` order),
+      None, or the (dimension, logical size) of a leaf padded under
+      policy='pad': what checkpoints slice off to save the logical layout.
   """
 
   stage: int
@@ -73,6 +76,7 @@ class ZeroPlan:
   rows: tuple[PlanRow, ...]
   padding: tuple[tuple[int, int] | None, ...] = ()
   param_axes: tuple[str, ...] | None = None
+  state_padding: tuple[tuple[int, int] | None, ...] = ()
 
   @property
   def num_shards(self) -> int:
@@ -303,9 +307,12 @@ def make_plan(
     path: (shape, rule) for (path, _), shape, rule in zip(param_entries, opt_shapes, param_rules)
   }
   state_rules = []
+  state_padding = []
   for path, x in state_entries:
     hit = _match_param(path, by_path, x.shape)
     state_rules.append(hit[1] if hit is not None else rule_for(x.shape, x.dtype, None))
+    padded = hit is not None and hit[1].padded_shape is not None
+    state_padding.append((hit[1].dim, hit[1].shape[hit[1].dim]) if padded else None)
 
   # The stage decides which groups must be split over the ZeRO axes.
   must_split = {'params': stage >= 3, 'grads': stage >= 2, 'opt_state': stage >= 1}
@@ -415,6 +422,7 @@ def make_plan(
       None if r.padded_shape is None else (r.dim, r.padded_shape[r.dim]) for r in param_rules
     ),
     param_axes=param_axes if param_axes != axes else None,
+    state_padding=tuple(state_padding),
   )
 
 
