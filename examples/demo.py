@@ -29,7 +29,7 @@ import zerojax  # noqa: E402
 
 
 def formula(stage: int, psi: int, n: int) -> int:
-  """Model states at rest per device, fp32 AdamW (DESIGN.md): 12Ψ, 4Ψ+8Ψ/N, 4Ψ+8Ψ/N, 12Ψ/N."""
+  """Model states at rest per device, fp32 AdamW (docs/design.md): 12Ψ, 4Ψ+8Ψ/N, 4Ψ+8Ψ/N, 12Ψ/N."""
   return {0: 12 * psi, 1: 4 * psi + 8 * psi // n, 2: 4 * psi + 8 * psi // n, 3: 12 * psi // n}[
     stage
   ]

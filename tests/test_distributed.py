@@ -7,6 +7,7 @@ devices, or 1 x 8), so the suite's own 8-device backend is not involved.
 import fcntl
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -247,3 +248,17 @@ def test_step_report_scales_to_processes_and_mesh():
   assert report.per_process().argument == 8 * report.memory.argument
   assert report.whole_mesh().peak == 8 * report.memory.peak
   assert 'per process' not in str(report)  # one process: nothing more to say
+
+
+def test_no_private_jax_modules_are_used():
+  # zerojax relies on public jax APIs only (jax._src moves between releases).
+  root = os.path.join(os.path.dirname(__file__), '..', 'zerojax')
+  offenders = []
+  for folder, _, files in os.walk(root):
+    for name in files:
+      if name.endswith('.py'):
+        path = os.path.join(folder, name)
+        with open(path) as f:
+          if re.search(r'(?<!zero)jax\._src', f.read()):
+            offenders.append(os.path.relpath(path, root))
+  assert offenders == []

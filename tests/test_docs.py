@@ -53,3 +53,71 @@ def test_demo_runs_and_matches_formula(tmp_path):
   assert len({line.split()[1] for line in table}) == 1
   assert 'largest loss difference between stages: 0.00e+00' in proc.stdout
   assert (tmp_path / 'zero_stages.png').stat().st_size > 10_000
+
+
+def _json(name):
+  import json
+
+  return json.loads((ROOT / 'benchmarks' / 'results' / name).read_text())
+
+
+def _figures():
+  """(document, the sentence as the document must print it) from committed results."""
+  plan = _json('plan_llama2-70b_v5e-16x16.json')
+  peak = plan['memory']['peak'] / 2**30
+  ratio = sum(plan['collectives']['ring_bytes'].values()) / plan['zero_floor_bytes']
+  offload = {
+    (r['stage'], r['offload'], r['update_on']): r for r in _json('offload_v5e-2x4.json')['rows']
+  }
+  cpu = _json('bench_cpu8.json')
+  psi, mib = cpu['model']['params'], 2**20
+  streamed = [
+    offload[(3, o, 'device')]['peak_vs_no_offload'] for o in ('opt_state', 'opt_state+master')
+  ]
+  host_master = [offload[(s, 'opt_state', 'host')]['peak_vs_no_offload'] for s in (1, 2, 3)]
+  return [
+    ('README.md', f'runs for {plan["compile_seconds"]:.1f} s, compile included'),
+    ('README.md', f'needs {peak:.2f} GiB of the 16 GiB per chip'),
+    ('README.md', f'moves {ratio:.2f}× the 3Ψ(N−1)/N floor'),
+    (
+      'README.md',
+      f'lowers the stage-3 peak from {offload[(3, None, "device")]["peak_bytes"] / mib:.1f} to'
+      f' {offload[(3, "opt_state+master", "host")]["peak_bytes"] / mib:.1f} MiB'
+      f' ({offload[(3, "opt_state+master", "host")]["peak_vs_no_offload"]:.2f}×; stages 1–2:'
+      f' {offload[(1, "opt_state+master", "host")]["peak_vs_no_offload"]:.2f}×)',
+    ),
+    ('benchmarks/README.md', f'Ψ = {psi:,} fp32 parameters'),
+    ('benchmarks/README.md', f'2Ψ(N−1)/N = {2 * psi * 4 * 7 / 8 / mib:.2f} MiB'),
+    ('benchmarks/README.md', f'3Ψ(N−1)/N = {3 * psi * 4 * 7 / 8 / mib:.2f} MiB'),
+    (
+      'benchmarks/README.md',
+      f'({cpu["results"]["zerojax-1"]["ring_bytes"] / mib:.2f} and'
+      f' {cpu["results"]["zerojax-3"]["ring_bytes"] / mib:.2f} MiB)',
+    ),
+    (
+      'benchmarks/README.md',
+      f'({offload[(3, "opt_state", "device")]["device_argument_drop"] / mib:.2f} MiB of moments,'
+      f' {offload[(3, "opt_state+master", "device")]["device_argument_drop"] / mib:.2f} MiB with',
+    ),
+    ('benchmarks/README.md', f'(stage 3: {min(streamed):.2f}–{max(streamed):.2f}×'),
+    ('benchmarks/README.md', f'({min(host_master):.2f}–{max(host_master):.2f}×)'),
+  ]
+
+
+@pytest.mark.parametrize('document, sentence', _figures())
+def test_figures_in_the_docs_come_from_committed_results(document, sentence):
+  text = ' '.join((ROOT / document).read_text().split())
+  assert sentence in text
+
+
+# Design notes that lived outside the repository; the project cites docs/design.md.
+OLD_NOTES = 'DESIGN' + '.md'
+
+
+def test_docs_cite_the_projects_own_design_notes():
+  for path in [ROOT / 'README.md', ROOT / 'benchmarks' / 'README.md', ROOT / 'CHANGELOG.md']:
+    assert OLD_NOTES not in path.read_text(), path
+  for folder in ('zerojax', 'tests', 'examples', 'benchmarks'):
+    for path in (ROOT / folder).rglob('*.py'):
+      assert OLD_NOTES not in path.read_text(), path
+  assert (ROOT / 'docs' / 'design.md').is_file()

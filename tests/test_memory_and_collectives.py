@@ -51,7 +51,7 @@ def compile_step(mesh, stage, batch=64):
   return jax.jit(step).lower(state, x).compile(), batch * D * 4 // N
 
 
-# Model states at rest per device for fp32 Adam (DESIGN.md), grads excluded.
+# Model states at rest per device for fp32 Adam (docs/design.md), grads excluded.
 AT_REST = {0: 12 * PSI, 1: 4 * PSI + 8 * PSI // N, 2: 4 * PSI + 8 * PSI // N, 3: 12 * PSI // N}
 SCALARS = 4 + 4  # TrainState.step and Adam's count, int32 each
 
@@ -82,7 +82,7 @@ def test_collectives(stage, mesh):
     assert stats['all-gather'] == 0 and stats['reduce-scatter'] == 0
   else:
     # XLA:CPU lowers the gradient reduction into shards as all-reduce +
-    # dynamic-slice (DESIGN.md); TPU makes it a reduce-scatter (test_tpu_aot).
+    # dynamic-slice (docs/design.md); TPU makes it a reduce-scatter (test_tpu_aot).
     assert stats['reduce-scatter'] + stats['all-reduce'] >= 1
     assert stats.result_bytes.get('all-reduce', 0) <= grad_bytes
     assert 'dynamic-slice' in text or stats['reduce-scatter'] >= 1

@@ -54,7 +54,7 @@ def batch_spec(mesh, rows=64):
   )
 
 
-# bf16 params (2) + fp32 master (4) + Adam's two moments (8), grads excluded (DESIGN.md).
+# bf16 params (2) + fp32 master (4) + Adam's two moments (8), grads excluded (docs/design.md).
 MIXED_AT_REST = {0: 14 * PSI, 1: 2 * PSI + 12 * PSI // N, 2: 2 * PSI + 12 * PSI // N}
 MIXED_AT_REST[3] = 14 * PSI // N
 SCALARS = 4 + 4  # TrainState.step and Adam's count
@@ -244,7 +244,7 @@ def test_estimate_mixed_precision_and_offload():
   tx = zerojax.mixed_precision(optax.adam(1e-3))
   est = zerojax.estimate_memory(psi, tx, num_devices=n, dtype=jnp.bfloat16)
   # bf16 params and grads, fp32 master + Adam (K = 12): 16, 4+12/N, 2+14/N, 16/N bytes/param
-  # (DESIGN.md), plus Adam's 4-byte step count.
+  # (docs/design.md), plus Adam's 4-byte step count.
   assert [e.total - 4 for e in est] == [
     16 * psi,
     4 * psi + 12 * psi // n,

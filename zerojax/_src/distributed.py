@@ -51,12 +51,18 @@ def _wait_for_coordinator(host: str, port: int, deadline: float) -> bool:
 
 
 def _backend_started() -> bool:
-  try:
-    from jax._src import xla_bridge
+  """Whether jax has started a backend in this process, through public APIs only.
 
-    return bool(xla_bridge._backends)
-  except (ImportError, AttributeError):  # private API moved: skip the check
-    return False
+  jax refuses any change of `jax_num_cpu_devices` once a backend exists (a
+  RuntimeError); before that, changing it and changing it back has no effect.
+  """
+  current = jax.config.jax_num_cpu_devices
+  try:
+    jax.config.update('jax_num_cpu_devices', current + 1 if current > 0 else 1)
+  except RuntimeError:
+    return True
+  jax.config.update('jax_num_cpu_devices', current)
+  return False
 
 
 def initialize(
