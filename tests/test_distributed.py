@@ -262,3 +262,27 @@ def test_no_private_jax_modules_are_used():
           if re.search(r'(?<!zero)jax\._src', f.read()):
             offenders.append(os.path.relpath(path, root))
   assert offenders == []
+
+
+@pytest.mark.slow
+def test_initialize_without_a_cluster_says_what_to_pass():
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS',)}
+  env['JAX_PLATFORMS'] = 'cpu'
+  code = (
+    'import zerojax\n'
+    'try:\n'
+    '  zerojax.initialize_distributed(timeout_s=20)\n'
+    'except ValueError as e:\n'
+    '  print("ERROR", e)\n'
+  )
+  proc = subprocess.run(
+    [sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=120
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == (
+    'ERROR zerojax.initialize_distributed() found no cluster to join: JAX detects TPU pods,'
+    ' SLURM and Open MPI launches by itself, and none is around this process. Pass the'
+    ' launch explicitly, the same address and count in every process and a distinct id each'
+    " (process 0 hosts the coordinator): zerojax.initialize_distributed('HOST:PORT',"
+    ' num_processes=N, process_id=i). For one process, do not call it.'
+  )

@@ -87,6 +87,10 @@ def _run_cli(*args, timeout=600, drop=('XLA_FLAGS',)):
   env = dict(os.environ)
   for name in drop:
     env.pop(name, None)
+  # The tests' folder, for models named as module:function.
+  env['PYTHONPATH'] = os.pathsep.join(
+    [os.path.dirname(os.path.abspath(__file__))] + env.get('PYTHONPATH', '').split(os.pathsep)
+  )
   return subprocess.run(
     [sys.executable, '-m', 'zerojax', *args],
     capture_output=True,
@@ -181,3 +185,16 @@ def test_tpu_plan_output_is_only_what_was_asked_for():
   assert not [n for n in LIBTPU_NOISE if n in proc.stderr], proc.stderr
   assert 'CollectiveCountWarning' not in proc.stderr  # the scans' trip counts are found
   assert 'FITS' in proc.stdout
+
+
+@pytest.mark.slow
+def test_plan_command_takes_a_users_model_spec():
+  proc = _run_cli('plan', '--model', '_custom_model:spec', '--topology', 'cpu:8', '--stage', '3')
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert 'two-layer | 0.00B params | ZeRO stage 3' in proc.stdout
+  wrong = _run_cli('plan', '--model', '_custom_model:wrong', '--topology', 'cpu:8')
+  assert wrong.returncode != 0
+  assert wrong.stderr.strip().endswith(
+    'error: --model _custom_model:wrong returned a dict; it must return a'
+    ' zerojax.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
+  )

@@ -27,6 +27,7 @@ from zerojax._src.precision import DynamicLossScale as DynamicLossScale
 from zerojax._src.precision import cast as cast
 from zerojax._src.precision import loss_scale as loss_scale
 from zerojax._src.precision import mixed_precision as mixed_precision
+from zerojax._src.presets import ModelSpec as ModelSpec
 from zerojax._src.report import CollectiveStats as CollectiveStats
 from zerojax._src.report import MemoryStats as MemoryStats
 from zerojax._src.report import StepReport as StepReport
@@ -71,6 +72,7 @@ __all__ = [
   'memory_stats',
   'ZeroConfig',
   'ZeroPlan',
+  'ModelSpec',
   'abstract_train_state',
   'config_of',
   'create_train_state',

@@ -104,7 +104,13 @@ def _load_model(args) -> Any:
 
   if ':' in args.model:
     module_name, attr = args.model.split(':', 1)
-    return getattr(importlib.import_module(module_name), attr)()
+    spec = getattr(importlib.import_module(module_name), attr)()
+    if not isinstance(spec, presets.ModelSpec):
+      raise SystemExit(
+        f'error: --model {args.model} returned a {type(spec).__name__}; it must return a'
+        ' zerojax.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
+      )
+    return spec
   import jax.numpy as jnp
 
   return presets.decoder_spec(
@@ -250,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument(
     '--model',
     default='gpt2-small',
-    help=f'a preset {sorted(presets.PRESETS)} or module:function returning a ModelSpec',
+    help=f'a preset {sorted(presets.PRESETS)} or module:function returning a zerojax.ModelSpec',
   )
   p.add_argument(
     '--topology', default='v5e:2x4', help='TPU topology (v5e:16x16, v4:2x2x1, ...) or cpu:N'

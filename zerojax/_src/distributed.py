@@ -174,6 +174,17 @@ def initialize(
       initialization_timeout=timeout_s + 30,
       shutdown_timeout_seconds=min(timeout_s, 300),
     )
+  except ValueError as e:
+    if explicit or 'coordinator_address' not in str(e):
+      raise
+    # No TPU pod, SLURM or Open MPI environment for JAX to read the launch from.
+    raise ValueError(
+      'zerojax.initialize_distributed() found no cluster to join: JAX detects TPU pods,'
+      ' SLURM and Open MPI launches by itself, and none is around this process. Pass the'
+      ' launch explicitly, the same address and count in every process and a distinct'
+      ' id each (process 0 hosts the coordinator): zerojax.initialize_distributed('
+      "'HOST:PORT', num_processes=N, process_id=i). For one process, do not call it."
+    ) from e
   finally:
     done.set()
   counts = np.bincount([d.process_index for d in jax.devices()], minlength=jax.process_count())

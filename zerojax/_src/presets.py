@@ -196,14 +196,28 @@ def decoder_loss(
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """What the planner needs of a model.
+  """A model for `python -m zerojax plan --model package.module:function`.
+
+  The function named on the command line returns one; the planner builds the
+  train state abstractly from `init_fn`, differentiates `loss_fn` and compiles
+  the step for the topology asked for.
 
   Attributes:
     name: for reports.
     init_fn: key -> parameter tree.
-    loss_fn: (params, batch, plan) -> scalar loss; gathers its own parameters.
+    loss_fn: (params, batch, plan) -> scalar loss; gathers its own parameters
+      (e.g. `zerojax.gather_params(params, plan)`, or per layer).
     batch: a function of the global batch size returning the batch's
       ShapeDtypeStruct (without sharding).
+
+  >>> import jax, jax.numpy as jnp, zerojax
+  >>> spec = zerojax.ModelSpec(
+  ...     name='linear',
+  ...     init_fn=lambda key: {'w': jax.random.normal(key, (64, 64))},
+  ...     loss_fn=lambda p, x, plan: jnp.mean(x @ zerojax.gather_params(p, plan)['w']),
+  ...     batch=lambda rows: jax.ShapeDtypeStruct((rows, 64), jnp.float32))
+  >>> spec.batch(16).shape
+  (16, 64)
   """
 
   name: str
