@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from _models import batch, loss_fn, max_rel_err, mlp_apply, mlp_params, plain_run, shard_batch
@@ -95,3 +96,38 @@ def test_abstract_train_state_allocates_nothing(explicit_mesh):
   )
   assert isinstance(state.params['w'], jax.ShapeDtypeStruct)
   assert state.params['w'].sharding.shard_shape((1 << 15, 1 << 15)) == (1 << 12, 1 << 15)
+
+
+def test_stage3_apply_fn_on_an_explicit_mesh_names_the_fix(explicit_mesh):
+  import flax.linen as nn
+  from flax.training import train_state as flax_train_state
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  model = nn.Dense(64)
+  x = jnp.ones((16, 32))
+  state = flax_train_state.TrainState.create(
+    apply_fn=model.apply, params=model.init(jax.random.key(0), x)['params'], tx=optax.adam(1e-3)
+  )
+  state = zerojax.zero_stage(state, 3, mesh=explicit_mesh)
+  xs = jax.device_put(x, NamedSharding(explicit_mesh, PartitionSpec('data')))
+  with pytest.raises(ValueError) as e:
+    jax.jit(lambda s, x: s.apply_fn({'params': s.params}, x))(state, xs)
+  message = str(e.value)
+  assert message.startswith(
+    'apply_fn failed on ZeRO stage-3 parameters, which rest split over the mesh: dot_general'
+  )
+  assert message.endswith(
+    "Gather them where they are used: the whole model at once with state.apply_fn({'params':"
+    ' zerojax.gather_params(state.params, zerojax.plan_for(state.tx, state.params))}, x), or'
+    ' layer by layer (less memory) by wrapping the scanned block in zerojax.gathered_linen'
+    ' (Flax linen), zerojax.gathered_nnx (NNX) or zerojax.gather_leaves (a parameter pytree).'
+  )
+
+  # The fix it names works.
+  def fixed(s, x):
+    plan = zerojax.plan_for(s.tx, s.params)
+    return s.apply_fn({'params': zerojax.gather_params(s.params, plan)}, x)
+
+  out = jax.jit(fixed)(state, xs)
+  want = model.apply({'params': jax.device_get(state.params)}, x)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)

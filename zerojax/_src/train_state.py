@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,6 +22,38 @@ def is_train_state(obj: Any) -> bool:
   return isinstance(obj, flax_train_state.TrainState) or all(
     hasattr(obj, f) for f in ('params', 'opt_state', 'tx', 'replace')
   )
+
+
+def guard_apply_fn(apply_fn: Callable[..., Any] | None, stage: int) -> Callable[..., Any] | None:
+  """At stage 3, `apply_fn` whose sharding errors name the fix (gathering the parameters).
+
+  Parameters rest split over the ZeRO axes at stage 3. On an Explicit mesh,
+  applying the model to them directly is a sharding type error inside jax
+  (e.g. `dot_general ... produces an illegally sharded result`); the wrapper
+  re-raises it saying how to gather them. Anything else passes through.
+  """
+  if apply_fn is None or stage < 3 or getattr(apply_fn, '_zerojax_guarded', False):
+    return apply_fn
+
+  @functools.wraps(apply_fn)
+  def apply(*args, **kwargs):
+    try:
+      return apply_fn(*args, **kwargs)
+    except Exception as e:
+      # jax does not export the class; its name is stable and public in messages.
+      if type(e).__name__ != 'ShardingTypeError':
+        raise
+      raise ValueError(
+        f'apply_fn failed on ZeRO stage-3 parameters, which rest split over the mesh: {e}\n'
+        'Gather them where they are used: the whole model at once with'
+        " state.apply_fn({'params': zerojax.gather_params(state.params,"
+        ' zerojax.plan_for(state.tx, state.params))}, x), or layer by layer (less memory)'
+        ' by wrapping the scanned block in zerojax.gathered_linen (Flax linen),'
+        ' zerojax.gathered_nnx (NNX) or zerojax.gather_leaves (a parameter pytree).'
+      ) from e
+
+  apply._zerojax_guarded = True
+  return apply
 
 
 def zero_train_state(
@@ -71,7 +104,10 @@ def zero_train_state(
       ' TrainState.create, or pass the optimizer that made opt_state.'
     )
   params, opt_state = jax.device_put((state.params, state.opt_state), (plan.params, plan.opt_state))
-  return state.replace(tx=tx, params=params, opt_state=opt_state)
+  replace = dict(tx=tx, params=params, opt_state=opt_state)
+  if hasattr(state, 'apply_fn'):
+    replace['apply_fn'] = guard_apply_fn(state.apply_fn, stage)
+  return state.replace(**replace)
 
 
 def _layout(
@@ -111,7 +147,9 @@ def _layout(
     params = mesh_lib.run_in_layout(
       lambda p: mesh_lib.constrain(p, plan.params, config.mesh), config.mesh, plan.params
     )(params)
-    state = state_class.create(apply_fn=apply_fn, params=params, tx=ztx, **fields)
+    state = state_class.create(
+      apply_fn=guard_apply_fn(apply_fn, stage), params=params, tx=ztx, **fields
+    )
     if param_dtype is not None:  # mixed precision: tx.init saw the full-precision values
       state = state.replace(params=precision.cast(state.params, param_dtype))
     return state
