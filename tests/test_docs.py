@@ -46,12 +46,24 @@ def test_demo_runs_and_matches_formula(tmp_path):
     timeout=600,
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  table = proc.stdout.split('match  collectives')[1].splitlines()[1:5]
-  assert [line.split()[0] for line in table] == ['0', '1', '2', '3']
-  assert all(line.split()[4] == 'yes' for line in table)
+  lines = proc.stdout.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.split()[:3] == ['stage', 'final', 'loss'])
+  table = [line.split() for line in lines[start + 1 : start + 5]]
+  assert [row[0] for row in table] == ['0', '1', '2', '3']
+  assert all(row[4] == 'yes' for row in table)  # at rest == formula
   # The loss is the same under every stage.
-  assert len({line.split()[1] for line in table}) == 1
+  assert len({row[1] for row in table}) == 1
   assert 'largest loss difference between stages: 0.00e+00' in proc.stdout
+  # The picture is drawn from the numbers printed (and saved beside it).
+  import json
+
+  saved = json.loads((tmp_path / 'zero_stages.json').read_text())['stages']
+  for row, record in zip(table, saved):
+    assert row[2] == f'{record["at_rest"] / 2**20:.2f}'
+    assert row[5] == f'{record["grads"] / 2**20:.2f}'
+    assert row[6] == f'{record["temp"] / 2**20:.2f}'
+  # What separates stages 1 and 2 shows: the gradients they hold.
+  assert saved[1]['at_rest'] == saved[2]['at_rest'] and saved[2]['grads'] * 8 == saved[1]['grads']
   assert (tmp_path / 'zero_stages.png').stat().st_size > 10_000
 
 

@@ -47,14 +47,6 @@ def test_equals_plain_optax(name, stage, mesh):
 
 
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
-def test_line_search_extra_args_pass_through(stage, auto_mesh):
-  # L-BFGS needs value, grad and value_fn; its memory is not shaped like params.
-  expected = plain_run(optax.lbfgs(), steps=5, extra=True)
-  params, _, _ = zero_run(optax.lbfgs(), auto_mesh, stage, steps=5, extra=True)
-  assert max_rel_err(params, expected) <= 1e-5
-
-
-@pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_layouts_after_init_and_update(stage, mesh):
   tx = zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh)
   params = mlp_params()

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
@@ -211,6 +211,16 @@ def value_and_grad(
       axis_names=set(axes),
       check_vma=False,
     )
+    if mesh_lib.any_explicit(mesh):
+      # Explicit axes: shard_map takes its inputs only in the layouts it names.
+      # Parameters go to the plan's layout at rest and batch rows to the ZeRO
+      # axes (no-ops when they are there already), so any batch layout works.
+      leaves = [jax.sharding.reshard(x, s) for x, s in zip(leaves, jax.tree.leaves(plan.params))]
+      batch = jax.tree.map(
+        lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)),
+        batch,
+        batch_spec,
+      )
     loss, aux, grads = mapped(leaves, batch, args, scale)
     grads = jax.tree.unflatten(treedef, grads)
     return ((loss, aux), grads) if has_aux else (loss, grads)
