@@ -80,12 +80,14 @@ def main(argv=None) -> int:
     state = zerojax.abstract_train_state(
       init_fn,
       jax.random.key(0),
-      tx=zerojax.mixed_precision(optax.adam(1e-3)),
-      stage=stage,
-      mesh=mesh,
+      tx=zerojax.zero_stage(
+        zerojax.mixed_precision(optax.adam(1e-3)),
+        stage,
+        mesh=mesh,
+        offload=offload,
+        update_on=update_on,
+      ),
       param_dtype=jnp.bfloat16,
-      offload=offload,
-      update_on=update_on,
     )
     t0 = time.perf_counter()
     m = jax.jit(step, donate_argnums=0).lower(state, x).compile().memory_analysis()

@@ -101,9 +101,7 @@ def train(
   state = zerojax.create_train_state(
     lambda k: model.init(k, **init_inputs)['params'],
     jax.random.key(0),
-    tx=tx,
-    stage=stage,
-    mesh=mesh,
+    tx=zerojax.zero_stage(tx, stage, mesh=mesh),
     apply_fn=model.apply,
     param_dtype=param_dtype,
     **zero_kwargs,

@@ -44,7 +44,7 @@ def flat(tree):
 def save(folder, stages):
   for stage in stages:
     state = zerojax.create_train_state(
-      init, jax.random.key(0), tx=optax.adam(1e-2), stage=stage, mesh=mesh()
+      init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh())
     )
     grads = jax.tree.map(lambda p: jnp.cos(p), state.params)
     state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)  # non-zero moments
@@ -63,7 +63,7 @@ def restore(folder, stages):
     expected = dict(np.load(os.path.join(path, 'expected.npz')))
     for stage in stages:
       state, extra = zerojax.restore_train_state(
-        path, init, jax.random.key(0), tx=optax.adam(1e-2), stage=stage, mesh=mesh()
+        path, init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh())
       )
       plan = zerojax.plan_for(state.tx, state.params)
       got = flat({'params': state.params, 'opt_state': state.opt_state})

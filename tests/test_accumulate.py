@@ -89,7 +89,7 @@ def compiled_step(mesh, stage, micro):
     return {'w1': jax.random.normal(k1, (D, D)), 'w2': jax.random.normal(k2, (D, D))}
 
   state = zerojax.abstract_train_state(
-    init, jax.random.key(0), tx=optax.adam(1e-3), stage=stage, mesh=mesh
+    init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
   )
 
   def loss(p, b):

@@ -84,7 +84,7 @@ def _train(state, steps, start, key):
 
 def test_resume_is_bitwise_exact(tmp_path, mesh):
   make = lambda: zerojax.create_train_state(
-    init, jax.random.key(0), tx=optax.adamw(1e-2), stage=3, mesh=mesh
+    init, jax.random.key(0), tx=zerojax.zero_stage(optax.adamw(1e-2), 3, mesh=mesh)
   )
   key = jax.random.key(42)
   uninterrupted = _train(make(), 10, 0, key)
@@ -94,7 +94,7 @@ def test_resume_is_bitwise_exact(tmp_path, mesh):
     ckpt.save(5, first, extra={'rng': key, 'data_position': jnp.array(5)})
   del first
   resumed, extra = zerojax.restore_train_state(
-    tmp_path, init, jax.random.key(0), tx=optax.adamw(1e-2), stage=3, mesh=mesh
+    tmp_path, init, jax.random.key(0), tx=zerojax.zero_stage(optax.adamw(1e-2), 3, mesh=mesh)
   )
   assert int(resumed.step) == 5 and int(extra['data_position']) == 5
   assert jax.random.key_impl(extra['rng']) == jax.random.key_impl(key)
@@ -173,7 +173,7 @@ def test_corrupted_checkpoint_names_step_and_file(tmp_path):
 
 def test_mismatched_target_names_path_and_shapes(tmp_path, mesh):
   state = zerojax.create_train_state(
-    init, jax.random.key(0), tx=optax.adam(1e-2), stage=1, mesh=mesh
+    init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), 1, mesh=mesh)
   )
   with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
     ckpt.save(3, state)
@@ -189,20 +189,24 @@ def test_mismatched_target_names_path_and_shapes(tmp_path, mesh):
     ),
   ):
     zerojax.restore_train_state(
-      tmp_path, wider, jax.random.key(0), tx=optax.adam(1e-2), stage=1, mesh=mesh
+      tmp_path, wider, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), 1, mesh=mesh)
     )
   with pytest.raises(
     FileNotFoundError,
     match=re.escape(f'no committed checkpoint for step 9 in {tmp_path}; committed steps: [3]'),
   ):
     zerojax.restore_train_state(
-      tmp_path, init, jax.random.key(0), tx=optax.adam(1e-2), stage=1, mesh=mesh, step=9
+      tmp_path,
+      init,
+      jax.random.key(0),
+      tx=zerojax.zero_stage(optax.adam(1e-2), 1, mesh=mesh),
+      step=9,
     )
 
 
 def test_device_count_that_cannot_hold_the_layout(tmp_path, mesh):
   state = zerojax.create_train_state(
-    init, jax.random.key(0), tx=optax.adam(1e-2), stage=3, mesh=mesh
+    init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), 3, mesh=mesh)
   )
   with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
     ckpt.save(1, state)
@@ -214,15 +218,13 @@ def test_device_count_that_cannot_hold_the_layout(tmp_path, mesh):
       tmp_path,
       lambda k: {'big': jnp.zeros((256, 512)), **mlp_params()},
       jax.random.key(0),
-      tx=optax.adam(1e-2),
-      stage=3,
-      mesh=three,
+      tx=zerojax.zero_stage(optax.adam(1e-2), 3, mesh=three),
     )
 
 
 def test_export_params_loads_without_zerojax(tmp_path, mesh):
   state = zerojax.create_train_state(
-    init, jax.random.key(0), tx=optax.adam(1e-2), stage=3, mesh=mesh
+    init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), 3, mesh=mesh)
   )
   path = zerojax.export_params(state.params, tmp_path / 'model')
   assert path.endswith('model.npz')
@@ -240,7 +242,7 @@ def test_export_params_loads_without_zerojax(tmp_path, mesh):
 
 def test_inspect_command(tmp_path, mesh):
   state = zerojax.create_train_state(
-    init, jax.random.key(0), tx=optax.adam(1e-2), stage=2, mesh=mesh
+    init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), 2, mesh=mesh)
   )
   with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
     ckpt.save(4, state, extra={'data_position': jnp.array(4)})
@@ -414,7 +416,7 @@ def test_padded_state_is_saved_logical_and_restores_on_another_device_count(tmp_
   def make(n):
     m = jax.make_mesh((n,), ('data',), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
     return zerojax.create_train_state(
-      init_fn, jax.random.key(0), tx=optax.adam(1e-2), stage=1, mesh=m, policy='pad'
+      init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), 1, mesh=m, policy='pad')
     )
 
   state = make(8)
@@ -469,7 +471,9 @@ def test_dtype_mismatch_is_refused(tmp_path):
 
 def test_typed_keys_in_optimizer_state_come_back_typed(tmp_path, mesh):
   tx = optax.noisy_sgd(1e-2, key=jax.random.key(0))
-  state = zerojax.create_train_state(init, jax.random.key(0), tx=tx, stage=1, mesh=mesh)
+  state = zerojax.create_train_state(
+    init, jax.random.key(0), tx=zerojax.zero_stage(tx, 1, mesh=mesh)
+  )
   with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
     ckpt.save(1, state)
     restored, _ = ckpt.restore(state)

@@ -53,7 +53,7 @@ def test_report_bytes_equal_hand_count_for_scanned_model():
   cfg = presets.PRESETS['tiny']  # 4 layers, d 128, d_ff 512, vocab 256
   spec = presets.decoder_spec('tiny', compute_dtype=jnp.float32)
   state = zerojax.abstract_train_state(
-    spec.init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=3, mesh=mesh
+    spec.init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh)
   )
   plan = zerojax.plan_for(state.tx, state.params)
   tokens = jax.ShapeDtypeStruct(

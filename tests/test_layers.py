@@ -32,9 +32,7 @@ def compile_gpt_step(mesh, n_layers, per_layer):
   state = zerojax.abstract_train_state(
     lambda k: model.init(k, jnp.zeros((1, cfg.seq_len), jnp.int32))['params'],
     key,
-    tx=optax.adam(1e-3),
-    stage=3,
-    mesh=mesh,
+    tx=zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh),
     apply_fn=model.apply,
   )
   plan = zerojax.plan_for(state.tx, state.params)

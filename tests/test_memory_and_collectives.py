@@ -43,7 +43,7 @@ def step(state, x):
 
 def compile_step(mesh, stage, batch=64):
   state = zerojax.abstract_train_state(
-    init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=stage, mesh=mesh
+    init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
   )
   x = jax.ShapeDtypeStruct(
     (batch, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data'))
@@ -111,7 +111,7 @@ def test_counts_ops_inside_loops_by_trip_count(auto_mesh):
 
 def test_donated_step_aliases_the_state(auto_mesh):
   state = zerojax.abstract_train_state(
-    init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=2, mesh=auto_mesh
+    init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), 2, mesh=auto_mesh)
   )
   x = jax.ShapeDtypeStruct(
     (64, D), jnp.float32, sharding=NamedSharding(auto_mesh, PartitionSpec('data'))

@@ -107,13 +107,15 @@ def make(name, stage, kind=AxisType.Auto):
   state = zerojax.create_train_state(
     init,
     jax.random.key(0),
-    tx=TX,
-    stage=stage,
-    mesh=mesh,
-    axis=axes,
-    param_axis=param_axis,
-    param_specs=specs,
-    replicate_below_bytes=0,
+    tx=zerojax.zero_stage(
+      TX,
+      stage,
+      mesh=mesh,
+      axis=axes,
+      replicate_below_bytes=0,
+      param_specs=specs,
+      param_axis=param_axis,
+    ),
   )
   batch = NamedSharding(mesh, PartitionSpec(axes))
   return mesh, state, jax.device_put((X, Y), batch), axes, param_axis

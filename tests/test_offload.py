@@ -72,10 +72,7 @@ def test_train_state_with_offload(auto_mesh):
   state = zerojax.create_train_state(
     lambda k: mlp_params(),
     jax.random.key(0),
-    tx=optax.adamw(1e-3),
-    stage=2,
-    mesh=auto_mesh,
-    offload='opt_state',
+    tx=zerojax.zero_stage(optax.adamw(1e-3), 2, mesh=auto_mesh, offload='opt_state'),
   )
   assert kinds(state.opt_state)["[0].mu['dense1']['kernel']"] == 'pinned_host'
   x, y = shard_batch(auto_mesh, *batch())
@@ -135,12 +132,14 @@ def test_tpu_device_bytes_drop_by_offloaded_bytes(stage):
     state = zerojax.abstract_train_state(
       init_fn,
       jax.random.key(0),
-      tx=zerojax.mixed_precision(optax.adam(1e-3)),
-      stage=stage,
-      mesh=mesh,
+      tx=zerojax.zero_stage(
+        zerojax.mixed_precision(optax.adam(1e-3)),
+        stage,
+        mesh=mesh,
+        offload=offload,
+        update_on=update_on,
+      ),
       param_dtype=jnp.bfloat16,
-      offload=offload,
-      update_on=update_on,
     )
     compiled = jax.jit(mp_step, donate_argnums=0).lower(state, x).compile()
     out[offload, update_on] = compiled.memory_analysis()

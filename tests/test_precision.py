@@ -41,9 +41,7 @@ def abstract_state(mesh, stage, tx=None, param_dtype=jnp.bfloat16):
   return zerojax.abstract_train_state(
     init_fn,
     jax.random.key(0),
-    tx=tx or zerojax.mixed_precision(optax.adam(1e-3)),
-    stage=stage,
-    mesh=mesh,
+    tx=zerojax.zero_stage(tx or zerojax.mixed_precision(optax.adam(1e-3)), stage, mesh=mesh),
     param_dtype=param_dtype,
   )
 
@@ -261,9 +259,7 @@ def test_train_state_plan_counts_compute_dtype(auto_mesh):
   state = zerojax.create_train_state(
     init_fn,
     jax.random.key(0),
-    tx=zerojax.mixed_precision(optax.adam(1e-3)),
-    stage=3,
-    mesh=auto_mesh,
+    tx=zerojax.zero_stage(zerojax.mixed_precision(optax.adam(1e-3)), 3, mesh=auto_mesh),
     param_dtype=jnp.bfloat16,
   )
   sizes = zerojax.plan_for(state.tx, state.params).bytes_per_device()

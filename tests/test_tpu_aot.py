@@ -45,7 +45,7 @@ def tpu_mesh(request, topology):
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_per_chip_bytes_and_reduce_scatter(stage, tpu_mesh):
   state = zerojax.abstract_train_state(
-    init_fn, jax.random.key(0), tx=optax.adam(1e-3), stage=stage, mesh=tpu_mesh
+    init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), stage, mesh=tpu_mesh)
   )
   x = jax.ShapeDtypeStruct(
     (64, D), jnp.float32, sharding=NamedSharding(tpu_mesh, PartitionSpec('data'))

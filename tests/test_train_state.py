@@ -61,9 +61,7 @@ def test_create_train_state_is_born_sharded(stage, mesh):
   state = zerojax.create_train_state(
     lambda k: mlp_params(),
     jax.random.key(0),
-    tx=optax.adam(1e-2),
-    stage=stage,
-    mesh=mesh,
+    tx=zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh),
     apply_fn=mlp_apply,
   )
   plan = zerojax.plan_for(state.tx, state.params)
@@ -73,7 +71,9 @@ def test_create_train_state_is_born_sharded(stage, mesh):
   # The initialising program writes only shards: its outputs per device are the
   # planned bytes, never a full replicated copy first.
   abstract = zerojax.abstract_train_state(
-    lambda k: mlp_params(), jax.random.key(0), tx=optax.adam(1e-2), stage=stage, mesh=mesh
+    lambda k: mlp_params(),
+    jax.random.key(0),
+    tx=zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh),
   )
   assert jax.tree.map(lambda a: a.sharding, abstract.opt_state) == plan.opt_state
   sizes = plan.bytes_per_device()
@@ -90,9 +90,7 @@ def test_abstract_train_state_allocates_nothing(explicit_mesh):
   state = zerojax.abstract_train_state(
     lambda k: {'w': jax.random.normal(k, (1 << 15, 1 << 15))},
     jax.random.key(0),
-    tx=optax.adam(1e-3),
-    stage=3,
-    mesh=explicit_mesh,
+    tx=zerojax.zero_stage(optax.adam(1e-3), 3, mesh=explicit_mesh),
   )
   assert isinstance(state.params['w'], jax.ShapeDtypeStruct)
   assert state.params['w'].sharding.shard_shape((1 << 15, 1 << 15)) == (1 << 12, 1 << 15)
@@ -131,3 +129,23 @@ def test_stage3_apply_fn_on_an_explicit_mesh_names_the_fix(explicit_mesh):
   out = jax.jit(fixed)(state, xs)
   want = model.apply({'params': jax.device_get(state.params)}, x)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_builders_take_the_options_from_the_wrapped_optimizer(explicit_mesh):
+  init = lambda k: mlp_params()
+  ztx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=explicit_mesh, policy='replicate')
+  state = zerojax.create_train_state(init, jax.random.key(0), tx=ztx)
+  assert zerojax.config_of(state.tx) is zerojax.config_of(ztx)
+  assert (
+    state.params['dense1']['kernel'].sharding.spec
+    == zerojax.plan_for(ztx, mlp_params()).params['dense1']['kernel'].spec
+  )
+  with pytest.raises(TypeError) as e:
+    zerojax.create_train_state(init, jax.random.key(0), tx=optax.adam(1e-3), stage=3)
+  assert str(e.value) == (
+    'create_train_state/abstract_train_state takes the optimizer already wrapped by'
+    ' zerojax.zero_stage, which holds the ZeRO stage and options (got stage=):'
+    ' tx=zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh).'
+  )
+  with pytest.raises(TypeError, match=r'\(got mesh=, policy=\)'):
+    zerojax.abstract_train_state(init, jax.random.key(0), tx=ztx, mesh=explicit_mesh, policy='pad')

@@ -22,7 +22,6 @@ from zerojax._src.nnx_state import create_nnx_model as create_nnx_model
 from zerojax._src.nnx_state import nnx_plan as nnx_plan
 from zerojax._src.nnx_state import shard_nnx as shard_nnx
 from zerojax._src.plan import ZeroPlan as ZeroPlan
-from zerojax._src.plan import make_plan as make_plan
 from zerojax._src.precision import DynamicLossScale as DynamicLossScale
 from zerojax._src.precision import cast as cast
 from zerojax._src.precision import loss_scale as loss_scale
@@ -39,6 +38,7 @@ from zerojax._src.train_state import abstract_train_state as abstract_train_stat
 from zerojax._src.train_state import create_train_state as create_train_state
 from zerojax._src.transform import ZeroConfig as ZeroConfig
 from zerojax._src.transform import config_of as config_of
+from zerojax._src.transform import make_plan as make_plan
 from zerojax._src.transform import plan_for as plan_for
 from zerojax._src.transform import unwrap as unwrap
 from zerojax._src.version import __version__ as __version__

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 from zerojax._src import distributed, transform
 from zerojax._src import mesh as mesh_lib
@@ -555,24 +555,20 @@ def restore_train_state(
   init_fn: Callable[..., optax.Params],
   *init_args: Any,
   tx: optax.GradientTransformation,
-  stage: int,
-  mesh: Mesh | None = None,
-  axis: mesh_lib.AxisName = 'data',
   step: int | None = None,
-  apply_fn: Callable[..., Any] | None = None,
   **kwargs: Any,
 ) -> tuple[Any, dict]:
-  """Restores a train state onto `mesh` at `stage`, whatever it was saved on.
+  """Restores a train state into `tx`'s stage and mesh, whatever it was saved on.
 
   Builds the target abstractly (`zerojax.abstract_train_state`), then reads each
-  device's shards straight into it. Arguments as for `create_train_state`.
+  device's shards straight into it. `tx` is the optimizer wrapped by
+  `zerojax.zero_stage` for the new layout; `kwargs` (`apply_fn`, `param_dtype`,
+  ...) are as for `create_train_state`.
 
   Returns:
     (train state, extra).
   """
-  target = train_state_lib.abstract_train_state(
-    init_fn, *init_args, tx=tx, stage=stage, mesh=mesh, axis=axis, apply_fn=apply_fn, **kwargs
-  )
+  target = train_state_lib.abstract_train_state(init_fn, *init_args, tx=tx, **kwargs)
   with Checkpointer(directory, async_save=False) as ckpt:
     return ckpt.restore(target, step)
 

@@ -137,7 +137,7 @@ def cmd_plan(args) -> int:
   spec = _load_model(args)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   state = zerojax.abstract_train_state(
-    spec.init_fn, key, tx=_optimizer(args.optimizer), stage=args.stage, mesh=mesh
+    spec.init_fn, key, tx=zerojax.zero_stage(_optimizer(args.optimizer), args.stage, mesh=mesh)
   )
   plan = zerojax.plan_for(state.tx, state.params)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))

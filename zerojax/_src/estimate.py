@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, AxisType
 
-from zerojax._src import plan as plan_lib
-from zerojax._src import rules
+from zerojax._src import rules, transform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +71,7 @@ def estimate_memory(
     dtype: parameter dtype when `params` is a count.
     policy: for leaves that do not divide by N: 'replicate' (default: count
       them whole, as they would be), 'pad' or 'error'.
-    replicate_below_bytes: see `zerojax.make_plan`.
+    replicate_below_bytes: see `zerojax.zero_stage`.
     offload: see `zerojax.zero_stage`; offloaded bytes are reported as `host`.
       For mixed precision pass `zerojax.mixed_precision(tx)` and
       `dtype=jnp.bfloat16`.
@@ -91,7 +90,7 @@ def estimate_memory(
   mesh = AbstractMesh((num_devices,), ('data',), axis_types=(AxisType.Auto,))
   out = []
   for stage in stages:
-    plan = plan_lib.make_plan(
+    plan = transform.make_plan(
       params,
       tx,
       stage=stage,

@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
-from zerojax._src import rules
+from zerojax._src import rules, transform
 
 
 def nnx_plan(
@@ -24,7 +24,7 @@ def nnx_plan(
   policy: rules.Policy = 'error',
 ) -> plan_lib.ZeroPlan:
   """The `ZeroPlan` of an NNX model's `nnx.Param`s (and of `tx`'s state, if given)."""
-  return plan_lib.make_plan(
+  return transform.make_plan(
     nnx.state(model, nnx.Param), tx, stage=stage, mesh=mesh, axis=axis, policy=policy
   )
 
@@ -67,7 +67,7 @@ def create_nnx_model(
     stage: the ZeRO stage (3 splits the parameters).
     mesh: the device mesh; defaults to the one set by `jax.set_mesh`.
     axis: the ZeRO mesh axis or axes.
-    policy: see `zerojax.make_plan`.
+    policy: see `zerojax.zero_stage`.
 
   Returns:
     The model, with `nnx.Param`s carrying the plan's shardings.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -197,163 +197,155 @@ def _paths(tree: Any) -> list[tuple[tuple, Any]]:
   return jax.tree_util.tree_flatten_with_path(tree)[0]
 
 
-def make_plan(
-  params: optax.Params,
-  tx: optax.GradientTransformation | None = None,
-  *,
-  stage: int,
-  mesh: Mesh | None = None,
-  axis: mesh_lib.AxisName = 'data',
-  policy: rules.Policy = 'error',
-  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-  opt_state: optax.OptState | None = None,
-  param_specs: Any = None,
-  param_axis: mesh_lib.AxisName | None = None,
-  offload: str | None = None,
+class PlanConfig(Protocol):
+  """What a plan is built from (`zerojax.ZeroConfig` has it)."""
+
+  inner: optax.GradientTransformation
+  stage: int
+  mesh: Mesh
+  axes: tuple[str, ...]
+  policy: str
+  replicate_below_bytes: int
+  param_specs: Any
+  param_axis: Any
+  offload: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaves:
+  """Flattened leaves of a tree with their paths, and a layout rule for each."""
+
+  entries: list[tuple[tuple, Any]]
+  rules: list[rules.LeafRule]
+  treedef: Any
+
+
+def build_plan(
+  params: optax.Params, config: PlanConfig, opt_state: optax.OptState | None = None
 ) -> ZeroPlan:
-  """Computes the ZeRO layouts of `params`, their grads, and `tx`'s state.
+  """The ZeRO layouts of `params`, their grads and the optimizer's state, in named steps.
 
-  Nothing is allocated: shapes are read from `params` (arrays or
-  `jax.ShapeDtypeStruct`s) and the optimizer state is evaluated abstractly.
-
-  Args:
-    params: the parameter tree (arrays, tracers or ShapeDtypeStructs). Leaves
-      already sharded over other mesh axes keep those axes.
-    tx: the optax transformation whose state to lay out (unwrapped).
-    stage: the ZeRO stage, 0 to 3.
-    mesh: the device mesh; defaults to the one set by `jax.set_mesh`.
-    axis: the mesh axis, or tuple of axes, to partition over.
-    policy: what to do with a large leaf no free dimension of which divides by
-      the axis size: 'error' (default); 'replicate' (keep it whole); or 'pad'
-      (pad its gradient and optimizer state along the largest free dimension
-      to a multiple of the axis size and split them; the parameter itself stays
-      whole). Padding is exact for optimizers that act elementwise or through
-      norms (Adam, SGD, LAMB, clipping), not for ones that average over a
-      dimension (Adafactor's factored statistics see the zeros).
-    replicate_below_bytes: such leaves smaller than this are replicated under
-      any policy, and listed in the plan.
-    opt_state: an optimizer state to lay out instead of evaluating `tx.init`.
-    param_specs: optional tree of PartitionSpecs (a prefix of `params`) giving
-      the tensor-parallel layout of each parameter; overrides the leaves' own.
-    param_axis: hierarchical partitioning (ZeRO++ hpZ): at stage 3, split the
-      parameters at rest over only these axes (a subset of `axis`, e.g. the
-      devices of one host), so their all-gathers stay inside that group, while
-      gradients and optimizer state are split over all of `axis`.
-    offload: keep optimizer state in host memory (`memory_kind='pinned_host'`):
-      'opt_state' for all of it except a `mixed_precision` master copy,
-      'opt_state+master' for the master copy too. Scalars stay on device.
-
-  Returns:
-    A `ZeroPlan`.
-
-  Raises:
-    ValueError: bad `stage`, `axis` or `policy`; no mesh; or, under
-      policy='error', leaves that must be split but cannot be.
-    TypeError: non-array leaves in `params`.
-
-  >>> import jax, jax.numpy as jnp, optax, zerojax
-  >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
-  >>> plan = zerojax.make_plan({'w': jnp.zeros((64, 16))}, optax.adam(1e-3),
-  ...                          stage=1, mesh=mesh)
-  >>> plan.opt_state[0].mu['w'].spec
-  P('data', None)
+  Nothing is allocated: shapes come from `params` (arrays, tracers or
+  ShapeDtypeStructs) and the optimizer state is evaluated abstractly, unless
+  `opt_state` is given to lay out instead.
   """
-  stage = check_stage(stage)
-  policy = check_policy(policy)
-  mesh = mesh_lib.resolve_mesh(mesh)
-  axes = mesh_lib.resolve_axes(mesh, axis)
-  check_offload(offload)
-  axes, param_axes = order_axes(mesh, axes, param_axis)
-  abstract = validation.abstract_arrays(params, 'params')
+  param_axes = order_axes(config.mesh, config.axes, config.param_axis)[1]
+  leaf_rule = _leaf_rule_for(config)
+  param_leaves, opt_shapes = _param_rules(params, config, leaf_rule)
+  state_leaves, state_padding = _state_rules(param_leaves, opt_shapes, config, leaf_rule, opt_state)
+  _check_splittable(param_leaves, state_leaves, config)
+  return _assemble(param_leaves, state_leaves, state_padding, param_axes, config)
 
-  if param_specs is not None:
-    specs = validation.broadcast_prefix(param_specs, params, 'param_specs')
-  else:
-    specs = jax.tree.map(spec_of, params)
-  spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
 
+def _leaf_rule_for(config: PlanConfig):
   # Padding only matters where something is split: from stage 1 up.
-  pad = policy == 'pad' and stage >= 1
+  pad = config.policy == 'pad' and config.stage >= 1
 
   def rule_for(shape, dtype, base):
     return rules.leaf_rule(
       shape,
       dtype,
       base,
-      mesh=mesh,
-      axes=axes,
-      replicate_below_bytes=replicate_below_bytes,
+      mesh=config.mesh,
+      axes=config.axes,
+      replicate_below_bytes=config.replicate_below_bytes,
       pad=pad,
     )
 
-  param_entries = _paths(abstract)
-  treedef = jax.tree.structure(abstract)
-  param_rules = [rule_for(x.shape, x.dtype, s) for (_, x), s in zip(param_entries, spec_leaves)]
-  # The shapes the optimizer sees: padded where the policy pads.
-  opt_shapes = [r.padded_shape or r.shape for r in param_rules]
-  opt_params = jax.tree.unflatten(
-    treedef, [jax.ShapeDtypeStruct(shape, r.dtype) for shape, r in zip(opt_shapes, param_rules)]
-  )
+  return rule_for
 
+
+def _param_rules(params, config: PlanConfig, rule_for) -> tuple[_Leaves, list]:
+  """A rule per parameter (keeping its tensor-parallel layout), and the shapes the
+  optimizer sees (padded where the policy pads)."""
+  abstract = validation.abstract_arrays(params, 'params')
+  if config.param_specs is not None:
+    specs = validation.broadcast_prefix(config.param_specs, params, 'param_specs')
+  else:
+    specs = jax.tree.map(spec_of, params)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
+  entries = _paths(abstract)
+  leaf_rules = [rule_for(x.shape, x.dtype, s) for (_, x), s in zip(entries, spec_leaves)]
+  opt_shapes = [r.padded_shape or r.shape for r in leaf_rules]
+  return _Leaves(entries, leaf_rules, jax.tree.structure(abstract)), opt_shapes
+
+
+def _state_rules(
+  param_leaves: _Leaves, opt_shapes: list, config: PlanConfig, rule_for, opt_state
+) -> tuple[_Leaves, list]:
+  """A rule per optimizer-state leaf: its parameter's when path and shape match."""
   if opt_state is not None:
     state_abstract = validation.abstract_arrays(opt_state, 'opt_state')
-  elif tx is not None:
-    state_abstract = jax.eval_shape(tx.init, opt_params)
   else:
-    state_abstract = ()
-  state_entries = _paths(state_abstract)
-  state_treedef = jax.tree.structure(state_abstract)
+    opt_params = jax.tree.unflatten(
+      param_leaves.treedef,
+      [jax.ShapeDtypeStruct(s, r.dtype) for s, r in zip(opt_shapes, param_leaves.rules)],
+    )
+    state_abstract = jax.eval_shape(config.inner.init, opt_params)
+  entries = _paths(state_abstract)
   by_path = {
-    path: (shape, rule) for (path, _), shape, rule in zip(param_entries, opt_shapes, param_rules)
+    path: (shape, rule)
+    for (path, _), shape, rule in zip(param_leaves.entries, opt_shapes, param_leaves.rules)
   }
-  state_rules = []
-  state_padding = []
-  for path, x in state_entries:
+  leaf_rules, padding = [], []
+  for path, x in entries:
     hit = _match_param(path, by_path, x.shape)
-    state_rules.append(hit[1] if hit is not None else rule_for(x.shape, x.dtype, None))
+    leaf_rules.append(hit[1] if hit is not None else rule_for(x.shape, x.dtype, None))
     padded = hit is not None and hit[1].padded_shape is not None
-    state_padding.append((hit[1].dim, hit[1].shape[hit[1].dim]) if padded else None)
+    padding.append((hit[1].dim, hit[1].shape[hit[1].dim]) if padded else None)
+  return _Leaves(entries, leaf_rules, jax.tree.structure(state_abstract)), padding
 
-  # The stage decides which groups must be split over the ZeRO axes.
-  must_split = {'params': stage >= 3, 'grads': stage >= 2, 'opt_state': stage >= 1}
+
+def _must_split(stage: int) -> dict[str, bool]:
+  """Which groups the stage splits over the ZeRO axes."""
+  return {'params': stage >= 3, 'grads': stage >= 2, 'opt_state': stage >= 1}
+
+
+def _check_splittable(param_leaves: _Leaves, state_leaves: _Leaves, config: PlanConfig) -> None:
+  """Under policy='error', every leaf the stage must split can be split; else one error."""
+  must = _must_split(config.stage)
   offending = []
-  for (path, _), rule in zip(param_entries, param_rules):
-    if rule.indivisible and rule.dim is None and (must_split['params'] or must_split['grads']):
+  for (path, _), rule in zip(param_leaves.entries, param_leaves.rules):
+    if rule.indivisible and rule.dim is None and (must['params'] or must['grads']):
       offending.append(('params', path, rule))
-  for (path, _), rule in zip(state_entries, state_rules):
-    if rule.indivisible and rule.dim is None and must_split['opt_state']:
+  for (path, _), rule in zip(state_leaves.entries, state_leaves.rules):
+    if rule.indivisible and rule.dim is None and must['opt_state']:
       offending.append(('opt_state', path, rule))
-  if offending and policy == 'error':
-    n = mesh_lib.axes_size(mesh, axes)
-    axis = axes[0] if len(axes) == 1 else axes
-    listing = '\n'.join(
-      f'  {group}{jax.tree_util.keystr(path)}: shape {r.shape}, {r.reason}'
-      for group, path, r in offending
-    )
-    raise ValueError(
-      f'{validation.count(len(offending), "leaf", "leaves")} cannot be split over mesh axis'
-      f' {axis!r} of size {n}'
-      f' for ZeRO stage {stage}:\n{listing}\n'
-      f"Pass `policy='replicate'` to keep them whole on every device, `policy='pad'` to"
-      ' pad their gradients and optimizer state to a multiple of the axis size, raise'
-      f' `replicate_below_bytes` above their size, or choose a mesh whose {axis!r}'
-      ' size divides one of their dimensions.'
-    )
+  if not offending or config.policy != 'error':
+    return
+  n = mesh_lib.axes_size(config.mesh, config.axes)
+  axis = config.axes[0] if len(config.axes) == 1 else config.axes
+  listing = '\n'.join(
+    f'  {group}{jax.tree_util.keystr(path)}: shape {r.shape}, {r.reason}'
+    for group, path, r in offending
+  )
+  raise ValueError(
+    f'{validation.count(len(offending), "leaf", "leaves")} cannot be split over mesh axis'
+    f' {axis!r} of size {n}'
+    f' for ZeRO stage {config.stage}:\n{listing}\n'
+    f"Pass `policy='replicate'` to keep them whole on every device, `policy='pad'` to"
+    ' pad their gradients and optimizer state to a multiple of the axis size, raise'
+    f' `replicate_below_bytes` above their size, or choose a mesh whose {axis!r}'
+    ' size divides one of their dimensions.'
+  )
 
-  def layout(
-    rule: rules.LeafRule, split: bool, padded_ok: bool = True, within=None
-  ) -> PartitionSpec:
+
+def _assemble(
+  param_leaves: _Leaves, state_leaves: _Leaves, state_padding: list, param_axes, config
+) -> ZeroPlan:
+  """NamedShardings and per-leaf rows from the rules."""
+  mesh, axes = config.mesh, config.axes
+  must = _must_split(config.stage)
+  explicit = mesh_lib.any_explicit(mesh)
+
+  def layout(rule: rules.LeafRule, split: bool, padded_ok: bool = True, within=None):
     # A padded split exists only inside the optimizer: parameters and the
     # gradients handed to it keep their true shape, so they stay whole.
-    if rule.padded_shape is not None and not padded_ok:
-      return rule.base
-    if not split:
+    if (rule.padded_shape is not None and not padded_ok) or not split:
       return rule.base
     if within is None or rule.dim is None:
       return rule.sharded
     return _restrict(rule.sharded, rule.dim, within, axes)
-
-  explicit = mesh_lib.any_explicit(mesh)
 
   def named(spec: PartitionSpec, memory_kind: str | None = None) -> NamedSharding:
     # Match the form JAX itself gives arrays on this kind of mesh, so that
@@ -375,13 +367,13 @@ def make_plan(
       return None
     return rule.reason + (" (policy='replicate')" if rule.indivisible else '')
 
-  rows = []
-  p_rest, p_grad, p_shard = [], [], []
-  for (path, _), rule in zip(param_entries, param_rules):
-    hpz = param_axes if param_axes != axes else None
-    p_rest.append(named(layout(rule, must_split['params'], padded_ok=False, within=hpz)))
-    p_grad.append(named(layout(rule, must_split['grads'], padded_ok=False)))
-    p_shard.append(named(layout(rule, stage >= 1)))
+  hpz = param_axes if param_axes != axes else None
+  rows, p_rest, p_grad, p_shard = [], [], [], []
+  for (path, _), rule in zip(param_leaves.entries, param_leaves.rules):
+    p_rest.append(named(layout(rule, must['params'], padded_ok=False, within=hpz)))
+    p_grad.append(named(layout(rule, must['grads'], padded_ok=False)))
+    p_shard.append(named(layout(rule, config.stage >= 1)))
+    reason = why(rule, must['params'] or must['grads'], padded_ok=False)
     rows.append(
       PlanRow(
         'params',
@@ -390,13 +382,13 @@ def make_plan(
         rule.dtype,
         p_rest[-1].spec,
         p_grad[-1].spec,
-        why(rule, must_split['params'] or must_split['grads'], padded_ok=False),
+        reason,
       )
     )
   s_rest = []
-  for (path, x), rule in zip(state_entries, state_rules):
-    host = _offloaded(path, x, offload)
-    s_rest.append(named(layout(rule, must_split['opt_state']), HOST if host else None))
+  for (path, x), rule in zip(state_leaves.entries, state_leaves.rules):
+    host = _offloaded(path, x, config.offload)
+    s_rest.append(named(layout(rule, must['opt_state']), HOST if host else None))
     rows.append(
       PlanRow(
         'opt_state',
@@ -405,23 +397,24 @@ def make_plan(
         rules.as_dtype(x.dtype),
         s_rest[-1].spec,
         None,
-        why(rule, must_split['opt_state']),
+        why(rule, must['opt_state']),
         offloaded=host,
       )
     )
+  treedef = param_leaves.treedef
   return ZeroPlan(
-    stage=stage,
+    stage=config.stage,
     mesh=mesh,
     axes=axes,
     params=jax.tree.unflatten(treedef, p_rest),
     grads=jax.tree.unflatten(treedef, p_grad),
-    opt_state=jax.tree.unflatten(state_treedef, s_rest),
+    opt_state=jax.tree.unflatten(state_leaves.treedef, s_rest),
     param_shards=jax.tree.unflatten(treedef, p_shard),
     rows=tuple(rows),
     padding=tuple(
-      None if r.padded_shape is None else (r.dim, r.padded_shape[r.dim]) for r in param_rules
+      None if r.padded_shape is None else (r.dim, r.padded_shape[r.dim]) for r in param_leaves.rules
     ),
-    param_axes=param_axes if param_axes != axes else None,
+    param_axes=hpz,
     state_padding=tuple(state_padding),
   )
 

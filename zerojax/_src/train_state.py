@@ -9,10 +9,9 @@ from typing import Any, TypeVar
 import jax
 import optax
 from flax.training import train_state as flax_train_state
-from jax.sharding import Mesh
 
 from zerojax._src import mesh as mesh_lib
-from zerojax._src import precision, rules, transform, validation
+from zerojax._src import precision, transform, validation
 
 State = TypeVar('State', bound=flax_train_state.TrainState)
 
@@ -56,19 +55,7 @@ def guard_apply_fn(apply_fn: Callable[..., Any] | None, stage: int) -> Callable[
   return apply
 
 
-def zero_train_state(
-  state: State,
-  stage: int,
-  *,
-  mesh: Mesh | None = None,
-  axis: mesh_lib.AxisName = 'data',
-  policy: rules.Policy = 'error',
-  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-  param_specs: Any = None,
-  param_axis: mesh_lib.AxisName | None = None,
-  offload: str | None = None,
-  update_on: str = 'device',
-) -> State:
+def zero_train_state(state: State, stage: int, **options: Any) -> State:
   """Re-lays out a train state for ZeRO `stage`; see `zerojax.zero_stage`."""
   if not (
     isinstance(state.tx, optax.GradientTransformation)
@@ -79,18 +66,7 @@ def zero_train_state(
       f' {type(state.tx).__name__}: {state.tx!r:.80}. Create the state with'
       ' TrainState.create(apply_fn=..., params=..., tx=optax.adam(1e-3)).'
     )
-  tx = transform.zero_optimizer(
-    state.tx,
-    stage,
-    mesh=mesh,
-    axis=axis,
-    policy=policy,
-    replicate_below_bytes=replicate_below_bytes,
-    param_specs=param_specs,
-    param_axis=param_axis,
-    offload=offload,
-    update_on=update_on,
-  )
+  tx = transform.zero_optimizer(state.tx, stage, **options)
   plan = transform.plan_for(tx, state.params)
   # Every check runs before anything is placed, so a failure leaves no
   # half-placed state behind.
@@ -110,37 +86,46 @@ def zero_train_state(
   return state.replace(**replace)
 
 
-def _layout(
-  init_fn,
-  init_args,
-  *,
-  tx,
-  stage,
-  mesh,
-  axis,
-  apply_fn,
-  state_class,
-  policy,
-  replicate_below_bytes,
-  fields,
-  param_dtype=None,
-  **zero_kwargs,
-):
+_OPTION_NAMES = (
+  'stage',
+  'mesh',
+  'axis',
+  'policy',
+  'replicate_below_bytes',
+  'param_specs',
+  'param_axis',
+  'offload',
+  'update_on',
+)
+
+
+def require_zero_tx(tx: Any, fields: dict, where: str) -> transform.ZeroConfig:
+  """The ZeroConfig of `tx`; the options live there, not in the builder's arguments.
+
+  Raises:
+    TypeError: `tx` was not made by `zero_stage`, or ZeRO options were passed
+      to the builder.
+  """
+  misplaced = [name for name in _OPTION_NAMES if name in fields]
+  config = transform.config_of(tx)
+  if config is None or misplaced:
+    got = f' (got {", ".join(f"{n}=" for n in misplaced)})' if misplaced else ''
+    raise TypeError(
+      f'{where} takes the optimizer already wrapped by zerojax.zero_stage, which holds the'
+      f' ZeRO stage and options{got}: tx=zerojax.zero_stage(optax.adam(1e-3), stage=3,'
+      ' mesh=mesh).'
+    )
+  return config
+
+
+def _layout(init_fn, init_args, *, tx, apply_fn, state_class, fields, param_dtype=None):
   """The jittable builder of a zero train state, and the state's shardings."""
-  ztx = transform.zero_optimizer(
-    tx,
-    stage,
-    mesh=mesh,
-    axis=axis,
-    policy=policy,
-    replicate_below_bytes=replicate_below_bytes,
-    **zero_kwargs,
-  )
-  config = transform.config_of(ztx)
+  config = require_zero_tx(tx, fields, 'create_train_state/abstract_train_state')
   abstract_params = jax.eval_shape(init_fn, *init_args)
   if param_dtype is not None:  # the plan's accounting uses the dtype the state will hold
     abstract_params = precision.cast(abstract_params, param_dtype)
   plan = config.plan(abstract_params)
+  stage = config.stage
 
   def build(*args):
     params = init_fn(*args)
@@ -148,7 +133,7 @@ def _layout(
       lambda p: mesh_lib.constrain(p, plan.params, config.mesh), config.mesh, plan.params
     )(params)
     state = state_class.create(
-      apply_fn=guard_apply_fn(apply_fn, stage), params=params, tx=ztx, **fields
+      apply_fn=guard_apply_fn(apply_fn, stage), params=params, tx=tx, **fields
     )
     if param_dtype is not None:  # mixed precision: tx.init saw the full-precision values
       state = state.replace(params=precision.cast(state.params, param_dtype))
@@ -166,54 +151,44 @@ def create_train_state(
   init_fn: Callable[..., optax.Params],
   *init_args: Any,
   tx: optax.GradientTransformation,
-  stage: int,
-  mesh: Mesh | None = None,
-  axis: mesh_lib.AxisName = 'data',
   apply_fn: Callable[..., Any] | None = None,
   state_class: type[State] = flax_train_state.TrainState,
-  policy: rules.Policy = 'error',
-  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
   param_dtype: Any = None,
-  param_specs: Any = None,
-  param_axis: mesh_lib.AxisName | None = None,
-  offload: str | None = None,
-  update_on: str = 'device',
   **fields: Any,
 ) -> State:
   """Builds a train state directly in its ZeRO layout.
 
   The parameters are created by `init_fn(*init_args)` inside one jitted program
   whose outputs are already sharded, so no device ever holds a full copy of a
-  sharded part: the way to initialise models too large for one device.
+  sharded part: the way to initialise models too large for one device. The
+  stage and every ZeRO option come from `tx`, the optimizer wrapped by
+  `zerojax.zero_stage`.
 
   Args:
     init_fn: returns the parameter tree, e.g.
       `lambda rng: model.init(rng, x)['params']`.
     *init_args: arguments of `init_fn` (e.g. a PRNG key).
-    tx: the optax optimizer to wrap.
-    stage: the ZeRO stage, 0 to 3.
-    mesh: the device mesh; defaults to the one set by `jax.set_mesh`.
-    axis: the mesh axis, or tuple of axes, to partition over.
+    tx: the optimizer from `zerojax.zero_stage(optax_tx, stage, mesh=..., ...)`.
     apply_fn: the model's apply function, stored in the state.
     state_class: a TrainState class or subclass.
-    policy: see `zerojax.make_plan`.
-    replicate_below_bytes: see `zerojax.make_plan`.
     param_dtype: if given (e.g. `jnp.bfloat16`), the state's parameters are
       cast to it after `tx.init` has seen them at full precision: with
       `zerojax.mixed_precision(tx)` the fp32 master copy lives in the
       (sharded) optimizer state and the model computes in `param_dtype`.
-    param_specs, param_axis, offload, update_on: see `zerojax.zero_stage`.
     **fields: extra fields of `state_class`, passed to its `create`; their
       array leaves are replicated.
 
   Returns:
     A `state_class` whose params and opt_state carry the plan's shardings.
 
+  Raises:
+    TypeError: `tx` is not from `zero_stage`, or ZeRO options were passed here.
+
   >>> import jax, jax.numpy as jnp, optax, zerojax
   >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
   >>> state = zerojax.create_train_state(
   ...     lambda k: {'w': jax.random.normal(k, (64, 8))}, jax.random.key(0),
-  ...     tx=optax.adam(1e-3), stage=3, mesh=mesh)
+  ...     tx=zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh))
   >>> state.params['w'].sharding.spec
   P('data', None)
   """
@@ -221,19 +196,10 @@ def create_train_state(
     init_fn,
     init_args,
     tx=tx,
-    stage=stage,
-    mesh=mesh,
-    axis=axis,
     apply_fn=apply_fn,
     state_class=state_class,
-    policy=policy,
-    replicate_below_bytes=replicate_below_bytes,
     fields=fields,
     param_dtype=param_dtype,
-    param_specs=param_specs,
-    param_axis=param_axis,
-    offload=offload,
-    update_on=update_on,
   )
   return jax.jit(build, out_shardings=shardings)(*init_args)
 
@@ -242,18 +208,9 @@ def abstract_train_state(
   init_fn: Callable[..., optax.Params],
   *init_args: Any,
   tx: optax.GradientTransformation,
-  stage: int,
-  mesh: Mesh | None = None,
-  axis: mesh_lib.AxisName = 'data',
   apply_fn: Callable[..., Any] | None = None,
   state_class: type[State] = flax_train_state.TrainState,
-  policy: rules.Policy = 'error',
-  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
   param_dtype: Any = None,
-  param_specs: Any = None,
-  param_axis: mesh_lib.AxisName | None = None,
-  offload: str | None = None,
-  update_on: str = 'device',
   **fields: Any,
 ) -> State:
   """Like `create_train_state`, but allocates nothing.
@@ -267,7 +224,7 @@ def abstract_train_state(
   >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
   >>> state = zerojax.abstract_train_state(
   ...     lambda k: {'w': jax.random.normal(k, (1 << 16, 1 << 14))}, jax.random.key(0),
-  ...     tx=optax.adam(1e-3), stage=3, mesh=mesh)
+  ...     tx=zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh))
   >>> state.params['w'].sharding.spec, state.params['w'].dtype
   (P('data', None), dtype('float32'))
   """
@@ -275,19 +232,10 @@ def abstract_train_state(
     init_fn,
     init_args,
     tx=tx,
-    stage=stage,
-    mesh=mesh,
-    axis=axis,
     apply_fn=apply_fn,
     state_class=state_class,
-    policy=policy,
-    replicate_below_bytes=replicate_below_bytes,
     fields=fields,
     param_dtype=param_dtype,
-    param_specs=param_specs,
-    param_axis=param_axis,
-    offload=offload,
-    update_on=update_on,
   )
   return jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings

@@ -32,7 +32,7 @@ class ZeroConfig:
     policy: the policy for large leaves that cannot be split.
     replicate_below_bytes: the size under which such leaves are replicated.
     param_specs: the tensor-parallel PartitionSpecs given, if any.
-    param_axis: the hpZ parameter axes, if any (see `zerojax.make_plan`).
+    param_axis: the hpZ parameter axes, if any (see `zerojax.zero_stage`).
     offload: which optimizer state lives in host memory, if any.
     update_on: where the optimizer update runs: 'device' or 'host'.
   """
@@ -70,19 +70,7 @@ class ZeroConfig:
       if key in self._plans:
         self._plans.move_to_end(key)
       return cached
-    plan = plan_lib.make_plan(
-      params,
-      self.inner,
-      stage=self.stage,
-      mesh=self.mesh,
-      axis=self.axes,
-      policy=self.policy,
-      replicate_below_bytes=self.replicate_below_bytes,
-      opt_state=opt_state,
-      param_specs=self.param_specs,
-      param_axis=self.param_axis,
-      offload=self.offload,
-    )
+    plan = plan_lib.build_plan(params, self, opt_state)
     if not traced:
       self._plans[key] = plan
       while len(self._plans) > _PLAN_CACHE_SIZE:
@@ -267,6 +255,49 @@ def require_config(tx: Any) -> ZeroConfig:
   return config
 
 
+def make_plan(
+  params: optax.Params,
+  tx: optax.GradientTransformation | None = None,
+  *,
+  stage: int,
+  opt_state: optax.OptState | None = None,
+  **options: Any,
+) -> plan_lib.ZeroPlan:
+  """Computes the ZeRO layouts of `params`, their grads, and `tx`'s state.
+
+  Nothing is allocated: shapes are read from `params` (arrays, tracers or
+  `jax.ShapeDtypeStruct`s; leaves already sharded over other mesh axes keep
+  those axes) and the optimizer state is evaluated abstractly. The same plan as
+  `plan_for(zero_stage(tx, stage, **options), params)`.
+
+  Args:
+    params: the parameter tree.
+    tx: the optax transformation whose state to lay out (unwrapped); None for
+      parameters and gradients only.
+    stage: the ZeRO stage, 0 to 3.
+    opt_state: an optimizer state to lay out instead of evaluating `tx.init`.
+    **options: the options of `zerojax.zero_stage` (`mesh`, `axis`, `policy`,
+      `replicate_below_bytes`, `param_specs`, `param_axis`, `offload`).
+
+  Returns:
+    A `ZeroPlan`.
+
+  Raises:
+    ValueError: bad `stage`, `axis` or `policy`; no mesh; or, under
+      policy='error', leaves that must be split but cannot be.
+    TypeError: non-array leaves in `params`; an unknown option.
+
+  >>> import jax, jax.numpy as jnp, optax, zerojax
+  >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
+  >>> plan = zerojax.make_plan({'w': jnp.zeros((64, 16))}, optax.adam(1e-3),
+  ...                          stage=1, mesh=mesh)
+  >>> plan.opt_state[0].mu['w'].spec
+  P('data', None)
+  """
+  config = make_config(optax.identity() if tx is None else tx, stage, **options)
+  return plan_lib.build_plan(params, config, opt_state)
+
+
 def plan_for(tx: optax.GradientTransformation, params: optax.Params) -> plan_lib.ZeroPlan:
   """The plan a zero-wrapped optimizer uses for `params`.
 
@@ -281,7 +312,7 @@ def plan_for(tx: optax.GradientTransformation, params: optax.Params) -> plan_lib
   return config.plan(params)
 
 
-def zero_optimizer(
+def make_config(
   tx: optax.GradientTransformation,
   stage: int,
   *,
@@ -293,8 +324,12 @@ def zero_optimizer(
   param_axis: mesh_lib.AxisName | None = None,
   offload: str | None = None,
   update_on: str = 'device',
-) -> optax.GradientTransformationExtraArgs:
-  """Rewrites an optax transformation for ZeRO `stage`; see `zerojax.zero_stage`."""
+) -> ZeroConfig:
+  """Checks the options of `zero_stage` (documented there) and returns its `ZeroConfig`.
+
+  The one place where ZeRO options are named and validated: `zero_stage` and
+  every builder that takes options (`make_plan`, the NNX helpers) pass them here.
+  """
   stage = plan_lib.check_stage(stage)
   policy = plan_lib.check_policy(policy)
   tx = as_transformation(tx, '`tx`')
@@ -319,8 +354,7 @@ def zero_optimizer(
       "`update_on='host'` runs the update where offloaded state lives: pass"
       " offload='opt_state' (or 'opt_state+master') too."
     )
-  inner = optax.with_extra_args_support(tx)
-  config = ZeroConfig(
+  return ZeroConfig(
     inner=tx,
     stage=stage,
     mesh=mesh,
@@ -332,6 +366,15 @@ def zero_optimizer(
     offload=offload,
     update_on=update_on,
   )
+
+
+def zero_optimizer(
+  tx: optax.GradientTransformation, stage: int, **options: Any
+) -> optax.GradientTransformationExtraArgs:
+  """Rewrites an optax transformation for ZeRO `stage`; see `zerojax.zero_stage`."""
+  config = make_config(tx, stage, **options)
+  tx, stage, mesh = config.inner, config.stage, config.mesh
+  inner = optax.with_extra_args_support(tx)
 
   def init(params: optax.Params) -> optax.OptState:
     validation.abstract_arrays(params, 'params')

@@ -41,9 +41,12 @@ def zero_stage(
       `jax.set_mesh`.
     axis: the mesh axis, or tuple of axes, that ZeRO partitions over.
     policy: what to do with a large leaf that has no dimension divisible by the
-      axis size: 'error' (default), 'replicate', or 'pad' (its gradient and
-      optimizer state are zero-padded to a multiple of the axis size and split;
-      see `zerojax.make_plan`).
+      axis size: 'error' (default), 'replicate' (keep it whole on every
+      device), or 'pad' (its gradient and optimizer state are zero-padded to a
+      multiple of the axis size along its largest free dimension and split;
+      the parameter itself stays whole). Padding is exact for optimizers that
+      act elementwise or through norms (Adam, SGD, LAMB, clipping), not for
+      ones that average over a dimension (Adafactor's factored statistics).
     replicate_below_bytes: such leaves below this size are replicated under any
       policy; the plan lists them.
     param_specs: optional PartitionSpecs (a prefix tree of the params) for
@@ -61,6 +64,10 @@ def zero_stage(
       (stream the offloaded state through device memory) or 'host' (run it on
       the host with `compute_on('device_host')`: only gradient shards go down
       and updates come up, so the state never takes device memory).
+
+  These options are given here and only here: `create_train_state`,
+  `abstract_train_state`, `restore_train_state`, `plan_for` and
+  `value_and_grad` read them from the wrapped optimizer (`zerojax.config_of`).
 
   Returns:
     For an optimizer: an `optax.GradientTransformationExtraArgs` whose `init`
@@ -85,16 +92,8 @@ def zero_stage(
   >>> updates['w'].sharding.spec
   P(None, None)
   """
-  kwargs = dict(
-    mesh=mesh,
-    axis=axis,
-    policy=policy,
-    replicate_below_bytes=replicate_below_bytes,
-    param_specs=param_specs,
-    param_axis=param_axis,
-    offload=offload,
-    update_on=update_on,
-  )
+  # Every keyword is a ZeRO option, checked once by transform.make_config.
+  kwargs = {k: v for k, v in locals().items() if k not in ('target', 'stage')}
   if isinstance(target, optax.GradientTransformation):
     return transform.zero_optimizer(target, stage, **kwargs)
   if train_state.is_train_state(target):
