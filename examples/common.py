@@ -84,7 +84,7 @@ def train(
       keeping the last 3) and resume from the latest checkpoint: state and
       data position, so the resumed run is bitwise the uninterrupted one.
     param_dtype: compute dtype of the parameters (with a mixed_precision tx).
-    **zero_kwargs: more options of `zerojax.create_train_state` (offload, ...).
+    **zero_kwargs: more options of `zerojax.zero_stage` (offload, update_on, ...).
 
   Returns:
     losses [(step, loss)], the final state, the plan, the compiled step, the
@@ -101,10 +101,9 @@ def train(
   state = zerojax.create_train_state(
     lambda k: model.init(k, **init_inputs)['params'],
     jax.random.key(0),
-    tx=zerojax.zero_stage(tx, stage, mesh=mesh),
+    tx=zerojax.zero_stage(tx, stage, mesh=mesh, **zero_kwargs),
     apply_fn=model.apply,
     param_dtype=param_dtype,
-    **zero_kwargs,
   )
   plan = zerojax.plan_for(state.tx, state.params)
   rows = zerojax.process_batch_slice(len(next(iter(init_batch.values()))), mesh)
