@@ -95,8 +95,8 @@ def main(argv=None) -> int:
   same = max(abs(a[1] - b[1]) for r in runs for a, b in zip(r['losses'], runs[0]['losses']))
   print(f'\nlargest loss difference between stages: {same:.2e}')
   print(
-    "On CPU the stage 2-3 gradient reduction lowers to all-reduce + slice, so the step's"
-    ' temporaries still hold whole gradients there (a TPU reduce-scatters them).'
+    'On CPU the stage 2-3 gradient reduction into shards lowers to all-reduce + slice'
+    ' (a TPU emits reduce-scatters): see docs/design.md.'
   )
 
   import matplotlib
@@ -113,8 +113,8 @@ def main(argv=None) -> int:
   parts = [
     ('params', 'parameters at rest'),
     ('opt_state', 'optimizer state at rest'),
-    ('grads', 'gradients (held for the update)'),
-    ('temp', 'temporaries of the step'),
+    ('grads', 'gradients held for the update (plan)'),
+    ('temp', 'temporaries of the step (measured; gradients live here)'),
   ]
   labels = [f'stage {row["stage"]}' for row in rows]
   bottom = np.zeros(len(rows))
@@ -124,7 +124,9 @@ def main(argv=None) -> int:
     bottom += values
   for i, row in enumerate(rows):
     ax2.annotate(f'at rest {mib(row["at_rest"])}', (i, bottom[i]), ha='center', va='bottom')
-  ax2.set(ylabel='MiB per device', title=f'memory per device ({n} devices), from the table')
+  ax2.set(
+    ylabel='MiB per device', title=f"memory per device ({n} devices): the table's columns, stacked"
+  )
   ax2.legend(fontsize=8)
   fig.tight_layout()
   os.makedirs(args.out, exist_ok=True)

@@ -87,7 +87,9 @@ def _figures():
     offload[(3, o, 'device')]['peak_vs_no_offload'] for o in ('opt_state', 'opt_state+master')
   ]
   host_master = [offload[(s, 'opt_state', 'host')]['peak_vs_no_offload'] for s in (1, 2, 3)]
+  demo = _json('demo_cpu8.json')
   return [
+    ('README.md', f"({demo['wall_seconds']:.0f} s on this project's 2-core machine"),
     ('README.md', f'runs for {plan["compile_seconds"]:.1f} s, compile included'),
     ('README.md', f'needs {peak:.2f} GiB of the 16 GiB per chip'),
     ('README.md', f'moves {ratio:.2f}× the 3Ψ(N−1)/N floor'),
