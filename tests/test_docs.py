@@ -135,3 +135,16 @@ def test_docs_cite_the_projects_own_design_notes():
     for path in (ROOT / folder).rglob('*.py'):
       assert OLD_NOTES not in path.read_text(), path
   assert (ROOT / 'docs' / 'design.md').is_file()
+
+
+def test_no_private_module_imports_the_top_level_package():
+  # zerojax/__init__.py imports zerojax/_src; the reverse would be a cycle.
+  offenders = []
+  for path in (ROOT / 'zerojax' / '_src').glob('*.py'):
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+      code = line.strip()
+      if code.startswith('>>>'):
+        continue  # doctests use the public package, as users do
+      if code == 'import zerojax' or code.startswith('from zerojax import'):
+        offenders.append(f'{path.name}:{number}')
+  assert offenders == []

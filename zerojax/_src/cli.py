@@ -128,7 +128,8 @@ def cmd_plan(args) -> int:
   import numpy as np
   from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-  import zerojax
+  from zerojax._src import report as report_lib
+  from zerojax._src import train_state, transform
 
   devices, hbm_gib = _devices(args.topology)
   n = len(devices)
@@ -136,10 +137,12 @@ def cmd_plan(args) -> int:
   mesh = Mesh(np.array(devices), ('data',), axis_types=(AxisType.Auto,))
   spec = _load_model(args)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-  state = zerojax.abstract_train_state(
-    spec.init_fn, key, tx=zerojax.zero_stage(_optimizer(args.optimizer), args.stage, mesh=mesh)
+  state = train_state.abstract_train_state(
+    spec.init_fn,
+    key,
+    tx=transform.zero_optimizer(_optimizer(args.optimizer), args.stage, mesh=mesh),
   )
-  plan = zerojax.plan_for(state.tx, state.params)
+  plan = transform.plan_for(state.tx, state.params)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   _log(start, f'model {spec.name}: {num_params:,} parameters; stage {args.stage} plan built')
   batch_sds = spec.batch(args.batch_per_chip * n)
@@ -164,7 +167,7 @@ def cmd_plan(args) -> int:
   import jax.numpy as jnp
 
   unit = jnp.dtype(args.compute_dtype).itemsize
-  report = zerojax.step_report(compiled, plan=plan, bytes_per_param=unit)
+  report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit)
   peak = report.memory.peak
   print(
     f'\n{spec.name} | {num_params / 1e9:.2f}B params | ZeRO stage {args.stage} | {args.optimizer}'
@@ -208,8 +211,7 @@ def cmd_plan(args) -> int:
 def cmd_estimate(args) -> int:
   import jax.numpy as jnp
 
-  import zerojax
-  from zerojax._src import presets
+  from zerojax._src import estimate, precision, presets
 
   if args.model:
     if args.model not in presets.PRESETS:
@@ -227,21 +229,21 @@ def cmd_estimate(args) -> int:
     raise SystemExit('error: give --params COUNT (e.g. 7e9) or --model PRESET')
   tx, dtype = _optimizer(args.optimizer), jnp.float32
   if args.mixed_precision:
-    tx, dtype = zerojax.mixed_precision(tx), jnp.bfloat16
+    tx, dtype = precision.mixed_precision(tx), jnp.bfloat16
     if not isinstance(params, int):
-      params = zerojax.cast(params, dtype)
-  estimates = zerojax.estimate_memory(
+      params = precision.cast(params, dtype)
+  estimates = estimate.estimate_memory(
     params, tx, num_devices=args.devices, dtype=dtype, offload=args.offload
   )
-  print(zerojax.format_estimates(estimates))
+  print(estimate.format_estimates(estimates))
   return 0
 
 
 def cmd_inspect(args) -> int:
-  import zerojax
+  from zerojax._src import checkpoint
 
   try:
-    print(zerojax.format_checkpoint(args.directory, args.step))
+    print(checkpoint.format_checkpoint(args.directory, args.step))
   except (FileNotFoundError, ValueError) as e:
     raise SystemExit(f'error: {e}') from None
   return 0
