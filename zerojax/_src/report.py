@@ -160,6 +160,13 @@ def _instructions(lines: list[str]) -> dict[str, tuple[str, list[str], str]]:
   return out
 
 
+def _parsed(bodies: dict[str, list[str]], name: str, memo: dict) -> dict:
+  """`_instructions` of computation `name`, parsed once per `count_collectives` call."""
+  if name not in memo:
+    memo[name] = _instructions(bodies.get(name, []))
+  return memo[name]
+
+
 _PASS_THROUGH = ('copy', 'bitcast', 'convert')
 _INDEX = re.compile(r'\bindex=(\d+)')
 
@@ -192,14 +199,14 @@ def _tuple_index(instrs: dict, name: str) -> int | None:
   return None
 
 
-def _compare_lt(instrs: dict, root: str, bodies: dict) -> tuple[str, str] | None:
+def _compare_lt(instrs: dict, root: str, bodies: dict, memo: dict) -> tuple[str, str] | None:
   """The operands (i, N) of a root `compare(i, N), direction=LT`, directly or in a fusion."""
   op, operands, line = instrs[root]
   if op == 'compare' and 'direction=LT' in line and len(operands) == 2:
     return operands[0], operands[1]
   callee = _CALLS.search(line)
   if op == 'fusion' and callee and callee.group(2) in bodies:
-    inner = _instructions(bodies[callee.group(2)])
+    inner = _parsed(bodies, callee.group(2), memo)
     inner_root = next((n for n, v in inner.items() if v[2].lstrip().startswith('ROOT')), None)
     if inner_root is None:
       return None
@@ -215,7 +222,7 @@ def _compare_lt(instrs: dict, root: str, bodies: dict) -> tuple[str, str] | None
   return None
 
 
-def _trip_count(line: str, where: str, bodies: dict[str, list[str]]) -> int | None:
+def _trip_count(line: str, where: str, bodies: dict[str, list[str]], memo: dict) -> int | None:
   """Iterations of the `while` on `line` (in computation `where`), or None if undetermined.
 
   XLA's `known_trip_count` when present (XLA:CPU writes it). Otherwise the
@@ -231,16 +238,16 @@ def _trip_count(line: str, where: str, bodies: dict[str, list[str]]) -> int | No
   cond, body = _CONDITION.search(line), _BODY.search(line)
   if not (cond and body and cond.group(1) in bodies and body.group(1) in bodies):
     return None
-  cond_instrs = _instructions(bodies[cond.group(1)])
+  cond_instrs = _parsed(bodies, cond.group(1), memo)
   root = next((n for n, v in cond_instrs.items() if v[2].lstrip().startswith('ROOT')), None)
-  compared = _compare_lt(cond_instrs, root, bodies) if root else None
+  compared = _compare_lt(cond_instrs, root, bodies, memo) if root else None
   if compared is None:
     return None
   k, limit = _tuple_index(cond_instrs, compared[0]), _int_constant(cond_instrs, compared[1])
   if k is None or limit is None:
     return None
   init_step = _INIT_STEP.search(line)
-  outer = _instructions(bodies.get(where, []))
+  outer = _parsed(bodies, where, memo)
   init = None
   if init_step:
     init, step = int(init_step.group(1)), int(init_step.group(2))
@@ -251,7 +258,7 @@ def _trip_count(line: str, where: str, bodies: dict[str, list[str]]) -> int | No
     if operand in outer and outer[operand][0] == 'tuple' and k < len(outer[operand][1]):
       init = _int_constant(outer, outer[operand][1][k])
     # The step: element k of the body's result is `element k + S`.
-    body_instrs = _instructions(bodies[body.group(1)])
+    body_instrs = _parsed(bodies, body.group(1), memo)
     broot = next((n for n, v in body_instrs.items() if v[2].lstrip().startswith('ROOT')), None)
     step = None
     if broot and body_instrs[broot][0] == 'tuple' and k < len(body_instrs[broot][1]):
@@ -414,6 +421,7 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
   """
   text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
   bodies, entry = _parse_computations(text)
+  parsed: dict = {}  # computation -> its instructions, for trip counts
   uncertain: list[str] = []
   # channel_id -> whether first seen inside a fusion.
   seen_channels: dict[str, bool] = {}
@@ -450,7 +458,7 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
       instr, op = _opcode(line)
       if op == 'while':
         body = _BODY.search(line)
-        trip = _trip_count(line, name, bodies)
+        trip = _trip_count(line, name, bodies, parsed)
         sub = _Tally()
         if body:
           visit(body.group(1), 1, inner, sub, fused)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -57,10 +58,7 @@ def guard_apply_fn(apply_fn: Callable[..., Any] | None, stage: int) -> Callable[
 
 def zero_train_state(state: State, stage: int, **options: Any) -> State:
   """Re-lays out a train state for ZeRO `stage`; see `zerojax.zero_stage`."""
-  if not (
-    isinstance(state.tx, optax.GradientTransformation)
-    or (callable(getattr(state.tx, 'init', None)) and callable(getattr(state.tx, 'update', None)))
-  ):
+  if not transform.is_transformation(state.tx):
     raise TypeError(
       f'`train_state.tx` must be an optax GradientTransformation, got'
       f' {type(state.tx).__name__}: {state.tx!r:.80}. Create the state with'
@@ -86,17 +84,8 @@ def zero_train_state(state: State, stage: int, **options: Any) -> State:
   return state.replace(**replace)
 
 
-_OPTION_NAMES = (
-  'stage',
-  'mesh',
-  'axis',
-  'policy',
-  'replicate_below_bytes',
-  'param_specs',
-  'param_axis',
-  'offload',
-  'update_on',
-)
+# `stage` and the ZeRO options: the parameters of the one function that checks them.
+_OPTION_NAMES = tuple(inspect.signature(transform.make_config).parameters)[1:]
 
 
 def require_zero_tx(tx: Any, fields: dict, where: str) -> transform.ZeroConfig:

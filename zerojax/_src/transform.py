@@ -217,6 +217,13 @@ def _to_plan_memory(tree: Any, shardings: Any) -> Any:
   )
 
 
+def is_transformation(tx: Any) -> bool:
+  """Whether `tx` is an optax transformation or has its `init`/`update` protocol."""
+  return isinstance(tx, optax.GradientTransformation) or (
+    callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))
+  )
+
+
 def as_transformation(tx: Any, name: str) -> optax.GradientTransformation:
   """`tx` as an optax transformation: objects with optax's `init`/`update`
   protocol (such as `optax.MultiSteps`) are accepted as they are.
@@ -226,7 +233,7 @@ def as_transformation(tx: Any, name: str) -> optax.GradientTransformation:
   """
   if isinstance(tx, optax.GradientTransformation):
     return tx
-  if callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None)):
+  if is_transformation(tx):
     return optax.GradientTransformationExtraArgs(tx.init, tx.update)
   raise TypeError(
     f'{name} must be an optax GradientTransformation (or have its init/update methods,'

@@ -98,7 +98,7 @@ def zero_stage(
     return transform.zero_optimizer(target, stage, **kwargs)
   if train_state.is_train_state(target):
     return train_state.zero_train_state(target, stage, **kwargs)
-  if callable(getattr(target, 'init', None)) and callable(getattr(target, 'update', None)):
+  if transform.is_transformation(target):
     # Objects with optax's init/update protocol, such as optax.MultiSteps.
     return transform.zero_optimizer(target, stage, **kwargs)
   raise TypeError(
