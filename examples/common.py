@@ -1,9 +1,22 @@
-"""Shared set-up for the examples: faked devices, the mesh, logging, the memory table."""
+"""The runner every example shares: devices, data, training, held-out evaluation, reports.
+
+An example describes its job as a `Task` (how to load its data, its model, its
+logits and labels, its optimizer); `run` trains it under one ZeRO stage,
+`compare_stages` under each stage with the same data and seed, and `main` is
+the command line of every example (`--help` shows the defaults).
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import os
+import platform
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 
 def setup_devices(n: int = 8) -> None:
@@ -25,6 +38,273 @@ def make_mesh():
   return jax.make_mesh((len(jax.devices()),), ('data',), axis_types=(AxisType.Auto,))
 
 
+# --- Data
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """A task's data: what training reads, a held-out set, and where it came from.
+
+  `heldout` maps names to arrays whose leading dimension is the example; the
+  task's `logits_and_labels` reads a batch of them. `source` is printed with
+  every run, so a reader always knows whether the numbers come from real or
+  synthetic data.
+  """
+
+  train: dict
+  heldout: dict
+  source: str
+  synthetic: bool
+
+
+def synthetic(prefix: str, write: Callable[[str], None], load: Callable[[str], Data], source: str):
+  """Synthetic data through the real reader: `write(folder)` to a temporary folder, read back
+  with `load(folder)`, the folder removed; marked synthetic, described by `source`."""
+  import tempfile
+
+  with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+    write(folder)
+    data = load(folder)
+  return Data(data.train, data.heldout, source, synthetic=True)
+
+
+def held_out(train: dict, test: Callable[[], dict] | None, test_name: str) -> tuple:
+  """(train, held-out, how): the data's own test split when there is one, else its last 10%."""
+  if test is not None:
+    return train, test(), f'{test_name} held out'
+  return *split_heldout(train), 'last 10% held out'
+
+
+def split_heldout(arrays: dict, fraction: float = 0.1) -> tuple[dict, dict]:
+  """The last `fraction` of the examples as a held-out set (for data with no test split)."""
+  n = len(next(iter(arrays.values())))
+  cut = n - max(1, int(n * fraction))
+  return {k: v[:cut] for k, v in arrays.items()}, {k: v[cut:] for k, v in arrays.items()}
+
+
+def flip_labels(rng, labels, num_classes: int, fraction: float):
+  """Replaces `fraction` of the labels by uniformly drawn ones: noise no model can learn."""
+  import numpy as np
+
+  labels = np.array(labels)
+  noisy = rng.random(len(labels)) < fraction
+  labels[noisy] = rng.integers(0, num_classes, int(noisy.sum()))
+  return labels
+
+
+def random_batches(arrays: dict, batch: int, seed: int = 0):
+  """step -> a batch of `batch` random rows of `arrays` (deterministic per step and seed)."""
+  import numpy as np
+
+  n = len(next(iter(arrays.values())))
+
+  def batch_at(step: int) -> dict:
+    idx = np.random.default_rng((seed, step)).integers(0, n, batch)
+    return {k: v[idx] for k, v in arrays.items()}
+
+  return batch_at
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One example's job.
+
+  Attributes:
+    name: a short name ('mnist'), used in progress bars and file names.
+    doc: the example's module docstring (its first line is the --help text).
+    data_help: what --data takes.
+    load: path or None -> `Data` (None: the example's synthetic data).
+    model: mesh -> a linen module.
+    init_inputs: `Data` -> keyword inputs of `model.init` (one example is enough).
+    logits_and_labels: (apply_fn, params, batch) -> (logits, integer labels);
+      the loss is their mean cross-entropy, the accuracy their argmax match.
+    tx: () -> the optax optimizer.
+    batch: global batch size.
+    batches: (`Data`, batch, seed) -> (step -> training batch).
+    log_every: steps between logged losses.
+  """
+
+  name: str
+  doc: str
+  data_help: str
+  load: Callable[[str | None], Data]
+  model: Callable[[Any], Any]
+  init_inputs: Callable[[Data], dict]
+  logits_and_labels: Callable
+  tx: Callable[[], Any]
+  batch: int = 64
+  batches: Callable = lambda data, batch, seed: random_batches(data.train, batch, seed)
+  log_every: int = 5
+
+
+def image_logits_and_labels(apply_fn, params, batch):
+  """`Task.logits_and_labels` of an image classifier: batches of 'image' and 'label'."""
+  return apply_fn({'params': params}, batch['image']), batch['label']
+
+
+def _cross_entropy(task: Task, apply_fn, params, batch):
+  """Per-example losses and hits (averaged over any non-batch label positions)."""
+  import jax.numpy as jnp
+  import optax
+
+  logits, labels = task.logits_and_labels(apply_fn, params, batch)
+  logits = logits.astype(jnp.float32)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+  axes = tuple(range(1, losses.ndim))
+  return losses.mean(axes), hits.mean(axes)
+
+
+def heldout_batches(arrays: dict, batch: int):
+  """The held-out set in batches of `batch`; the last one padded, with weight 0 on the padding."""
+  import numpy as np
+
+  n = len(next(iter(arrays.values())))
+  for start in range(0, n, batch):
+    idx = np.arange(start, start + batch)
+    weight = (idx < n).astype(np.float32)
+    idx = np.minimum(idx, n - 1)
+    yield {k: v[idx] for k, v in arrays.items()}, weight
+
+
+# --- Training
+
+
+def progress(iterable, **kwargs):
+  from tqdm import tqdm
+
+  return tqdm(iterable, file=sys.stdout, dynamic_ncols=True, **kwargs)
+
+
+def run(
+  task: Task,
+  *,
+  stage: int,
+  steps: int,
+  data: str | Data | None = None,
+  seed: int = 0,
+  quiet: bool = False,
+  mesh=None,
+  checkpoint_dir: str | None = None,
+  save_every: int = 50,
+  tx=None,
+  param_dtype=None,
+  **zero_options,
+) -> dict:
+  """Trains `task` under ZeRO `stage`, then evaluates it on the held-out set.
+
+  Args:
+    task: what to train.
+    stage: the ZeRO stage.
+    steps: training steps.
+    data: a path for `task.load`, a loaded `Data`, or None for synthetic data.
+    seed: seeds the initial parameters and the order of the batches.
+    checkpoint_dir: if given, save there every `save_every` steps (async,
+      keeping the last 3) and resume from the latest checkpoint: state and
+      data position, so the resumed run is bitwise the uninterrupted one.
+    tx: the optax optimizer (default: `task.tx()`).
+    param_dtype: compute dtype of the parameters (with a mixed_precision tx).
+    **zero_options: more options of `zerojax.zero_stage` (offload, update_on, ...).
+
+  Returns:
+    a dict: stage, losses [(step, loss)], heldout_loss, heldout_accuracy,
+    step_seconds (one per step this run took), the final state, the plan,
+    the compiled step, num_params, batch_bytes (this device's batch) and data
+    (the `Data`).
+  """
+  import jax
+  import jax.numpy as jnp
+
+  import zerojax
+
+  data = data if isinstance(data, Data) else task.load(data)
+  mesh = mesh or make_mesh()
+  zerojax.check_mesh(mesh)
+  model = task.model(mesh)
+  state = zerojax.create_train_state(
+    lambda k: model.init(k, **task.init_inputs(data))['params'],
+    jax.random.key(seed),
+    tx=zerojax.zero_stage(tx or task.tx(), stage, mesh=mesh, **zero_options),
+    apply_fn=model.apply,
+    param_dtype=param_dtype,
+  )
+  plan = zerojax.plan_for(state.tx, state.params)
+  batch_at = task.batches(data, task.batch, seed)
+  rows = zerojax.process_batch_slice(task.batch, mesh)
+
+  def to_devices(batch):
+    # Each process contributes its rows; with one process this is a device_put.
+    return zerojax.global_batch({k: v[rows] for k, v in batch.items()}, mesh)
+
+  def train_step(state, batch):
+    def loss_fn(params):
+      return _cross_entropy(task, state.apply_fn, params, batch)[0].mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  @jax.jit
+  def eval_step(params, batch, weight):
+    losses, hits = _cross_entropy(task, state.apply_fn, params, batch)
+    return jnp.sum(losses * weight), jnp.sum(hits * weight)
+
+  step_fn = jax.jit(train_step, donate_argnums=0)
+  first = to_devices(batch_at(0))
+  compiled = step_fn.lower(state, first).compile()
+  start, ckpt = 0, None
+  if checkpoint_dir:
+    ckpt = zerojax.Checkpointer(checkpoint_dir, max_to_keep=3, save_interval_steps=save_every)
+    if ckpt.latest_step() is not None:
+      state, extra = ckpt.restore(state)
+      start = int(extra['data_position'])
+      if jax.process_index() == 0:
+        print(f'resumed from {checkpoint_dir} at step {start}')
+  losses, seconds = [], []
+  quiet = quiet or jax.process_index() != 0  # one progress bar per run, not per process
+  if not quiet:
+    print(f'{task.name} data: {data.source}')
+  bar = progress(range(start, steps), desc=f'{task.name} stage {stage}', disable=quiet)
+  for step in bar:
+    batch = to_devices(batch_at(step))
+    t0 = time.perf_counter()
+    state, loss = step_fn(state, batch)
+    loss = float(loss)  # waits for the step: its time is the step's own
+    seconds.append(time.perf_counter() - t0)
+    if step % task.log_every == 0 or step == steps - 1:
+      losses.append((step, loss))
+      bar.set_postfix(loss=f'{loss:.4f}')
+    if ckpt is not None:
+      # Saved after step `step`: resume at the next batch.
+      ckpt.save(step + 1, state, extra={'data_position': jnp.array(step + 1)})
+  if ckpt is not None:
+    ckpt.wait_until_finished()
+    if steps not in ckpt.all_steps():  # the end of the run, if not saved already
+      ckpt.save(steps, state, extra={'data_position': jnp.array(steps)}, force=True)
+    ckpt.close()
+  total_loss = total_hits = 0.0
+  for batch, weight in heldout_batches(data.heldout, task.batch):
+    part = to_devices({**batch, '_weight': weight})
+    loss_sum, hit_sum = eval_step(state.params, part, part.pop('_weight'))
+    total_loss, total_hits = total_loss + float(loss_sum), total_hits + float(hit_sum)
+  count = len(next(iter(data.heldout.values())))
+  return {
+    'stage': stage,
+    'losses': losses,
+    'heldout_loss': total_loss / count,
+    'heldout_accuracy': total_hits / count,
+    'step_seconds': seconds,
+    'state': state,
+    'plan': plan,
+    'compiled': compiled,
+    'num_params': sum(x.size for x in jax.tree.leaves(state.params)),
+    'batch_bytes': sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(first)),
+    'data': data,
+  }
+
+
+# --- Reports
+
+
 def memory_table(plan, compiled) -> str:
   """Per-device bytes: the plan's model states and the compiled step's memory."""
   import zerojax
@@ -44,161 +324,217 @@ def memory_table(plan, compiled) -> str:
   return '\n'.join(f'  {name:<18}{mib(value)}' for name, value in rows)
 
 
-def progress(iterable, **kwargs):
-  from tqdm import tqdm
+def median_step_seconds(out: dict, warmup: int = 3) -> float:
+  """Median step time after `warmup` steps (all of them on a short run)."""
+  import numpy as np
 
-  return tqdm(iterable, file=sys.stdout, dynamic_ncols=True, **kwargs)
-
-
-def train(
-  *,
-  model,
-  init_inputs: dict,
-  init_batch: dict,
-  loss_fn,
-  batch_at,
-  stage: int,
-  steps: int,
-  tx,
-  name: str = 'train',
-  log_every: int = 10,
-  quiet: bool = False,
-  mesh=None,
-  checkpoint_dir: str | None = None,
-  save_every: int = 50,
-  param_dtype=None,
-  **zero_kwargs,
-) -> dict:
-  """Trains `model` under ZeRO `stage`: the loop every example shares.
-
-  Args:
-    model: a linen module; `model.init(key, **init_inputs)` builds it.
-    init_inputs: keyword inputs for `model.init` (one example is enough).
-    init_batch: a batch (dict of arrays) used to compile the step.
-    loss_fn: (apply_fn, params, batch) -> scalar loss.
-    batch_at: step -> batch (dict of numpy arrays, leading dimension the batch).
-    stage: the ZeRO stage.
-    steps: training steps.
-    tx: the optax optimizer.
-    checkpoint_dir: if given, save there every `save_every` steps (async,
-      keeping the last 3) and resume from the latest checkpoint: state and
-      data position, so the resumed run is bitwise the uninterrupted one.
-    param_dtype: compute dtype of the parameters (with a mixed_precision tx).
-    **zero_kwargs: more options of `zerojax.zero_stage` (offload, update_on, ...).
-
-  Returns:
-    losses [(step, loss)], the final state, the plan, the compiled step, the
-    parameter count and this device's batch bytes.
-  """
-  import time
-
-  import jax
-
-  import zerojax
-
-  mesh = mesh or make_mesh()
-  zerojax.check_mesh(mesh)
-  state = zerojax.create_train_state(
-    lambda k: model.init(k, **init_inputs)['params'],
-    jax.random.key(0),
-    tx=zerojax.zero_stage(tx, stage, mesh=mesh, **zero_kwargs),
-    apply_fn=model.apply,
-    param_dtype=param_dtype,
-  )
-  plan = zerojax.plan_for(state.tx, state.params)
-  rows = zerojax.process_batch_slice(len(next(iter(init_batch.values()))), mesh)
-
-  def to_devices(batch):
-    # Each process contributes its rows; with one process this is a device_put.
-    return zerojax.global_batch({k: v[rows] for k, v in batch.items()}, mesh)
-
-  def train_step(state, batch):
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  step_fn = jax.jit(train_step, donate_argnums=0)
-  first = to_devices(init_batch)
-  compiled = step_fn.lower(state, first).compile()
-  batch_size = len(next(iter(init_batch.values())))
-  start, ckpt = 0, None
-  if checkpoint_dir:
-    ckpt = zerojax.Checkpointer(checkpoint_dir, max_to_keep=3, save_interval_steps=save_every)
-    if ckpt.latest_step() is not None:
-      state, extra = ckpt.restore(state)
-      start = int(extra['data_position'])
-      if jax.process_index() == 0:
-        print(f'resumed from {checkpoint_dir} at step {start}')
-  losses, seen, t0 = [], 0, time.perf_counter()
-  quiet = quiet or jax.process_index() != 0  # one progress bar per run, not per process
-  bar = progress(range(start, steps), desc=f'{name} stage {stage}', disable=quiet)
-  for step in bar:
-    batch = to_devices(batch_at(step))
-    state, loss = step_fn(state, batch)
-    seen += batch_size
-    if step % log_every == 0 or step == steps - 1:
-      losses.append((step, float(loss)))
-      bar.set_postfix(loss=f'{float(loss):.4f}', ex_s=f'{seen / (time.perf_counter() - t0):,.0f}')
-    if ckpt is not None:
-      # Saved after step `step`: resume at the next batch.
-      ckpt.save(step + 1, state, extra={'data_position': jax.numpy.array(step + 1)})
-  if ckpt is not None:
-    ckpt.wait_until_finished()
-    if steps not in ckpt.all_steps():  # the end of the run, if not saved already
-      ckpt.save(steps, state, extra={'data_position': jax.numpy.array(steps)}, force=True)
-    ckpt.close()
-  return {
-    'stage': stage,
-    'losses': losses,
-    'state': state,
-    'plan': plan,
-    'compiled': compiled,
-    'num_params': sum(x.size for x in jax.tree.leaves(state.params)),
-    'batch_bytes': sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(first)),
-  }
+  times = out['step_seconds']
+  return float(np.median(times[warmup:] if len(times) > warmup else times))
 
 
 def report(out: dict, name: str) -> None:
-  """Prints the final loss and the per-device memory table."""
+  """Prints the data's source, the losses, the held-out figures and the memory table."""
   import jax
 
   if jax.process_index() != 0:  # every process has the same figures
     return
+  print(f'{name} data: {out["data"].source}')
   if not out['losses']:
     print(f'{name} stage {out["stage"]}: nothing to train (resumed at the last step)')
     return
   print(
-    f'{name} stage {out["stage"]}: {out["num_params"]:,} parameters; loss'
-    f' {out["losses"][0][1]:.4f} -> {out["losses"][-1][1]:.4f}'
+    f'{name} stage {out["stage"]}: {out["num_params"]:,} parameters; training loss'
+    f' {out["losses"][0][1]:.4f} -> {out["losses"][-1][1]:.4f}; held-out loss'
+    f' {out["heldout_loss"]:.4f}, accuracy {out["heldout_accuracy"]:.1%};'
+    f' {median_step_seconds(out) * 1e3:.1f} ms/step (median)'
   )
   print(f'per device ({len(jax.devices())} devices):')
   print(memory_table(out['plan'], out['compiled']))
 
 
-def random_batches(arrays: dict, batch: int):
-  """step -> a batch of `batch` random rows of `arrays` (deterministic per step)."""
+def stage_row(out: dict) -> dict:
+  """The figures of one run that the per-stage comparison shows."""
+  import zerojax
+
+  sizes = out['plan'].bytes_per_device()
+  mem = zerojax.memory_stats(out['compiled'])
+  return {
+    'stage': out['stage'],
+    'final_loss': out['losses'][-1][1],
+    'heldout_loss': out['heldout_loss'],
+    'heldout_accuracy': out['heldout_accuracy'],
+    'step_ms': median_step_seconds(out) * 1e3,
+    'states_at_rest_bytes': sizes['params'] + sizes['opt_state'],
+    'grads_bytes': sizes['grads'],
+    'temp_bytes': mem.temp,
+    'peak_bytes': mem.peak,
+    'losses': out['losses'],
+  }
+
+
+def compare_stages(
+  task: Task,
+  *,
+  steps: int,
+  out_dir: str,
+  data: str | None = None,
+  stages=(0, 1, 2, 3),
+  quiet: bool = False,
+  **run_options,
+) -> dict:
+  """Trains `task` under each stage on the same data and seed; writes JSON, a table and a PNG.
+
+  Writes `<out_dir>/<name>_stages.json`, `.md` and `.png`; returns the record.
+  """
+  import jax
+
+  started = time.perf_counter()
+  loaded = task.load(data)
+  runs = [run(task, stage=s, steps=steps, data=loaded, quiet=quiet, **run_options) for s in stages]
+  rows = [stage_row(r) for r in runs]
+  record = {
+    'task': task.name,
+    'data': loaded.source,
+    'synthetic': loaded.synthetic,
+    'num_params': runs[0]['num_params'],
+    'devices': len(jax.devices()),
+    'device_kind': jax.devices()[0].device_kind,
+    'steps': steps,
+    'batch': task.batch,
+    'machine': f'{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}',
+    'wall_seconds': round(time.perf_counter() - started, 1),
+    'stages': rows,
+  }
+  os.makedirs(out_dir, exist_ok=True)
+  base = os.path.join(out_dir, f'{task.name}_stages')
+  with open(base + '.json', 'w') as f:
+    json.dump(record, f, indent=2)
+  with open(base + '.md', 'w') as f:
+    f.write(stage_table(record) + '\n')
+  plot_stages(record, base + '.png')
+  return record
+
+
+def stage_table(record: dict) -> str:
+  """The comparison as a Markdown table (memory in MiB per device)."""
+  mib = lambda b: f'{b / 2**20:.2f}'
+  lines = [
+    f'{record["task"]}: {record["num_params"]:,} parameters, {record["steps"]} steps of'
+    f' batch {record["batch"]} on {record["devices"]} x {record["device_kind"]}'
+    f' ({record["machine"]}); data: {record["data"]}',
+    '',
+    '| stage | final training loss | held-out loss | held-out accuracy | step (ms, median)'
+    ' | states at rest (MiB/device) | gradients (MiB/device) | step peak (MiB/device) |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
+  for row in record['stages']:
+    lines.append(
+      f'| {row["stage"]} | {row["final_loss"]:.4f} | {row["heldout_loss"]:.4f}'
+      f' | {row["heldout_accuracy"]:.1%} | {row["step_ms"]:.1f}'
+      f' | {mib(row["states_at_rest_bytes"])} | {mib(row["grads_bytes"])}'
+      f' | {mib(row["peak_bytes"])} |'
+    )
+  return '\n'.join(lines)
+
+
+def plot_stages(record: dict, path: str) -> None:
+  """Loss curves, held-out accuracy, step time and memory per device, by stage."""
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
   import numpy as np
 
-  n = len(next(iter(arrays.values())))
+  rows = record['stages']
+  labels = [f'stage {r["stage"]}' for r in rows]
+  fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+  for r, style in zip(rows, ['-', '--', ':', '-.']):
+    steps, losses = np.array(r['losses']).T
+    axes[0].plot(steps, losses, style, label=f'stage {r["stage"]}')
+  axes[0].set(xlabel='step', ylabel='training loss', title='training loss')
+  axes[0].legend()
+  axes[1].bar(labels, [100 * r['heldout_accuracy'] for r in rows])
+  axes[1].set(ylabel='%', title='held-out accuracy')
+  axes[2].bar(labels, [r['step_ms'] for r in rows])
+  axes[2].set(ylabel='ms', title='step time (median)')
+  parts = [
+    ('states_at_rest_bytes', 'params + optimizer state at rest'),
+    ('temp_bytes', 'temporaries of the step (gradients live here)'),
+  ]
+  bottom = np.zeros(len(rows))
+  for key, label in parts:
+    values = np.array([r[key] / 2**20 for r in rows])
+    axes[3].bar(labels, values, bottom=bottom, label=label)
+    bottom += values
+  axes[3].set(ylabel='MiB per device', title=f'memory per device ({record["devices"]} devices)')
+  axes[3].legend(fontsize=8)
+  kind = 'synthetic data' if record['synthetic'] else 'data: ' + record['data']
+  fig.suptitle(f'{record["task"]}: ZeRO stages compared ({kind})', fontsize=11)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
 
-  def batch_at(step: int) -> dict:
-    idx = np.random.default_rng(step).integers(0, n, batch)
-    return {k: v[idx] for k, v in arrays.items()}
 
-  return batch_at
+# --- Command line
 
 
-def example_main(argv, *, doc: str, name: str, run, data_help: str) -> int:
-  """The command line every classification example shares: --stage, --steps, --data."""
-  import argparse
-
-  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-  parser.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3))
-  parser.add_argument('--steps', type=int, default=200)
-  parser.add_argument('--data', help=data_help)
-  parser.add_argument('--checkpoint-dir', help='save here and resume from the latest checkpoint')
-  args = parser.parse_args(argv)
-  report(
-    run(stage=args.stage, steps=args.steps, data=args.data, checkpoint_dir=args.checkpoint_dir),
-    name,
+def make_parser(task: Task) -> argparse.ArgumentParser:
+  """The options every example takes; --help shows each default."""
+  parser = argparse.ArgumentParser(
+    description=task.doc.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
   )
+  parser.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3), help='ZeRO stage')
+  parser.add_argument('--steps', type=int, default=200, help='training steps')
+  parser.add_argument('--data', default=None, help=task.data_help)
+  parser.add_argument('--seed', type=int, default=0, help='initial parameters and batch order')
+  parser.add_argument(
+    '--checkpoint-dir', default=None, help='save here and resume from the latest checkpoint'
+  )
+  parser.add_argument('--save-every', type=int, default=50, help='steps between checkpoints')
+  parser.add_argument(
+    '--compare',
+    action='store_true',
+    help='train under stages 0-3 on the same data; write a table, a PNG and JSON to --out',
+  )
+  parser.add_argument('--out', default=f'{task.name}_out', help='folder for --compare')
+  return parser
+
+
+def main(
+  argv,
+  task: Task,
+  *,
+  add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+  configure: Callable[[Task, argparse.Namespace], tuple[Task, dict]] | None = None,
+) -> int:
+  """The command line of every example: one stage, or all of them compared.
+
+  `add_arguments` adds an example's own options; `configure(task, args)`
+  returns the task they describe and more keyword options for `run`.
+  """
+  parser = make_parser(task)
+  if add_arguments is not None:
+    add_arguments(parser)
+  args = parser.parse_args(argv)
+  task, options = configure(task, args) if configure is not None else (task, {})
+  if args.compare:
+    if args.checkpoint_dir:
+      parser.error('--compare trains four fresh runs; it does not take --checkpoint-dir')
+    record = compare_stages(
+      task, steps=args.steps, out_dir=args.out, data=args.data, seed=args.seed, **options
+    )
+    print(stage_table(record))
+    print(f'wrote {os.path.join(args.out, task.name)}_stages.{{json,md,png}}')
+    return 0
+  out = run(
+    task,
+    stage=args.stage,
+    steps=args.steps,
+    data=args.data,
+    seed=args.seed,
+    checkpoint_dir=args.checkpoint_dir,
+    save_every=args.save_every,
+    **options,
+  )
+  report(out, task.name)
   return 0

@@ -39,16 +39,18 @@ def formula(stage: int, psi: int, n: int) -> int:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--steps', type=int, default=60)
-  parser.add_argument('--text', help='a text file (default: the standard library docstrings)')
-  parser.add_argument('--out', default='demo_out')
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
+  parser.add_argument('--steps', type=int, default=60, help='training steps per stage')
+  parser.add_argument('--data', help='a text file (default: the standard library docstrings)')
+  parser.add_argument('--out', default='demo_out', help='folder for the figure and JSON')
   args = parser.parse_args(argv)
   start = time.perf_counter()
   n = len(jax.devices())
   print(f'jax {jax.__version__}: {n} x {jax.devices()[0].device_kind} devices; ZeRO over "data"')
 
-  runs = [gpt.run(stage=s, steps=args.steps, text=args.text, log_every=5) for s in range(4)]
+  runs = [gpt.run(stage=s, steps=args.steps, text=args.data, log_every=5) for s in range(4)]
   psi = runs[0]['num_params']
   print(f'\nGPT: {psi:,} parameters (Ψ), AdamW fp32, {args.steps} steps per stage\n')
   print(runs[3]['plan'])

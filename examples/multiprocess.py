@@ -26,7 +26,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def parse(argv):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   parser.add_argument('--coordinator', help='HOST:PORT of process 0 (omit on TPU pods)')
   parser.add_argument('--num-processes', type=int, help='how many processes take part')
   parser.add_argument('--process-id', type=int, help="this process's index, 0..N-1")
@@ -34,10 +36,10 @@ def parse(argv):
     '--local-devices', type=int, default=4, help='CPU only: faked devices per process'
   )
   parser.add_argument('--timeout', type=int, default=120, help='start-up deadline, seconds')
-  parser.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3))
-  parser.add_argument('--steps', type=int, default=50)
-  parser.add_argument('--d-model', type=int, default=64)
-  parser.add_argument('--layers', type=int, default=2)
+  parser.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3), help='ZeRO stage')
+  parser.add_argument('--steps', type=int, default=50, help='training steps')
+  parser.add_argument('--d-model', type=int, default=64, help='model width')
+  parser.add_argument('--layers', type=int, default=2, help='transformer blocks')
   parser.add_argument('--batch', type=int, default=16, help='global batch, all processes')
   parser.add_argument(
     '--optimizer',
@@ -47,7 +49,7 @@ def parse(argv):
     ' near-zero gradients into full-size steps',
   )
   parser.add_argument('--checkpoint-dir', help='save here and resume from the latest checkpoint')
-  parser.add_argument('--save-every', type=int, default=5)
+  parser.add_argument('--save-every', type=int, default=5, help='steps between checkpoints')
   parser.add_argument('--export', help='write the final parameters to this .npz (process 0)')
   parser.add_argument(
     '--export-state', help='write the final params and optimizer state to this .npz (process 0)'

@@ -164,3 +164,21 @@ def test_failed_train_state_conversion_places_nothing(explicit_mesh):
 def test_plan_for_unwrapped_optimizer():
   with raises(TypeError, '`tx` was not made by zerojax.zero_stage; wrap it first'):
     zerojax.plan_for(optax.adam(1e-3), mlp_params())
+
+
+def test_zero_stage_options_have_one_home():
+  # zero_stage's signature is make_config's: one list of names and defaults.
+  import inspect
+
+  from zerojax._src import transform
+
+  shown = inspect.signature(zerojax.zero_stage).parameters
+  home = inspect.signature(transform.make_config).parameters
+  assert list(shown)[2:] == list(transform.OPTION_NAMES) == list(home)[2:]
+  assert all(shown[n].default == home[n].default for n in transform.OPTION_NAMES)
+  with pytest.raises(TypeError) as e:
+    zerojax.zero_stage(optax.adam(1e-3), 2, mesh=None, shard_axis='data')
+  assert str(e.value) == (
+    'zero_stage got unknown option(s) shard_axis; the ZeRO options are stage and mesh, axis,'
+    ' policy, replicate_below_bytes, param_specs, param_axis, offload, update_on.'
+  )

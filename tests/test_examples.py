@@ -1,16 +1,24 @@
-"""The examples' loaders on small files in each real format, and short training runs."""
+"""The examples' loaders on small files in each real format, their synthetic data, the shared
+runner (held-out evaluation, per-stage comparison, --help), and short training runs."""
 
+import dataclasses
 import gzip
+import json
 import os
 import pickle
+import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'examples'))
+EXAMPLES = os.path.join(os.path.dirname(__file__), '..', 'examples')
+sys.path.insert(0, EXAMPLES)
 import bert_mrpc  # noqa: E402
 import cnn_cifar  # noqa: E402
+import common  # noqa: E402
+import gpt  # noqa: E402
 import mlp_mnist  # noqa: E402
 
 # --- MNIST IDX
@@ -44,19 +52,95 @@ def test_idx_errors_name_the_file(tmp_path):
 
 
 def test_mnist_loads_a_folder_of_real_format_files(tmp_path):
-  mlp_mnist.synthetic_mnist(str(tmp_path), n=64)
-  images, labels = mlp_mnist.load(str(tmp_path))
+  mlp_mnist.synthetic_mnist(str(tmp_path), n=64, heldout=16)
+  data = mlp_mnist.load(str(tmp_path))
+  images, labels = data.train['image'], data.train['label']
   assert (
     images.shape == (64, 784)
     and images.dtype == np.float32
     and 0 <= images.min() <= images.max() <= 1
   )
   assert labels.shape == (64,) and set(labels) <= set(range(10))
+  assert data.heldout['image'].shape == (16, 784) and 't10k files held out' in data.source
+  assert not data.synthetic  # read from a folder: the loader cannot know
+  for name in ('t10k-images-idx3-ubyte', 't10k-labels-idx1-ubyte'):
+    os.remove(tmp_path / name)
+  data = mlp_mnist.load(str(tmp_path))  # no test files: the last 10% is held out
+  assert len(data.train['label']) == 58 and len(data.heldout['label']) == 6
+  assert 'last 10% held out' in data.source
 
 
-def test_mlp_loss_decreases_over_30_steps():
-  out = mlp_mnist.run(stage=3, steps=30, quiet=True)
-  assert out['losses'][-1][1] < 0.5 * out['losses'][0][1]
+@pytest.mark.parametrize(
+  'make', [mlp_mnist.synthetic_digits, cnn_cifar.synthetic_images], ids=['mnist', 'cifar']
+)
+def test_synthetic_images_are_a_rule_plus_noise(make):
+  # Learnable: the class is a deterministic function of the clean image, and the
+  # same rule holds across seeds (a nearest class mean from one sample classifies
+  # another). Not memorisable: about 10% of the labels are random.
+  images, labels = make(2000, seed=0)
+  clean, clean_labels = make(2000, seed=0, label_noise=0.0)
+  assert np.array_equal(images, clean)  # the noise is in the labels, not the rule
+  flipped = np.mean(labels != clean_labels)
+  assert 0.06 < flipped < 0.12  # 10% replaced, a tenth of them by the same label
+  x = clean.reshape(len(clean), -1).astype(np.float64)
+  means = np.stack([x[clean_labels == c].mean(0) for c in range(10)])
+  other, other_labels = make(1000, seed=5, label_noise=0.0)
+  y = other.reshape(len(other), -1).astype(np.float64)
+  nearest = np.argmin(((y[:, None, :] - means[None]) ** 2).sum(-1), axis=1)
+  assert np.mean(nearest == other_labels) > 0.5  # far above chance (10%)
+
+
+def test_synthetic_data_leaves_no_folder_behind(tmp_path, monkeypatch):
+  monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+  for load in (mlp_mnist.load, cnn_cifar.load, bert_mrpc.load):
+    data = load(None)
+    assert data.synthetic and data.source.startswith('SYNTHETIC')
+    assert len(next(iter(data.heldout.values()))) >= 512
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_mlp_learns_the_rule_and_reports_held_out_figures():
+  out = common.run(mlp_mnist.TASK, stage=3, steps=60, quiet=True)
+  assert out['losses'][-1][1] < 0.7 * out['losses'][0][1]
+  assert out['data'].synthetic
+  # Learned: far above chance (10%); not above the ~91% the label noise allows
+  # (1024 held-out examples: +-3% of sampling error at most).
+  assert 0.3 < out['heldout_accuracy'] < 0.94
+  assert np.isfinite(out['heldout_loss']) and len(out['step_seconds']) == 60
+
+
+def test_held_out_batches_weigh_the_padding_zero():
+  arrays = {'x': np.arange(10)}
+  batches = list(common.heldout_batches(arrays, 4))
+  assert [len(b['x']) for b, _ in batches] == [4, 4, 4]
+  assert np.array_equal(batches[-1][0]['x'], [8, 9, 9, 9])
+  assert np.array_equal(batches[-1][1], [1, 1, 0, 0])
+  assert sum(w.sum() for _, w in batches) == 10
+
+
+def test_held_out_figures_are_the_mean_over_examples():
+  # A model that outputs fixed logits: loss and accuracy are known in closed form.
+  task = dataclasses.replace(mlp_mnist.TASK, batch=8)
+  data = common.Data(
+    train={'image': np.zeros((16, 4), np.float32), 'label': np.zeros(16, np.int32)},
+    heldout={'image': np.zeros((13, 4), np.float32), 'label': np.array([0] * 10 + [1] * 3)},
+    source='hand-made',
+    synthetic=True,
+  )
+  out = common.run(task, stage=2, steps=0, data=data, quiet=True)
+  # With zero inputs an MLP's logits are its output bias path: the same for every
+  # example, so the figures are the label mix's, computed here independently.
+  import jax
+
+  logits = np.asarray(
+    jax.jit(lambda p: out['state'].apply_fn({'params': p}, np.zeros((1, 4), np.float32)))(
+      out['state'].params
+    )
+  )[0].astype(np.float64)
+  log_p = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+  labels = data.heldout['label']
+  assert out['heldout_loss'] == pytest.approx(-np.mean(log_p[labels]), rel=1e-5)
+  assert out['heldout_accuracy'] == pytest.approx(np.mean(labels == np.argmax(logits)))
 
 
 # --- CIFAR-10 python batches
@@ -91,10 +175,11 @@ def test_cifar_errors_name_the_file(tmp_path):
 
 
 def test_cnn_trains_on_a_folder(tmp_path):
-  cnn_cifar.synthetic_cifar(str(tmp_path), n=128)
-  images, labels = cnn_cifar.load(str(tmp_path))
-  assert images.shape == (256, 32, 32, 3) and labels.shape == (256,)
-  out = cnn_cifar.run(stage=2, steps=10, data=str(tmp_path), quiet=True)
+  cnn_cifar.synthetic_cifar(str(tmp_path), n=128, heldout=32)
+  data = cnn_cifar.load(str(tmp_path))
+  assert data.train['image'].shape == (256, 32, 32, 3) and data.train['label'].shape == (256,)
+  assert data.heldout['image'].shape == (32, 32, 32, 3) and 'test_batch held out' in data.source
+  out = common.run(cnn_cifar.TASK, stage=2, steps=10, data=str(tmp_path), quiet=True)
   assert out['losses'][-1][1] < out['losses'][0][1]
 
 
@@ -140,8 +225,61 @@ def test_mrpc_errors_name_file_and_line(tmp_path):
 
 def test_bert_trains_on_synthetic_sample(tmp_path):
   path = str(tmp_path / 'train.tsv')
-  bert_mrpc.write_synthetic_mrpc(path, n=64)
-  assert len(bert_mrpc.read_mrpc(path)) == 64
-  out = bert_mrpc.run(stage=3, steps=40, data=path, quiet=True)
-  assert np.isfinite(out['losses'][-1][1])
+  bert_mrpc.write_synthetic_mrpc(path, n=80)
+  rows = bert_mrpc.read_mrpc(path)
+  assert len(rows) == 80 and 0.3 < np.mean([r[0] for r in rows]) < 0.7
+  data = bert_mrpc.load(path)
+  assert len(data.train['label']) == 72 and len(data.heldout['label']) == 8
+  out = common.run(bert_mrpc.TASK, stage=3, steps=40, data=data, quiet=True)
+  assert np.isfinite(out['losses'][-1][1]) and np.isfinite(out['heldout_loss'])
   assert out['losses'][-1][1] < out['losses'][0][1]
+
+
+# --- The shared command line and the per-stage comparison
+
+
+@pytest.mark.parametrize('script', ['mlp_mnist', 'cnn_cifar', 'bert_mrpc', 'gpt'])
+def test_help_shows_every_default(script):
+  out = subprocess.run(
+    [sys.executable, os.path.join(EXAMPLES, f'{script}.py'), '--help'],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
+  flat = ' '.join(out.split())
+  for shown in ('--stage', '(default: 3)', '--steps', '(default: 200)', '(default: None)'):
+    assert shown in flat, (shown, out)
+  assert '--compare' in flat and '--seed' in flat
+  if script == 'gpt':
+    assert '--d-model D_MODEL model width (default: 128)' in flat
+
+
+def test_compare_writes_a_table_a_figure_and_json(tmp_path):
+  task = dataclasses.replace(mlp_mnist.TASK, log_every=1)
+  record = common.compare_stages(task, steps=4, out_dir=str(tmp_path), quiet=True)
+  base = tmp_path / 'mnist_stages'
+  assert json.loads((base.with_suffix('.json')).read_text()) == json.loads(json.dumps(record))
+  assert [r['stage'] for r in record['stages']] == [0, 1, 2, 3]
+  assert record['synthetic'] and record['data'].startswith('SYNTHETIC')
+  # Same data and seed: the same losses under every stage.
+  losses = [[loss for _, loss in r['losses']] for r in record['stages']]
+  assert all(np.allclose(x, losses[0], rtol=1e-5) for x in losses[1:])
+  # ZeRO's saving shows: stage 3 holds an eighth of stage 0's model states.
+  rest = [r['states_at_rest_bytes'] for r in record['stages']]
+  assert rest[3] * 8 == pytest.approx(rest[0], rel=0.01) and rest[1] < rest[0]
+  table = base.with_suffix('.md').read_text()
+  assert table.count('\n| ') == 5 and 'held-out accuracy' in table
+  assert base.with_suffix('.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_gpt_holds_out_the_end_of_its_text(tmp_path):
+  path = tmp_path / 'corpus.txt'
+  path.write_bytes(bytes(range(256)) * 100)
+  data = gpt.load(str(path))
+  window = gpt.Config().seq_len + 1
+  assert len(data.train['text']) == 256 * 100 * 95 // 100
+  assert data.heldout['tokens'].shape == (
+    len(path.read_bytes()[len(data.train['text']) :]) // window,
+    window,
+  )
+  assert not data.synthetic and 'real text' in data.source

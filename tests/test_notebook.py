@@ -5,6 +5,9 @@ from pathlib import Path
 
 import pytest
 
+import zerojax
+from zerojax._src.tpu import _probe
+
 NOTEBOOK = Path(__file__).resolve().parent.parent / 'notebooks' / 'quickstart.ipynb'
 
 
@@ -30,11 +33,55 @@ def test_quickstart_notebook_executes(tmp_path):
     o.get('text', '') for c in nb.cells if c.cell_type == 'code' for o in c.get('outputs', [])
   ]
   text = ''.join(outputs)
-  assert '8 devices: cpu' in text
+  assert 'no TPU attached: 8 faked CPU devices' in text and '8 devices: cpu' in text
   assert 'ZeroPlan: stage 2' in text and 'loss ' in text
+  # The pod slice, compiled ahead of time by the TPU compiler on this CPU machine.
+  assert 'gpt2-small | 0.16B params | ZeRO stage 3 | adamw | v5e:2x4 (8 chips)' in text
+  assert 'reduce-scatter' in text and 'FITS' in text
   assert any(
     o.get('output_type') == 'display_data'
     for c in nb.cells
     if c.cell_type == 'code'
     for o in c.outputs
   )
+
+
+# --- Finding a TPU VM before jax starts (what the notebook's first cell asks)
+
+
+def _dev(tmp_path, *names):
+  for name in names:
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).touch()
+  return str(tmp_path)
+
+
+def test_tpu_vm_with_accel_devices_is_found(tmp_path):
+  dev = _dev(tmp_path, 'accel0', 'accel1', 'accel2', 'accel3', 'accelerometer')
+  assert _probe({'TPU_ACCELERATOR_TYPE': 'v2-8'}, dev, False) == (
+    f'TPU VM v2-8: 4 chip(s) at {dev}/accel*'
+  )
+  assert _probe({}, dev, False) == f'TPU VM (type not set): 4 chip(s) at {dev}/accel*'
+
+
+def test_tpu_vm_with_vfio_devices_is_found_only_with_libtpu(tmp_path):
+  dev = _dev(tmp_path, 'vfio/0', 'vfio/vfio')  # v5e-1 / v6e-1: one chip behind vfio
+  assert _probe({}, dev, True) == f'TPU VM (type not set): 1 chip(s) at {dev}/vfio'
+  assert _probe({}, dev, False) is None  # vfio alone is not a TPU (GPU passthrough uses it)
+  assert _probe({'TPU_ACCELERATOR_TYPE': 'v5litepod-1'}, dev, True).startswith(
+    'TPU VM v5litepod-1: 1 chip(s)'
+  )
+
+
+def test_no_tpu_and_the_retired_node_runtime(tmp_path):
+  dev = _dev(tmp_path, 'null', 'vfio/vfio')
+  assert _probe({}, dev, True) is None
+  assert _probe({}, str(tmp_path / 'missing'), True) is None
+  with pytest.raises(RuntimeError) as e:
+    _probe({'COLAB_TPU_ADDR': '10.0.0.2:8470'}, dev, True)
+  assert str(e.value) == (
+    'COLAB_TPU_ADDR is set: this is the retired TPU-node runtime, which current jax cannot'
+    ' use. Pick a TPU VM runtime instead (in Colab: Runtime > Change runtime type > v5e-1,'
+    ' v6e-1 or v2-8).'
+  )
+  assert zerojax.local_tpu() is None  # this machine

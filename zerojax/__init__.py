@@ -13,7 +13,9 @@ from zerojax._src.distributed import to_numpy as to_numpy
 from zerojax._src.estimate import MemoryEstimate as MemoryEstimate
 from zerojax._src.estimate import estimate_memory as estimate_memory
 from zerojax._src.estimate import format_estimates as format_estimates
+from zerojax._src.gather import ShardedLeaf as ShardedLeaf
 from zerojax._src.gather import gather_params as gather_params
+from zerojax._src.gather import recompute_gathers as recompute_gathers
 from zerojax._src.layers import gather_leaves as gather_leaves
 from zerojax._src.layers import gathered_linen as gathered_linen
 from zerojax._src.layers import gathered_nnx as gathered_nnx
@@ -34,6 +36,7 @@ from zerojax._src.report import count_collectives as count_collectives
 from zerojax._src.report import memory_stats as memory_stats
 from zerojax._src.report import step_report as step_report
 from zerojax._src.report import zero_floor_bytes as zero_floor_bytes
+from zerojax._src.tpu import local_tpu as local_tpu
 from zerojax._src.train_state import abstract_train_state as abstract_train_state
 from zerojax._src.train_state import create_train_state as create_train_state
 from zerojax._src.transform import ZeroConfig as ZeroConfig
@@ -70,6 +73,7 @@ __all__ = [
   'MemoryStats',
   'count_collectives',
   'memory_stats',
+  'local_tpu',
   'ZeroConfig',
   'ZeroPlan',
   'ModelSpec',
@@ -77,6 +81,8 @@ __all__ = [
   'config_of',
   'create_train_state',
   'gather_params',
+  'recompute_gathers',
+  'ShardedLeaf',
   'make_plan',
   'plan_for',
   'unwrap',

@@ -7,12 +7,18 @@ the loop runs inside `jax.shard_map` over the ZeRO axes, so the placement is
 explicit:
 
 - stages 0-1: each device accumulates its own unreduced gradients over the
-  micro-batches and the all-reduce runs once, after the loop;
+  micro-batches and one collective runs after the loop: an all-reduce at
+  stage 0, a reduce-scatter into the optimizer state's shards at stage 1;
 - stage 2-3: each micro-batch's gradients are reduce-scattered (`psum_scatter`,
   a real reduce-scatter even on CPU) into an accumulator holding only this
-  device's shard; stage 3 all-gathers the parameters for the loop (XLA hoists
-  the loop-invariant gather out of it, so whole parameters live for the step:
-  for per-layer gathering use `jax.grad` with `gathered_linen` and friends).
+  device's shard;
+- stage 3 with `per_layer=True`: the loss sees its parameters as shards
+  (`ShardedLeaf`) and each layer gathers its own where the model calls
+  `gathered_linen`, `gathered_nnx`, `gather_leaves` or `gather_params`: an
+  explicit all-gather whose transpose reduce-scatters that layer's gradient,
+  so whole parameters live one layer at a time. Without it, stage 3 gathers
+  every parameter before the loss (XLA hoists the loop-invariant gather out of
+  the micro-batch loop, so the whole model lives for the step).
 
 Other mesh axes (tensor parallelism) stay under the compiler's control.
 """
@@ -27,6 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zerojax._src import gather as gather_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import transform
@@ -73,6 +80,7 @@ def value_and_grad(
   micro_batches: int = 1,
   reduce_dtype: Any = None,
   has_aux: bool = False,
+  per_layer: bool = False,
 ) -> Callable[..., Any]:
   """`jax.value_and_grad` for a zero-wrapped optimizer, with gradient accumulation.
 
@@ -88,22 +96,36 @@ def value_and_grad(
       `jnp.float32` for bf16 models); default: the parameters' dtype.
     has_aux: `loss_fn` returns `(loss, aux)`; the aux of the last micro-batch
       is returned, averaged over devices where it is floating point.
+    per_layer: stage 3 only: hand `loss_fn` the parameters as shards
+      (`zerojax.ShardedLeaf`) for the model to gather layer by layer
+      (`gathered_linen`, `gathered_nnx`, `gather_leaves`, `gather_params`),
+      with each gather's gradient reduce-scattered as the backward pass
+      reaches it. A parameter used without a gather raises a TypeError naming
+      it. Default False: every parameter is gathered before `loss_fn` runs.
 
   Returns:
     `fn(params, batch, *args, loss_scale=None)` -> `(loss, grads)` (or
     `((loss, aux), grads)`), to call inside `jax.jit`: the mean loss over the
-    global batch and its gradient, in the plan's gradient layout. `batch` is a
-    pytree of arrays whose leading dimension (the global batch) is split over
-    the ZeRO axes; `args` are passed to `loss_fn` unchanged (replicated).
+    global batch and its gradient, in the plan's gradient layout (at stage 1:
+    split like the optimizer state, whose update reads only its shard).
+    `batch` is a pytree of arrays whose leading dimension (the global batch)
+    is split over the ZeRO axes; `args` are passed to `loss_fn` unchanged (replicated).
     With `loss_scale` (e.g. `zerojax.loss_scale(opt_state)` for fp16), the
     gradients are of `loss * loss_scale` (still scaled: the optimizer's
     `zerojax.mixed_precision` divides the scale out and skips steps that
     overflowed); the returned loss is unscaled.
 
   Raises:
-    ValueError: the rows of a device do not divide into `micro_batches`.
+    ValueError: the rows of a device do not divide into `micro_batches`;
+      `per_layer` below stage 3 or with `param_axis`.
   """
   config = transform.require_config(tx)
+  if per_layer and (config.stage != 3 or config.param_axis is not None):
+    raise ValueError(
+      '`per_layer=True` is for stage 3 with parameters split over all of the ZeRO axes'
+      f' (got stage {config.stage}, param_axis={config.param_axis!r}); below stage 3'
+      ' parameters are whole already, and under hpZ (param_axis) use per_layer=False.'
+    )
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
     raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
   axes, mesh, stage = config.axes, config.mesh, config.stage
@@ -116,11 +138,20 @@ def value_and_grad(
     param_specs = [
       _manual_spec(s.spec, axes, x.ndim) for s, x in zip(jax.tree.leaves(plan.params), leaves)
     ]
-    grad_specs = [
-      _manual_spec(s.spec, axes, x.ndim) for s, x in zip(jax.tree.leaves(plan.grads), leaves)
-    ]
+    # Stage 1 keeps a full gradient buffer through the micro-batches but leaves
+    # it reduce-scattered into the optimizer state's shards (the update reads
+    # only those): the floor's traffic, where an all-reduce would move more.
+    out_layouts = jax.tree.leaves(plan.grads)
+    if stage == 1:
+      shards = jax.tree.leaves(plan.param_shards)
+      padding = plan.padding or (None,) * len(shards)
+      out_layouts = [g if pad else s for g, s, pad in zip(out_layouts, shards, padding)]
+    grad_specs = [_manual_spec(s.spec, axes, x.ndim) for s, x in zip(out_layouts, leaves)]
     gather_dims = [_zero_dim(s, axes) for s in param_specs]
     scatter_dims = [_zero_dim(s, axes) for s in grad_specs]
+    # per_layer: the model's own gathers reduce-scatter these gradients already.
+    scattered = [per_layer and g is not None for g in gather_dims]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
       rows = x.shape[0] if x.ndim else 0
       if rows % (n * micro_batches):
@@ -141,8 +172,16 @@ def value_and_grad(
           for x, g in zip(flat, gather_dims)
         ]
 
+      def as_shards(flat):
+        return [
+          x if g is None else gather_lib.ShardedLeaf(x, g[0], g[1], x.ndim, f'params{path}')
+          for x, g, path in zip(flat, gather_dims, paths)
+        ]
+
       def micro_grads(flat_shards, mb):
-        full = jax.tree.unflatten(treedef, gathered(flat_shards))
+        full = jax.tree.unflatten(
+          treedef, as_shards(flat_shards) if per_layer else gathered(flat_shards)
+        )
 
         def scaled(p):
           out = loss_fn(p, mb, *args)
@@ -150,15 +189,17 @@ def value_and_grad(
           return (loss * scale.astype(loss.dtype)).astype(loss.dtype), (loss, aux)
 
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(full)
-        grads = jax.tree.leaves(grads)
+        grads = jax.tree.leaves(grads)  # a ShardedLeaf's gradient: its shard's
         if reduce_dtype is not None:
           grads = [g.astype(reduce_dtype) for g in grads]
         return loss, aux, grads
 
-      def reduce_now(g, d):
+      def reduce_now(g, d, done):
         # Stages 2-3: each micro-batch's gradient is reduce-scattered at once
         # over the axes that split it, and summed over any other ZeRO axes.
-        if stage >= 2 and d is not None:
+        if done:  # reduce-scattered by the transpose of the model's gather
+          return g
+        if stage >= 1 and d is not None:
           g = jax.lax.psum_scatter(g, _axis_arg(d[1]), scatter_dimension=d[0], tiled=True)
           rest = tuple(a for a in axes if a not in d[1])
           return jax.lax.psum(g, _axis_arg(rest)) if rest else g
@@ -171,7 +212,10 @@ def value_and_grad(
       def body(carry, mb):
         acc, loss_sum = carry
         loss, aux, grads = micro_grads(flat_params, mb)
-        acc = [a + reduce_now(g, d) for a, g, d in zip(acc, grads, scatter_dims)]
+        acc = [
+          a + (reduce_now(g, d, done) if stage >= 2 else g)
+          for a, g, d, done in zip(acc, grads, scatter_dims, scattered)
+        ]
         return (acc, loss_sum + loss.astype(jnp.float32)), aux
 
       acc0 = []
@@ -183,9 +227,14 @@ def value_and_grad(
           shape[d[0]] //= mesh_lib.axes_size(mesh, d[1])
         acc0.append(jnp.zeros(shape, reduce_dtype or x.dtype))
       (acc, loss_sum), auxes = jax.lax.scan(body, (acc0, jnp.zeros((), jnp.float32)), micro)
-      # Stages 0-1 (and leaves kept whole): one all-reduce, after the loop.
+      # After the loop: stage 1 reduce-scatters its full buffer once; stage 0
+      # (and leaves kept whole) all-reduces it once.
       acc = [
-        a if (stage >= 2 and d is not None) else jax.lax.psum(a, axis_arg)
+        a
+        if (stage >= 2 and d is not None)
+        else reduce_now(a, d, False)
+        if (stage == 1 and d is not None)
+        else jax.lax.psum(a, axis_arg)
         for a, d in zip(acc, scatter_dims)
       ]
       # The mean over devices and micro-batches. A loss scale stays in: the

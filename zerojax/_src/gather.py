@@ -1,16 +1,138 @@
-"""Gathering ZeRO-sharded parameters where they are used."""
+"""Gathering ZeRO-sharded parameters where they are used.
+
+Two mechanisms, one per kind of region:
+
+- Under the compiler's control (a plain `jax.jit` step), a gather is a layout
+  change (`with_sharding_constraint`/`reshard` to a layout without the ZeRO
+  axes); the compiler places the all-gather, and the gradient's reduction into
+  shards (a reduce-scatter on TPU and GPU; XLA:CPU lowers it to an all-reduce
+  and a slice).
+- Inside `zerojax.value_and_grad(..., per_layer=True)` at stage 3, the loss runs
+  in `jax.shard_map` over the ZeRO axes and sees each split leaf as a
+  `ShardedLeaf` (its local shard and the dimension it is split on). A gather
+  there is an explicit `jax.lax.all_gather`, whose transpose is a
+  `psum_scatter`: the gradient is reduce-scattered on every backend, CPU
+  included, layer by layer.
+
+Either way the gathered values are named `GATHERED` (`checkpoint_name`), so
+`recompute_gathers`, a `jax.checkpoint` policy, can keep everything a layer
+computes except its gathered parameters, which the backward pass gathers again.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import rules
+
+# The name of every gathered parameter, for jax.checkpoint policies.
+GATHERED = 'zerojax_gathered'
+
+# What a gather is made of: its name, the explicit all-gather of a manual
+# region, the layout changes the compiler turns into all-gathers.
+_GATHER_PRIMITIVES = frozenset({'name', 'all_gather', 'sharding_constraint', 'reshard'})
+
+
+def recompute_gathers(prim, *args, **params) -> bool:
+  """A `jax.checkpoint` policy: save what a layer computes, except its gathered parameters.
+
+  Under it the backward pass recomputes only the gathers of ZeRO-3 parameters
+  (the all-gathers run again, no matmul does), so each layer's whole parameters
+  live only while the layer runs, and activations are kept as without
+  rematerialisation. Use it where the layer loop rematerialises:
+
+      block = nn.remat(zerojax.gathered_linen(Block), policy=zerojax.recompute_gathers)
+      jax.checkpoint(layer_fn, policy=zerojax.recompute_gathers)
+
+  A full `jax.checkpoint` (no policy) saves less memory per layer at the cost of
+  running each layer's forward pass again.
+
+  >>> import jax, jax.numpy as jnp, zerojax
+  >>> f = jax.checkpoint(lambda w, x: jnp.tanh(x @ w), policy=zerojax.recompute_gathers)
+  >>> jax.grad(lambda w: f(w, jnp.ones(4)).sum())(jnp.eye(4)).shape
+  (4, 4)
+  """
+  # A gathered value is not saved, and neither is what produced it (the name is
+  # an identity: saving its operand would keep the same bytes). jax's own
+  # save_anything_except_these_names saves everything in jax 0.10.
+  return prim.name not in _GATHER_PRIMITIVES
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardedLeaf:
+  """One device's shard of a parameter split over ZeRO axes, inside a manual region.
+
+  `zerojax.value_and_grad(..., per_layer=True)` hands the loss function these
+  in place of stage-3 parameters; `gather_leaves`, `gathered_linen`,
+  `gathered_nnx` and `gather_params` turn them into whole arrays where the
+  model uses them. Scanning over a stacked parameter slices `shard` and keeps
+  the rest, so the split dimension is found again from `ndim`.
+
+  Attributes:
+    shard: this device's part.
+    dim: the split dimension, counted in the array of `ndim` dimensions.
+    axes: the mesh axes it is split over.
+    ndim: the number of dimensions the parameter had when it was handed over.
+    path: where it is in the parameter tree (for error messages).
+  """
+
+  shard: jax.Array
+  dim: int = dataclasses.field(metadata=dict(static=True))
+  axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+  ndim: int = dataclasses.field(metadata=dict(static=True))
+  path: str = dataclasses.field(metadata=dict(static=True))
+
+  def __jax_array__(self):
+    raise TypeError(
+      f'parameter {self.path} was used without being gathered: inside'
+      ' zerojax.value_and_grad(..., per_layer=True) stage-3 parameters arrive as shards,'
+      ' and each layer gathers its own. Wrap the module with zerojax.gathered_linen'
+      ' (linen) or zerojax.gathered_nnx (NNX), call zerojax.gather_leaves on the'
+      ' parameters before use, or pass per_layer=False to gather everything up front.'
+    )
+
+  def gather(self, dtype: Any = None) -> jax.Array:
+    """The whole parameter: an all-gather of the shards (its transpose: a reduce-scatter)."""
+    x = self.shard
+    sliced = self.ndim - x.ndim  # leading dimensions a scan has taken off
+    dim = self.dim - sliced
+    if dim < 0:
+      raise ValueError(
+        f'parameter {self.path} is split over {self.axes} on dimension {self.dim}, which a'
+        f' scan slices off: each device would hold other layers. Stacked layer parameters'
+        ' must be split on a per-layer dimension (a larger one than the layer count),'
+        ' or kept whole with zero_stage(..., policy) options.'
+      )
+    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+      x = x.astype(dtype)
+    axes = self.axes[0] if len(self.axes) == 1 else self.axes
+    return checkpoint_name(jax.lax.all_gather(x, axes, axis=dim, tiled=True), GATHERED)
+
+
+def is_sharded_leaf(x: Any) -> bool:
+  return isinstance(x, ShardedLeaf)
+
+
+def gather_manual(tree: Any, dtype: Any = None) -> Any:
+  """Gathers the `ShardedLeaf`s of `tree` (other leaves pass through)."""
+  return jax.tree.map(
+    lambda x: x.gather(dtype) if isinstance(x, ShardedLeaf) else x,
+    tree,
+    is_leaf=is_sharded_leaf,
+  )
+
+
+def has_sharded_leaves(tree: Any) -> bool:
+  return any(isinstance(x, ShardedLeaf) for x in jax.tree.leaves(tree, is_leaf=is_sharded_leaf))
 
 
 def _without_zero_axes(sharding: NamedSharding, axes, *, drop_leading: bool) -> NamedSharding:
@@ -62,6 +184,8 @@ def gather_params(
   >>> full['w'].sharding.is_fully_replicated
   True
   """
+  if has_sharded_leaves(params):  # inside value_and_grad(..., per_layer=True)
+    return gather_manual(params, dtype)
   mesh = plan.mesh
   layouts = plan.params if layouts is None else layouts
   full = jax.tree.map(
@@ -82,6 +206,7 @@ def gather_to(tree: Any, shardings: Any, mesh, dtype: Any = None) -> Any:
     tree = jax.tree.map(
       lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
     )
-  return mesh_lib.run_in_layout(lambda t: mesh_lib.constrain(t, shardings, mesh), mesh, shardings)(
+  out = mesh_lib.run_in_layout(lambda t: mesh_lib.constrain(t, shardings, mesh), mesh, shardings)(
     tree
   )
+  return jax.tree.map(lambda x: checkpoint_name(x, GATHERED), out)

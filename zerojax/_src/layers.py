@@ -51,6 +51,8 @@ def gather_leaves(
   Returns:
     `tree`, gathered.
   """
+  if gather.has_sharded_leaves(tree):  # inside value_and_grad(..., per_layer=True)
+    return gather.gather_manual(tree, dtype)
   mesh = mesh_lib.resolve_mesh(mesh)
   axes = mesh_lib.resolve_axes(mesh, axis)
   shardings = jax.tree.map(

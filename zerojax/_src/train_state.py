@@ -85,7 +85,6 @@ def zero_train_state(state: State, stage: int, **options: Any) -> State:
 
 
 # `stage` and the ZeRO options: the parameters of the one function that checks them.
-_OPTION_NAMES = tuple(inspect.signature(transform.make_config).parameters)[1:]
 
 
 def require_zero_tx(tx: Any, fields: dict, where: str) -> transform.ZeroConfig:
@@ -95,7 +94,7 @@ def require_zero_tx(tx: Any, fields: dict, where: str) -> transform.ZeroConfig:
     TypeError: `tx` was not made by `zero_stage`, or ZeRO options were passed
       to the builder.
   """
-  misplaced = [name for name in _OPTION_NAMES if name in fields]
+  misplaced = [name for name in ('stage', *transform.OPTION_NAMES) if name in fields]
   config = transform.config_of(tx)
   if config is None or misplaced:
     got = f' (got {", ".join(f"{n}=" for n in misplaced)})' if misplaced else ''
@@ -107,8 +106,20 @@ def require_zero_tx(tx: Any, fields: dict, where: str) -> transform.ZeroConfig:
   return config
 
 
-def _layout(init_fn, init_args, *, tx, apply_fn, state_class, fields, param_dtype=None):
-  """The jittable builder of a zero train state, and the state's shardings."""
+def _layout(
+  init_fn,
+  init_args,
+  *,
+  tx: optax.GradientTransformation | None = None,
+  apply_fn: Callable[..., Any] | None = None,
+  state_class: type[State] = flax_train_state.TrainState,
+  param_dtype: Any = None,
+  **fields: Any,
+):
+  """The jittable builder of a zero train state, and the state's shardings.
+
+  Its keyword arguments are those of `create_train_state` (documented there).
+  """
   config = require_zero_tx(tx, fields, 'create_train_state/abstract_train_state')
   abstract_params = jax.eval_shape(init_fn, *init_args)
   if param_dtype is not None:  # the plan's accounting uses the dtype the state will hold
@@ -187,20 +198,14 @@ def create_train_state(
     tx=tx,
     apply_fn=apply_fn,
     state_class=state_class,
-    fields=fields,
     param_dtype=param_dtype,
+    **fields,
   )
   return jax.jit(build, out_shardings=shardings)(*init_args)
 
 
 def abstract_train_state(
-  init_fn: Callable[..., optax.Params],
-  *init_args: Any,
-  tx: optax.GradientTransformation,
-  apply_fn: Callable[..., Any] | None = None,
-  state_class: type[State] = flax_train_state.TrainState,
-  param_dtype: Any = None,
-  **fields: Any,
+  init_fn: Callable[..., optax.Params], *init_args: Any, **options: Any
 ) -> State:
   """Like `create_train_state`, but allocates nothing.
 
@@ -217,15 +222,11 @@ def abstract_train_state(
   >>> state.params['w'].sharding.spec, state.params['w'].dtype
   (P('data', None), dtype('float32'))
   """
-  _, abstract_state, shardings = _layout(
-    init_fn,
-    init_args,
-    tx=tx,
-    apply_fn=apply_fn,
-    state_class=state_class,
-    fields=fields,
-    param_dtype=param_dtype,
-  )
+  _, abstract_state, shardings = _layout(init_fn, init_args, **options)
   return jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
   )
+
+
+# One signature for both builders: abstract_train_state takes what create_train_state takes.
+abstract_train_state.__signature__ = inspect.signature(create_train_state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 from typing import Any
 
 import jax
@@ -375,6 +376,24 @@ def make_config(
   )
 
 
+# The ZeRO options, named once: make_config's keyword-only parameters.
+OPTION_NAMES = tuple(
+  name
+  for name, p in inspect.signature(make_config).parameters.items()
+  if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
+
+def check_option_names(options: dict, where: str) -> None:
+  """Raises TypeError naming any keyword that is not a ZeRO option."""
+  unknown = sorted(set(options) - set(OPTION_NAMES))
+  if unknown:
+    raise TypeError(
+      f'{where} got unknown option(s) {", ".join(unknown)}; the ZeRO options are'
+      f' stage and {", ".join(OPTION_NAMES)}.'
+    )
+
+
 def zero_optimizer(
   tx: optax.GradientTransformation, stage: int, **options: Any
 ) -> optax.GradientTransformationExtraArgs:
@@ -419,8 +438,12 @@ def zero_optimizer(
         state = _to_memory(state, plan.opt_state, host=False)
       # Reduce into the stage's gradient layout: from stage 2 the compiler
       # emits a reduce-scatter here (XLA:CPU: all-reduce + dynamic-slice).
+      # Stage 1 goes straight to the shards its update reads: gradients that
+      # arrive reduce-scattered (zerojax.value_and_grad) stay so, and ones that
+      # arrive unreduced are reduced into shards, not first into whole copies.
       like = grads
-      grads = mesh_lib.constrain(grads, plan.grads, mesh)
+      if stage != 1:
+        grads = mesh_lib.constrain(grads, plan.grads, mesh)
       if stage >= 1:
         # Each device updates only its shard of the parameters.
         grads = mesh_lib.constrain(_pad(grads, plan), plan.param_shards, mesh)

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import optax
-from jax.sharding import Mesh
 
-from zerojax._src import mesh as mesh_lib
-from zerojax._src import rules, train_state, transform
+from zerojax._src import train_state, transform
 
 
-def zero_stage(
-  target: Any,
-  stage: int,
-  *,
-  mesh: Mesh | None = None,
-  axis: mesh_lib.AxisName = 'data',
-  policy: rules.Policy = 'error',
-  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-  param_specs: Any = None,
-  param_axis: mesh_lib.AxisName | None = None,
-  offload: str | None = None,
-  update_on: str = 'device',
-) -> Any:
+def zero_stage(target: Any, stage: int, **options: Any) -> Any:
   """Applies ZeRO `stage` to an optax optimizer or a flax train state.
 
   Stage 0 is plain data parallelism; stage 1 shards the optimizer state over
@@ -92,8 +79,9 @@ def zero_stage(
   >>> updates['w'].sharding.spec
   P(None, None)
   """
-  # Every keyword is a ZeRO option, checked once by transform.make_config.
-  kwargs = {k: v for k, v in locals().items() if k not in ('target', 'stage')}
+  # The options are named, defaulted and checked in one place: transform.make_config.
+  transform.check_option_names(options, 'zero_stage')
+  kwargs = options
   if isinstance(target, optax.GradientTransformation):
     return transform.zero_optimizer(target, stage, **kwargs)
   if train_state.is_train_state(target):
@@ -106,3 +94,13 @@ def zero_stage(
     f' {type(target).__name__}. Wrap the optimizer: zero_stage(optax.adam(1e-3),'
     ' stage, mesh=mesh).'
   )
+
+
+# What help() and IDEs show: the options' names and defaults, from their one home.
+zero_stage.__signature__ = inspect.Signature(
+  [
+    inspect.Parameter('target', inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Any),
+    *list(inspect.signature(transform.make_config).parameters.values())[1:],
+  ],
+  return_annotation=Any,
+)

@@ -1,0 +1,217 @@
+"""zerojax against the FSDP recipe of JAX's documentation: the same collectives, the same
+matmuls, the same memory; reduce-scatters on CPU; per-layer gathering through value_and_grad."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from _models import max_rel_err
+from flax import linen as nn
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'benchmarks'))
+import hlo_ops  # noqa: E402
+import recipes  # noqa: E402
+
+N = 8
+
+
+def _data(mesh, width, batch=32):
+  rows = NamedSharding(mesh, P('data'))
+  x = jax.device_put(jax.random.normal(jax.random.key(1), (batch, width)), rows)
+  y = jax.device_put(jax.random.normal(jax.random.key(2), (batch, width)), rows)
+  return x, y
+
+
+def _zerojax_step(mesh, stage, *, layers=4, width=256, per_layer=True, remat=True):
+  """The documented step: value_and_grad, per-layer gathers, gathers rematerialised."""
+  ztx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
+  gather, policy = (lambda w: w), None
+  if stage == 3 and per_layer:
+    gather = lambda w: zerojax.gather_leaves(w, mesh=mesh)
+    policy = zerojax.recompute_gathers if remat else None
+
+  def loss_fn(params, batch):
+    return recipes.mse(recipes.forward(params, batch['x'], gather, policy), batch['y'])
+
+  grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=stage == 3 and per_layer)
+
+  def step(params, opt_state, x, y):
+    loss, grads = grad_fn(params, {'x': x, 'y': y})
+    updates, opt_state = ztx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  params = recipes.init_params(jax.random.key(0), layers, width)
+  params = jax.device_put(params, zerojax.plan_for(ztx, params).params)
+  return jax.jit(step), params, ztx.init(params)
+
+
+def _compiled(mesh, stage, **kw):
+  step, params, opt_state = _zerojax_step(mesh, stage, **kw)
+  width = params['w'].shape[-1]
+  return step.lower(params, opt_state, *_data(mesh, width)).compile(), params['w'].size
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_gradients_reach_their_shards_through_a_reduce_scatter_on_cpu(auto_mesh, stage):
+  compiled, psi = _compiled(auto_mesh, stage)
+  stats = zerojax.count_collectives(compiled)
+  layers = 4
+  # A reduce-scatter per layer at stage 3 (each gather's transpose), one for the
+  # stacked gradient below; no all-reduce of gradient size anywhere.
+  assert stats['reduce-scatter'] == (layers if stage == 3 else 1)
+  assert stats.result_bytes.get('all-reduce', 0) <= 16  # the loss, a scalar
+  # Exactly the floor, up to the loss's scalar all-reduce.
+  floor = zerojax.zero_floor_bytes(stage, psi, N)
+  assert floor <= stats.total_ring_bytes <= floor + 16
+
+
+def test_per_layer_value_and_grad_is_the_docs_recipe(auto_mesh):
+  width, layers = 256, 4
+  compiled, _ = _compiled(auto_mesh, 3, layers=layers, width=width)
+  tx = optax.adam(1e-3)
+  step, sharding = recipes.shard_map_step(auto_mesh, tx)
+  params, opt_state = recipes.place(
+    recipes.init_params(jax.random.key(0), layers, width), tx, sharding
+  )
+  docs = step.lower(params, opt_state, *_data(auto_mesh, width)).compile()
+  # The same matmuls (forward, and two per layer in the backward: no forward recomputed) ...
+  assert hlo_ops.matmuls(compiled) == hlo_ops.matmuls(docs) == 3 * layers
+  # ... the same collectives, and the same memory.
+  ours, theirs = zerojax.count_collectives(compiled), zerojax.count_collectives(docs)
+  assert (
+    ours.counts
+    == theirs.counts
+    == {'all-gather': 2 * layers, 'reduce-scatter': layers, 'all-reduce': 1}
+  )
+  assert ours.total_ring_bytes == theirs.total_ring_bytes
+  mine, docs_mem = zerojax.memory_stats(compiled), zerojax.memory_stats(docs)
+  assert mine.argument == docs_mem.argument and mine.temp <= docs_mem.temp * 1.1
+
+
+def test_a_full_checkpoint_runs_the_forward_again(auto_mesh):
+  # What the README's recipe did before recompute_gathers: 4 matmuls per layer.
+  step, params, opt_state = _zerojax_step(auto_mesh, 3, per_layer=True, remat=True)
+  gather = lambda w: zerojax.gather_leaves(w, mesh=auto_mesh)
+  ztx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=auto_mesh)
+
+  def loss_fn(params, batch):
+    def body(h, w):
+      return recipes.layer(h, gather(w)), None
+
+    h, _ = jax.lax.scan(jax.checkpoint(body), batch['x'], params['w'])
+    return recipes.mse(h, batch['y'])
+
+  grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=True)
+  x, y = _data(auto_mesh, 256)
+  compiled = jax.jit(lambda p: grad_fn(p, {'x': x, 'y': y})).lower(params).compile()
+  assert hlo_ops.matmuls(compiled) == 4 * 4
+
+
+def test_per_layer_value_and_grad_keeps_temporaries_per_layer(auto_mesh):
+  # Going from 4 to 8 layers adds far less than a layer's bytes per layer of
+  # temporaries: each layer's whole weight lives only while the layer runs.
+  width = 512
+  temps = {}
+  for layers in (4, 8):
+    compiled, _ = _compiled(auto_mesh, 3, layers=layers, width=width)
+    temps[layers] = zerojax.memory_stats(compiled).temp
+  layer_bytes = width * width * 4
+  slope = (temps[8] - temps[4]) / 4
+  assert slope < layer_bytes / 4, (temps, layer_bytes)
+  # Gathering everything first (per_layer=False) keeps every layer.
+  up_front = {}
+  for layers in (4, 8):
+    compiled, _ = _compiled(auto_mesh, 3, layers=layers, width=width, per_layer=False)
+    up_front[layers] = zerojax.memory_stats(compiled).temp
+  assert (up_front[8] - up_front[4]) / 4 >= layer_bytes
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+def test_numerics_equal_plain_optax(auto_mesh, stage):
+  step, params, opt_state = _zerojax_step(auto_mesh, stage)
+  x, y = _data(auto_mesh, 256)
+  ref_step, rep = recipes.replicated_step(auto_mesh, optax.adam(1e-3))
+  ref = recipes.init_params(jax.random.key(0), 4, 256)
+  ref_state = optax.adam(1e-3).init(ref)
+  for _ in range(3):
+    params, opt_state, loss = step(params, opt_state, x, y)
+    ref, ref_state, ref_loss = ref_step(ref, ref_state, x, y)
+  assert max_rel_err(jax.device_get(params), jax.device_get(ref)) <= 1e-5
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, h, _):
+    return h + jnp.tanh(nn.Dense(64, use_bias=False)(h)), None
+
+
+class Deep(nn.Module):
+  mesh: object = None
+
+  @nn.compact
+  def __call__(self, x):
+    gathered = lambda cls: zerojax.gathered_linen(cls, mesh=self.mesh)
+    h = gathered(nn.Dense)(64)(x)
+    block = nn.remat(gathered(Block), prevent_cse=False, policy=zerojax.recompute_gathers)
+    h, _ = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True}, length=4)()(
+      h, None
+    )
+    return gathered(nn.Dense)(8)(h)
+
+
+def test_gathered_linen_gathers_per_layer_inside_value_and_grad(auto_mesh):
+  model = Deep(auto_mesh)
+  x = jax.random.normal(jax.random.key(1), (32, 16))
+  y = jax.random.normal(jax.random.key(2), (32, 8))
+  params = model.init(jax.random.key(0), x)['params']
+  loss_fn = lambda p, b: jnp.mean((model.apply({'params': p}, b['x']) - b['y']) ** 2)
+  ztx = zerojax.zero_stage(optax.adam(1e-2), 3, mesh=auto_mesh)
+  grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=True)
+  sharded = jax.device_put(params, zerojax.plan_for(ztx, params).params)
+  batch = jax.device_put({'x': x, 'y': y}, NamedSharding(auto_mesh, P('data')))
+  fn = jax.jit(grad_fn)
+  loss, grads = fn(sharded, batch)
+  want_loss, want = jax.value_and_grad(loss_fn)(params, {'x': x, 'y': y})
+  assert max_rel_err(jax.device_get(grads), want) <= 1e-5
+  assert abs(float(loss) - float(want_loss)) <= 1e-6
+  stats = zerojax.count_collectives(fn.lower(sharded, batch).compile())
+  assert stats['reduce-scatter'] >= 4 and stats['all-gather'] >= 8  # each block, twice
+
+
+def test_a_parameter_used_without_a_gather_is_named(auto_mesh):
+  ztx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=auto_mesh)
+  params = {'layer': {'w': jnp.ones((64, 32))}}
+  grad_fn = zerojax.value_and_grad(lambda p, b: jnp.sum(b @ p['layer']['w']), ztx, per_layer=True)
+  params = jax.device_put(params, zerojax.plan_for(ztx, params).params)
+  with pytest.raises(TypeError) as e:
+    jax.jit(grad_fn)(params, jnp.ones((8, 64)))
+  assert str(e.value).startswith(
+    "parameter params['layer']['w'] was used without being gathered: inside"
+    ' zerojax.value_and_grad(..., per_layer=True) stage-3 parameters arrive as shards'
+  )
+
+
+def test_per_layer_is_for_stage_3(auto_mesh):
+  ztx = zerojax.zero_stage(optax.adam(1e-3), 2, mesh=auto_mesh)
+  with pytest.raises(ValueError, match=r'`per_layer=True` is for stage 3 .* \(got stage 2,'):
+    zerojax.value_and_grad(lambda p, b: 0.0, ztx, per_layer=True)
+
+
+def test_recompute_gathers_saves_everything_but_gathers():
+  from jax.ad_checkpoint import checkpoint_name
+
+  def primitive(fn, *args):
+    return jax.make_jaxpr(fn)(*args).eqns[0].primitive
+
+  named = primitive(lambda w: checkpoint_name(w, zerojax._src.gather.GATHERED), jnp.ones(4))
+  assert not zerojax.recompute_gathers(named, name=zerojax._src.gather.GATHERED)
+  assert zerojax.recompute_gathers(primitive(jnp.tanh, jnp.ones(4)))
+  assert zerojax.recompute_gathers(primitive(lambda a: a @ a, jnp.ones((4, 4))))
