@@ -52,21 +52,26 @@ import zerojax  # noqa: E402
 def zerojax_step(mesh, tx, stage: int, path: str):
   """zerojax's documented step at `stage`.
 
-  path 'value_and_grad': `zerojax.value_and_grad` (at stage 3 with per_layer=True:
-  each layer gathers its own shard, `zerojax.recompute_gathers` remats only the
-  gathers). path 'jax.grad': the user's own `jax.grad` and the wrapped optimizer,
+  path 'value_and_grad': `zerojax.value_and_grad` (at stages 2-3 with
+  per_layer=True: each layer's gradient is reduce-scattered as the backward pass
+  reaches it; at stage 3 each layer gathers its own shard and
+  `zerojax.recompute_gathers` remats only the gathers). path 'jax.grad': the user's own `jax.grad` and the wrapped optimizer,
   with the same per-layer gathers at stage 3 (the compiler places the collectives).
   """
   ztx = zerojax.zero_stage(tx, stage, mesh=mesh)
   gather, policy = (lambda w: w), None
+  if stage == 3 or stage == 2 and path == 'value_and_grad':
+    # Each layer gathers its own; at stage 2 the gather moves nothing and marks
+    # where value_and_grad reduce-scatters that layer's gradient.
+    gather = lambda w: zerojax.gather_leaves(w, mesh=mesh)
   if stage == 3:
-    gather, policy = (lambda w: zerojax.gather_leaves(w, mesh=mesh)), zerojax.recompute_gathers
+    policy = zerojax.recompute_gathers
 
   def loss_fn(params, batch):
     return recipes.mse(recipes.forward(params, batch['x'], gather, policy), batch['y'])
 
   if path == 'value_and_grad':
-    grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=stage == 3)
+    grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=stage >= 2)
   else:
     grad_fn = jax.value_and_grad(loss_fn)
 

@@ -33,14 +33,14 @@ def _zerojax_step(mesh, stage, *, layers=4, width=256, per_layer=True, remat=Tru
   """The documented step: value_and_grad, per-layer gathers, gathers rematerialised."""
   ztx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
   gather, policy = (lambda w: w), None
-  if stage == 3 and per_layer:
+  if stage >= 2 and per_layer:
     gather = lambda w: zerojax.gather_leaves(w, mesh=mesh)
-    policy = zerojax.recompute_gathers if remat else None
+    policy = zerojax.recompute_gathers if remat and stage == 3 else None
 
   def loss_fn(params, batch):
     return recipes.mse(recipes.forward(params, batch['x'], gather, policy), batch['y'])
 
-  grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=stage == 3 and per_layer)
+  grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=stage >= 2 and per_layer)
 
   def step(params, opt_state, x, y):
     loss, grads = grad_fn(params, {'x': x, 'y': y})
@@ -49,7 +49,7 @@ def _zerojax_step(mesh, stage, *, layers=4, width=256, per_layer=True, remat=Tru
 
   params = recipes.init_params(jax.random.key(0), layers, width)
   params = jax.device_put(params, zerojax.plan_for(ztx, params).params)
-  return jax.jit(step), params, ztx.init(params)
+  return jax.jit(step, donate_argnums=(0, 1)), params, ztx.init(params)
 
 
 def _compiled(mesh, stage, **kw):
@@ -63,9 +63,9 @@ def test_gradients_reach_their_shards_through_a_reduce_scatter_on_cpu(auto_mesh,
   compiled, psi = _compiled(auto_mesh, stage)
   stats = zerojax.count_collectives(compiled)
   layers = 4
-  # A reduce-scatter per layer at stage 3 (each gather's transpose), one for the
-  # stacked gradient below; no all-reduce of gradient size anywhere.
-  assert stats['reduce-scatter'] == (layers if stage == 3 else 1)
+  # A reduce-scatter per layer at stages 2-3 (each gather's transpose), one for
+  # the whole buffer at stage 1; no all-reduce of gradient size anywhere.
+  assert stats['reduce-scatter'] == (layers if stage >= 2 else 1)
   assert stats.result_bytes.get('all-reduce', 0) <= 16  # the loss, a scalar
   # Exactly the floor, up to the loss's scalar all-reduce.
   floor = zerojax.zero_floor_bytes(stage, psi, N)
@@ -116,21 +116,50 @@ def test_a_full_checkpoint_runs_the_forward_again(auto_mesh):
 
 def test_per_layer_value_and_grad_keeps_temporaries_per_layer(auto_mesh):
   # Going from 4 to 8 layers adds far less than a layer's bytes per layer of
-  # temporaries: each layer's whole weight lives only while the layer runs.
-  width = 512
+  # temporaries: each layer's whole weight lives only while the layer runs,
+  # and only gradient shards are carried through the backward pass.
+  width, stage = 512, 3
   temps = {}
   for layers in (4, 8):
-    compiled, _ = _compiled(auto_mesh, 3, layers=layers, width=width)
+    compiled, _ = _compiled(auto_mesh, stage, layers=layers, width=width)
     temps[layers] = zerojax.memory_stats(compiled).temp
   layer_bytes = width * width * 4
   slope = (temps[8] - temps[4]) / 4
   assert slope < layer_bytes / 4, (temps, layer_bytes)
-  # Gathering everything first (per_layer=False) keeps every layer.
+  # Without per_layer, every layer's whole weight is kept.
   up_front = {}
   for layers in (4, 8):
-    compiled, _ = _compiled(auto_mesh, 3, layers=layers, width=width, per_layer=False)
+    compiled, _ = _compiled(auto_mesh, stage, layers=layers, width=width, per_layer=False)
     up_front[layers] = zerojax.memory_stats(compiled).temp
   assert (up_front[8] - up_front[4]) / 4 >= layer_bytes
+
+
+def test_stage_2_carries_gradient_shards_through_the_backward_pass(auto_mesh):
+  # Stage 2 holds whole parameters and a whole update; what per_layer removes is
+  # the whole gradient buffer: each layer's gradient is reduce-scattered as the
+  # backward pass reaches it. Measured against the plain jax.grad step.
+  layers, width = 8, 1024
+  temp = lambda **kw: (
+    zerojax.memory_stats(_compiled(auto_mesh, 2, layers=layers, width=width, **kw)[0]).temp
+  )
+  per_layer, whole = temp(per_layer=True), temp(per_layer=False)
+  ztx = zerojax.zero_stage(optax.adam(1e-3), 2, mesh=auto_mesh)
+
+  def step(params, opt_state, x, y):
+    grads = jax.grad(lambda p: recipes.mse(recipes.forward(p, x), y))(params)
+    updates, opt_state = ztx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = recipes.init_params(jax.random.key(0), layers, width)
+  params = jax.device_put(params, zerojax.plan_for(ztx, params).params)
+  plain = zerojax.memory_stats(
+    jax.jit(step).lower(params, ztx.init(params), *_data(auto_mesh, width)).compile()
+  ).temp
+  psi_bytes = layers * width * width * 4
+  assert whole - per_layer >= psi_bytes * 0.6  # a gradient-sized buffer less
+  # Still above the plain step by the stacked shard copies (measured 1.28x here,
+  # 1.15x in the benchmark): the gap left, said in benchmarks/README.md.
+  assert per_layer <= plain * 1.3, (per_layer, plain)
 
 
 @pytest.mark.parametrize('stage', [1, 2, 3])
@@ -199,9 +228,9 @@ def test_a_parameter_used_without_a_gather_is_named(auto_mesh):
   )
 
 
-def test_per_layer_is_for_stage_3(auto_mesh):
-  ztx = zerojax.zero_stage(optax.adam(1e-3), 2, mesh=auto_mesh)
-  with pytest.raises(ValueError, match=r'`per_layer=True` is for stage 3 .* \(got stage 2,'):
+def test_per_layer_is_for_stages_2_and_3(auto_mesh):
+  ztx = zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh)
+  with pytest.raises(ValueError, match=r'`per_layer=True` is for stages 2-3 .* \(got stage 1,'):
     zerojax.value_and_grad(lambda p, b: 0.0, ztx, per_layer=True)
 
 

@@ -86,8 +86,8 @@ def value_and_grad(
 
   Args:
     loss_fn: `loss_fn(params, batch, *args)` -> the mean loss over `batch` (or
-      `(loss, aux)` with `has_aux`). It sees whole parameters and one device's
-      micro-batch, and must not gather parameters itself.
+      `(loss, aux)` with `has_aux`). It sees one device's micro-batch, and
+      whole parameters (or, with `per_layer`, shards for its layers to gather).
     tx: the optimizer from `zerojax.zero_stage` (its stage, mesh and plan decide
       where the reduction goes).
     micro_batches: split each device's rows into this many micro-batches,
@@ -96,12 +96,15 @@ def value_and_grad(
       `jnp.float32` for bf16 models); default: the parameters' dtype.
     has_aux: `loss_fn` returns `(loss, aux)`; the aux of the last micro-batch
       is returned, averaged over devices where it is floating point.
-    per_layer: stage 3 only: hand `loss_fn` the parameters as shards
-      (`zerojax.ShardedLeaf`) for the model to gather layer by layer
+    per_layer: stages 2-3: hand `loss_fn` each split parameter as a
+      `zerojax.ShardedLeaf` for the model to gather layer by layer
       (`gathered_linen`, `gathered_nnx`, `gather_leaves`, `gather_params`),
-      with each gather's gradient reduce-scattered as the backward pass
-      reaches it. A parameter used without a gather raises a TypeError naming
-      it. Default False: every parameter is gathered before `loss_fn` runs.
+      each gather's gradient reduce-scattered as the backward pass reaches it,
+      so only gradient shards are carried through it. At stage 3 the gather is
+      an all-gather of the shards; at stage 2 it moves nothing (the device
+      holds the whole parameter). A split parameter used without a gather
+      raises a TypeError naming it. Default False: `loss_fn` gets whole
+      parameters (gathered up front at stage 3) and the reduction follows it.
 
   Returns:
     `fn(params, batch, *args, loss_scale=None)` -> `(loss, grads)` (or
@@ -120,11 +123,11 @@ def value_and_grad(
       `per_layer` below stage 3 or with `param_axis`.
   """
   config = transform.require_config(tx)
-  if per_layer and (config.stage != 3 or config.param_axis is not None):
+  if per_layer and (config.stage < 2 or config.param_axis is not None):
     raise ValueError(
-      '`per_layer=True` is for stage 3 with parameters split over all of the ZeRO axes'
-      f' (got stage {config.stage}, param_axis={config.param_axis!r}); below stage 3'
-      ' parameters are whole already, and under hpZ (param_axis) use per_layer=False.'
+      '`per_layer=True` is for stages 2-3 with parameters split over all of the ZeRO axes'
+      f' (got stage {config.stage}, param_axis={config.param_axis!r}); stages 0-1 keep'
+      ' whole gradients by design, and under hpZ (param_axis) use per_layer=False.'
     )
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
     raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
@@ -149,8 +152,10 @@ def value_and_grad(
     grad_specs = [_manual_spec(s.spec, axes, x.ndim) for s, x in zip(out_layouts, leaves)]
     gather_dims = [_zero_dim(s, axes) for s in param_specs]
     scatter_dims = [_zero_dim(s, axes) for s in grad_specs]
-    # per_layer: the model's own gathers reduce-scatter these gradients already.
-    scattered = [per_layer and g is not None for g in gather_dims]
+    # per_layer: the model's own gathers reduce-scatter these gradients already
+    # (stage 3: split at rest; stage 2: whole at rest, split as gradients).
+    split = gather_dims if stage == 3 else scatter_dims
+    scattered = [per_layer and d is not None for d in split]
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
       rows = x.shape[0] if x.ndim else 0
@@ -173,23 +178,46 @@ def value_and_grad(
         ]
 
       def as_shards(flat):
-        return [
-          x if g is None else gather_lib.ShardedLeaf(x, g[0], g[1], x.ndim, f'params{path}')
-          for x, g, path in zip(flat, gather_dims, paths)
-        ]
+        # Stage 3: the local shard. Stage 2: this device's slice of the whole
+        # parameter it holds, with the whole beside it (the gather moves nothing).
+        out = []
+        for x, d, path in zip(flat, split, paths):
+          if d is None:
+            out.append(x)
+          elif stage == 3:
+            out.append(gather_lib.ShardedLeaf(x, d[0], d[1], x.ndim, f'params{path}'))
+          else:
+            size = x.shape[d[0]] // mesh_lib.axes_size(mesh, d[1])
+            start = jax.lax.axis_index(_axis_arg(d[1])) * size
+            shard = jax.lax.dynamic_slice_in_dim(x, start, size, d[0])
+            out.append(gather_lib.ShardedLeaf(shard, d[0], d[1], x.ndim, f'params{path}', x))
+        return out
 
-      def micro_grads(flat_shards, mb):
-        full = jax.tree.unflatten(
-          treedef, as_shards(flat_shards) if per_layer else gathered(flat_shards)
-        )
+      def micro_grads(flat_params, mb):
+        if per_layer:
+          # Differentiated with respect to the shards only: a stage-2 whole
+          # parameter is a constant here, and no whole-sized gradient exists.
+          leaves = as_shards(flat_params)
+          diff = [x.shard if gather_lib.is_sharded_leaf(x) else x for x in leaves]
 
-        def scaled(p):
-          out = loss_fn(p, mb, *args)
+          def rebuild(diff):
+            return jax.tree.unflatten(
+              treedef,
+              [
+                x.replace(shard=v) if gather_lib.is_sharded_leaf(x) else v
+                for x, v in zip(leaves, diff)
+              ],
+            )
+        else:
+          diff = gathered(flat_params)
+          rebuild = lambda diff: jax.tree.unflatten(treedef, diff)
+
+        def scaled(diff):
+          out = loss_fn(rebuild(diff), mb, *args)
           loss, aux = out if has_aux else (out, None)
           return (loss * scale.astype(loss.dtype)).astype(loss.dtype), (loss, aux)
 
-        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(full)
-        grads = jax.tree.leaves(grads)  # a ShardedLeaf's gradient: its shard's
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(diff)
         if reduce_dtype is not None:
           grads = [g.astype(reduce_dtype) for g in grads]
         return loss, aux, grads

@@ -22,6 +22,7 @@ computes except its gathered parameters, which the backward pass gathers again.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -83,6 +84,9 @@ class ShardedLeaf:
     axes: the mesh axes it is split over.
     ndim: the number of dimensions the parameter had when it was handed over.
     path: where it is in the parameter tree (for error messages).
+    whole: at stage 2, the whole parameter this device holds already: the
+      gather then moves nothing and only its gradient is reduce-scattered
+      into `shard`'s place.
   """
 
   shard: jax.Array
@@ -90,6 +94,10 @@ class ShardedLeaf:
   axes: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
   ndim: int = dataclasses.field(metadata=dict(static=True))
   path: str = dataclasses.field(metadata=dict(static=True))
+  whole: jax.Array | None = None
+
+  def replace(self, **changes) -> ShardedLeaf:
+    return dataclasses.replace(self, **changes)
 
   def __jax_array__(self):
     raise TypeError(
@@ -112,10 +120,31 @@ class ShardedLeaf:
         ' must be split on a per-layer dimension (a larger one than the layer count),'
         ' or kept whole with zero_stage(..., policy) options.'
       )
+    axes = self.axes[0] if len(self.axes) == 1 else self.axes
+    if self.whole is not None:
+      return _whole_with_scattered_grad(x, self.whole, dim, axes, dtype)
     if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
       x = x.astype(dtype)
-    axes = self.axes[0] if len(self.axes) == 1 else self.axes
     return checkpoint_name(jax.lax.all_gather(x, axes, axis=dim, tiled=True), GATHERED)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _whole_with_scattered_grad(shard, whole, dim, axes, dtype):
+  """`whole` (cast to `dtype`), whose gradient goes to `shard`, reduce-scattered."""
+  del shard
+  return whole if dtype is None else whole.astype(dtype)
+
+
+def _whole_fwd(shard, whole, dim, axes, dtype):
+  return _whole_with_scattered_grad(shard, whole, dim, axes, dtype), jnp.zeros((), shard.dtype)
+
+
+def _whole_bwd(dim, axes, dtype, like, ct):
+  scattered = jax.lax.psum_scatter(ct, axes, scatter_dimension=dim, tiled=True)
+  return scattered.astype(like.dtype), None
+
+
+_whole_with_scattered_grad.defvjp(_whole_fwd, _whole_bwd)
 
 
 def is_sharded_leaf(x: Any) -> bool:
