@@ -11,7 +11,9 @@ from __future__ import annotations
 import collections
 import re
 
-_HEADER = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$')
+# A computation: a header line at column 0 ending in '{', its body, a closing '}' line.
+_BLOCK = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*?\{[ \t]*\n(.*?)^\}', re.M | re.S)
+_ENTRY = re.compile(r'^ENTRY\s+%?([\w.\-]+)', re.M)
 _INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$')
 _NAME = re.compile(r'\s*([\w\-]+)\(')
 _CALLEES = re.compile(r'(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)')
@@ -20,22 +22,12 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 def _computations(text: str) -> tuple[dict[str, list[str]], str]:
-  bodies, entry, current = {}, None, None
-  for line in text.splitlines():
-    header = _HEADER.match(line)
-    if header and not line.startswith(' '):
-      current = header.group(1)
-      bodies[current] = []
-      if line.startswith('ENTRY'):
-        entry = current
-    elif current is not None:
-      if line.strip() == '}':
-        current = None
-      else:
-        bodies[current].append(line)
+  """Computation name -> its lines, and the ENTRY computation's name."""
+  blocks = {m.group(2): m.group(3).splitlines() for m in _BLOCK.finditer(text)}
+  entry = _ENTRY.search(text)
   if entry is None:
     raise ValueError('no ENTRY computation in this HLO text')
-  return bodies, entry
+  return blocks, entry.group(1)
 
 
 def _opcode(line: str) -> str | None:
