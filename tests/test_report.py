@@ -208,6 +208,34 @@ def test_tpu_fused_all_reduce_scatter_counts_as_one_reduce_scatter():
   assert stats.ring_bytes['reduce-scatter'] == 32 * 7
 
 
+def test_a_fused_copy_does_not_hide_another_kind_on_its_channel():
+  # TPU numbers a shard_map's explicit collectives alike: an all-gather's async
+  # copies (inside fusions) and a reduce-scatter all carry channel_id=1.
+  text = (
+    'HloModule m\n\n'
+    '%ag_fusion (x: f32[8]) -> f32[64] {\n'
+    '  %x = f32[8]{0} parameter(0)\n'
+    '  ROOT %ag = f32[64]{0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}},'
+    ' dimensions={0}\n'
+    '}\n\n'
+    '%add (a: f32[], b: f32[]) -> f32[] {\n'
+    '  %a = f32[] parameter(0)\n'
+    '  %b = f32[] parameter(1)\n'
+    '  ROOT %s = f32[] add(%a, %b)\n'
+    '}\n\n'
+    'ENTRY %main (p: f32[8], g: f32[64]) -> f32[8] {\n'
+    '  %p = f32[8]{0} parameter(0)\n'
+    '  %g = f32[64]{0} parameter(1)\n'
+    '  %f = f32[64]{0} fusion(%p), kind=kCustom, calls=%ag_fusion\n'
+    '  %f.1 = f32[64]{0} fusion(%p), kind=kCustom, calls=%ag_fusion\n'
+    '  ROOT %rs = f32[8]{0} reduce-scatter(%g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}},'
+    ' dimensions={0}, to_apply=%add\n'
+    '}\n'
+  )
+  stats = zerojax.count_collectives(text)
+  assert stats.counts == {'all-gather': 1, 'reduce-scatter': 1}
+
+
 @pytest.fixture
 def mesh8():
   return jax.make_mesh((8,), ('data',), axis_types=(AxisType.Auto,))

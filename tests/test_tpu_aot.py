@@ -77,3 +77,48 @@ def test_per_chip_bytes_and_reduce_scatter(stage, tpu_mesh):
     # bytes), and at most once more for the backward pass.
     matrices_bf16 = 2 * 2 * D * D
     assert matrices_bf16 <= stats.result_bytes['all-gather'] <= 2 * grad_bytes
+
+
+@pytest.mark.parametrize('stage', [2, 3])
+def test_scanned_model_moves_at_most_the_floor_on_tpu(stage, topology):
+  # A scanned model through zerojax.value_and_grad(per_layer=True): the TPU compiler's
+  # own program reduce-scatters each layer's gradient (no per-layer all-reduce) and
+  # moves no more than ZeRO's floor.
+  import os
+  import sys
+
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'benchmarks'))
+  import recipes
+
+  mesh = Mesh(np.array(topology.devices), ('data',), axis_types=(AxisType.Auto,))
+  layers, width = 4, 1024
+  ztx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
+  params = jax.eval_shape(lambda: recipes.init_params(jax.random.key(0), layers, width))
+  plan = zerojax.plan_for(ztx, params)
+  gather = lambda w: zerojax.gather_leaves(w, mesh=mesh)
+  policy = zerojax.recompute_gathers if stage == 3 else None
+
+  def loss_fn(p, b):
+    return recipes.mse(recipes.forward(p, b['x'], gather, policy), b['y'])
+
+  grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=True)
+
+  def train_step(params, opt_state, batch):
+    _, grads = grad_fn(params, batch)
+    updates, opt_state = ztx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  with_sharding = lambda tree, sh: jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh
+  )
+  args = with_sharding(params, plan.params)
+  opt_state = with_sharding(jax.eval_shape(ztx.init, params), plan.opt_state)
+  rows = NamedSharding(mesh, PartitionSpec('data'))
+  batch = {k: jax.ShapeDtypeStruct((64, width), jnp.float32, sharding=rows) for k in 'xy'}
+  compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(args, opt_state, batch).compile()
+  stats = zerojax.count_collectives(compiled)
+  assert stats.exact
+  floor = zerojax.zero_floor_bytes(stage, layers * width * width, 8)
+  assert stats.total_ring_bytes <= floor * 1.001, (stats, floor)
+  assert stats['reduce-scatter'] >= layers, stats
+  assert stats.result_bytes.get('all-reduce', 0) <= 64

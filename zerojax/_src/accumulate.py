@@ -213,7 +213,8 @@ def value_and_grad(
           rebuild = lambda diff: jax.tree.unflatten(treedef, diff)
 
         def scaled(diff):
-          out = loss_fn(rebuild(diff), mb, *args)
+          with gather_lib.per_device_region():
+            out = loss_fn(rebuild(diff), mb, *args)
           loss, aux = out if has_aux else (out, None)
           return (loss * scale.astype(loss.dtype)).astype(loss.dtype), (loss, aux)
 

@@ -21,6 +21,8 @@ computes except its gathered parameters, which the backward pass gathers again.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Any
@@ -152,16 +154,38 @@ def is_sharded_leaf(x: Any) -> bool:
 
 
 def gather_manual(tree: Any, dtype: Any = None) -> Any:
-  """Gathers the `ShardedLeaf`s of `tree` (other leaves pass through)."""
-  return jax.tree.map(
-    lambda x: x.gather(dtype) if isinstance(x, ShardedLeaf) else x,
-    tree,
-    is_leaf=is_sharded_leaf,
-  )
+  """Gathers the `ShardedLeaf`s of `tree`; other leaves are whole already (cast to `dtype`)."""
+
+  def one(x):
+    if isinstance(x, ShardedLeaf):
+      return x.gather(dtype)
+    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+      return x.astype(dtype)
+    return x
+
+  return jax.tree.map(one, tree, is_leaf=is_sharded_leaf)
+
+
+# True while zerojax.value_and_grad traces a loss per device (inside its
+# shard_map): gathers there are explicit, and leaves that are not ShardedLeafs
+# are whole on every device already.
+_PER_DEVICE = contextvars.ContextVar('zerojax_per_device', default=False)
+
+
+@contextlib.contextmanager
+def per_device_region():
+  token = _PER_DEVICE.set(True)
+  try:
+    yield
+  finally:
+    _PER_DEVICE.reset(token)
 
 
 def has_sharded_leaves(tree: Any) -> bool:
-  return any(isinstance(x, ShardedLeaf) for x in jax.tree.leaves(tree, is_leaf=is_sharded_leaf))
+  """Whether `tree` is to be gathered explicitly (inside value_and_grad's per-device loss)."""
+  return _PER_DEVICE.get() or any(
+    isinstance(x, ShardedLeaf) for x in jax.tree.leaves(tree, is_leaf=is_sharded_leaf)
+  )
 
 
 def _without_zero_axes(sharding: NamedSharding, axes, *, drop_leading: bool) -> NamedSharding:

@@ -423,8 +423,8 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
   bodies, entry = _parse_computations(text)
   parsed: dict = {}  # computation -> its instructions, for trip counts
   uncertain: list[str] = []
-  # channel_id -> whether first seen inside a fusion.
-  seen_channels: dict[str, bool] = {}
+  # (channel_id, kind) -> whether first seen inside a fusion.
+  seen_channels: dict[tuple[str, str], bool] = {}
   partitions = _PARTITIONS.search(text)
   default_group = int(partitions.group(1)) if partitions else 1
 
@@ -436,7 +436,11 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
       # async start, an overlapped matmul, the done), all with its channel.
       # Distinct unfused ops may share a channel too (collectives written in
       # shard_map on CPU all get channel 1): those all count.
-      ch = channel.group(1)
+      # The key is the channel and the kind: a fused copy never hides a
+      # collective of another kind that shares its channel (TPU numbers the
+      # explicit collectives of a shard_map alike: an all-gather's async copies
+      # and a reduce-scatter can all carry channel_id=1).
+      ch = (channel.group(1), kind)
       op_fused = fused or kind == 'reduce-scatter' and ' fusion(' in line
       if ch in seen_channels and (op_fused or seen_channels[ch]):
         return
