@@ -244,3 +244,26 @@ def test_recompute_gathers_saves_everything_but_gathers():
   assert not zerojax.recompute_gathers(named, name=zerojax._src.gather.GATHERED)
   assert zerojax.recompute_gathers(primitive(jnp.tanh, jnp.ones(4)))
   assert zerojax.recompute_gathers(primitive(lambda a: a @ a, jnp.ones((4, 4))))
+
+
+def test_gathered_nnx_gathers_per_layer_inside_value_and_grad(auto_mesh):
+  from flax import nnx
+  from test_layers import ScannedNNX
+
+  x = jax.random.normal(jax.random.key(1), (16, 32))
+  model = ScannedNNX(32, 2, nnx.Rngs(0), mesh=auto_mesh)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(p, b):
+    return jnp.mean(nnx.merge(graphdef, p, rest)(b) ** 2)
+
+  ztx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=auto_mesh)
+  plan = zerojax.plan_for(ztx, params)
+  sharded = jax.device_put(params, plan.params)
+  batch = jax.device_put(x, NamedSharding(auto_mesh, P('data')))
+  fn = jax.jit(zerojax.value_and_grad(loss_fn, ztx, per_layer=True))
+  loss, grads = fn(sharded, batch)
+  want_loss, want = jax.value_and_grad(loss_fn)(params, x)
+  assert max_rel_err(jax.device_get(grads), want) <= 1e-5
+  assert abs(float(loss) - float(want_loss)) <= 1e-6
+  assert zerojax.count_collectives(fn.lower(sharded, batch).compile())['reduce-scatter'] >= 4
