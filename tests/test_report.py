@@ -236,6 +236,25 @@ def test_a_fused_copy_does_not_hide_another_kind_on_its_channel():
   assert stats.counts == {'all-gather': 1, 'reduce-scatter': 1}
 
 
+@pytest.mark.parametrize('between, overlapped', [(True, True), (False, False)])
+def test_async_collective_overlaps_compute_scheduled_before_its_done(between, overlapped):
+  compute = '  %y = f32[8]{0} multiply(%p, %p)\n' if between else ''
+  text = module(
+    '  %p = f32[8]{0} parameter(0)\n'
+    '  %ags = (f32[8]{0}, f32[64]{0}) all-gather-start(%p), replica_groups={{0,1,2,3,4,5,6,7}},'
+    ' dimensions={0}\n' + compute + '  %agd = f32[64]{0} all-gather-done(%ags)\n'
+    '  %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add\n'
+    '  ROOT %r = f32[8]{0} copy(%ar)'
+  )
+  stats = zerojax.count_collectives(text)
+  assert stats.counts == {'all-gather': 1, 'all-reduce': 1}
+  gather_ring = 256 * 7 / 8
+  assert stats.overlapped_ring_bytes == ({'all-gather': gather_ring} if overlapped else {})
+  assert stats.overlap_fraction == pytest.approx(
+    gather_ring / stats.total_ring_bytes if overlapped else 0.0
+  )
+
+
 @pytest.fixture
 def mesh8():
   return jax.make_mesh((8,), ('data',), axis_types=(AxisType.Auto,))

@@ -296,12 +296,22 @@ class CollectiveStats:
     uncertain: why the counts are not exact, one line per cause (a loop whose
       trip count the HLO does not give is counted once; a conditional whose
       branches differ is counted as its costliest branch). Empty when exact.
+    overlapped_ring_bytes: kind -> the ring bytes of collectives that run
+      asynchronously with compute scheduled between their start and their
+      done (XLA's `-start`/`-done` pairs, TPU's async collective fusions).
   """
 
   counts: dict[str, int]
   result_bytes: dict[str, int]
   ring_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
   uncertain: tuple[str, ...] = ()
+  overlapped_ring_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  @property
+  def overlap_fraction(self) -> float:
+    """The share of ring bytes that overlaps compute (0 when nothing is moved)."""
+    total = self.total_ring_bytes
+    return float(sum(self.overlapped_ring_bytes.values())) / total if total else 0.0
 
   @property
   def exact(self) -> bool:
@@ -323,13 +333,15 @@ class _Tally:
     self.counts = collections.Counter()
     self.nbytes = collections.Counter()
     self.ring = collections.Counter()
+    self.overlapped = collections.Counter()
 
   def add(self, other: _Tally, mult: int = 1) -> None:
     for src, dst in ((other.counts, self.counts), (other.nbytes, self.nbytes)):
       for k, v in src.items():
         dst[k] += mult * v
-    for k, v in other.ring.items():
-      self.ring[k] += mult * v
+    for src, dst in ((other.ring, self.ring), (other.overlapped, self.overlapped)):
+      for k, v in src.items():
+        dst[k] += mult * v
 
   def key(self) -> tuple:
     return tuple(sorted(self.counts.items())), tuple(sorted(self.nbytes.items()))
@@ -428,7 +440,9 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
   partitions = _PARTITIONS.search(text)
   default_group = int(partitions.group(1)) if partitions else 1
 
-  def count_op(line: str, found, mult: int, tally: _Tally, fused: bool) -> None:
+  def count_op(
+    line: str, found, mult: int, tally: _Tally, fused: bool, overlapped: bool = False
+  ) -> None:
     kind, is_start, type_str = found
     channel = _CHANNEL.search(line)
     if channel:
@@ -448,16 +462,27 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
     size = _type_bytes(_result_type(kind, is_start, type_str))
     tally.counts[kind] += mult
     tally.nbytes[kind] += mult * size
-    tally.ring[kind] += mult * _ring_bytes(kind, size, _group_size(line, default_group))
+    ring = mult * _ring_bytes(kind, size, _group_size(line, default_group))
+    tally.ring[kind] += ring
+    if overlapped:
+      tally.overlapped[kind] += ring
 
-  def visit(name: str, mult: int, stack: tuple[str, ...], tally: _Tally, fused: bool) -> None:
+  def visit(
+    name: str,
+    mult: int,
+    stack: tuple[str, ...],
+    tally: _Tally,
+    fused: bool,
+    overlapped: bool = False,
+  ) -> None:
     if name in stack or name not in bodies:
       return
     inner = stack + (name,)
-    for line in bodies[name]:
+    async_overlap = _overlapping_starts(bodies[name])
+    for i, line in enumerate(bodies[name]):
       found = _collective(line)
       if found is not None:
-        count_op(line, found, mult, tally, fused)
+        count_op(line, found, mult, tally, fused, overlapped or i in async_overlap)
         continue
       instr, op = _opcode(line)
       if op == 'while':
@@ -495,15 +520,95 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
       if op in ('async-update', 'async-done'):
         continue  # they name the computation that the async-start already ran
       for _, callee in _CALLS.findall(line):
-        visit(callee, mult, inner, tally, fused or op == 'fusion')
+        visit(callee, mult, inner, tally, fused or op == 'fusion', overlapped or i in async_overlap)
 
   total = _Tally()
   visit(entry, 1, (), total, False)
   for reason in uncertain:
     warnings.warn(f'count_collectives: {reason}.', CollectiveCountWarning, stacklevel=2)
   return CollectiveStats(
-    dict(total.counts), dict(total.nbytes), dict(total.ring), uncertain=tuple(uncertain)
+    dict(total.counts),
+    dict(total.nbytes),
+    dict(total.ring),
+    uncertain=tuple(uncertain),
+    overlapped_ring_bytes=dict(total.overlapped),
   )
+
+
+_OPERANDS = re.compile(r'%([\w.\-]+)')
+# Instructions that do no arithmetic of their own.
+_BOOKKEEPING = frozenset(
+  {
+    'get-tuple-element',
+    'tuple',
+    'bitcast',
+    'parameter',
+    'constant',
+    'copy',
+    'copy-start',
+    'copy-done',
+    'reshape',
+  }
+)
+
+
+def _is_start(instr: str, op: str) -> bool:
+  return op.endswith('-start') and op != 'copy-start' or instr.startswith('async-collective-start')
+
+
+def _is_done(instr: str, op: str) -> bool:
+  return op.endswith('-done') and op != 'copy-done' or instr.startswith('async-collective-done')
+
+
+def _overlapping_starts(lines: list[str]) -> set[int]:
+  """Line indices of asynchronous collective starts with compute before their done.
+
+  HLO text after scheduling lists a computation's instructions in execution
+  order. A start is paired with the done that depends on it (through the
+  operands, e.g. a TPU done reads the continuation fusion that reads the
+  start); it overlaps compute when an instruction doing arithmetic (not a
+  collective, not bookkeeping) is scheduled strictly between the two.
+  """
+  parsed = []
+  for line in lines:
+    instr, op = _opcode(line)
+    rest = line.split('=', 1)[1] if '=' in line else ''
+    parsed.append((instr, op, set(_OPERANDS.findall(rest))))
+  index = {instr: i for i, (instr, _, _) in enumerate(parsed) if instr}
+  out = set()
+  for i, (instr, op, _) in enumerate(parsed):
+    if not _is_start(instr, op):
+      continue
+    for j in range(i + 1, len(parsed)):
+      done_instr, done_op, _ = parsed[j]
+      if not _is_done(done_instr, done_op) or not _depends_on(parsed, index, j, instr):
+        continue
+      between = parsed[i + 1 : j]
+      if any(
+        o not in _BOOKKEEPING
+        and not _is_start(n, o)
+        and not _is_done(n, o)
+        and o
+        and _collective(lines[i + 1 + k]) is None
+        for k, (n, o, _) in enumerate(between)
+      ):
+        out.add(i)
+      break
+  return out
+
+
+def _depends_on(parsed, index: dict[str, int], j: int, target: str) -> bool:
+  """Whether instruction j reads `target`, directly or through earlier instructions."""
+  seen, todo = set(), [j]
+  while todo:
+    k = todo.pop()
+    for name in parsed[k][2]:
+      if name == target:
+        return True
+      if name in index and name not in seen and index[name] < k:
+        seen.add(name)
+        todo.append(index[name])
+  return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -669,6 +774,11 @@ def format_report(report: StepReport) -> str:
   lines.append(f'  {"total":<20} {sum(c.counts.values()):>7} {"":>16} {c.total_ring_bytes:>18,.0f}')
   for reason in c.uncertain:
     lines.append(f'  not exact: {reason}')
+  if c.total_ring_bytes:
+    lines.append(
+      f'  asynchronous, with compute scheduled before their done: {c.overlap_fraction:.0%}'
+      ' of the ring bytes'
+    )
   if report.floor_bytes is not None:
     ratio = c.total_ring_bytes / report.floor_bytes if report.floor_bytes else float('nan')
     factor = 3 if report.stage == 3 else 2
