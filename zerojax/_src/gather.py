@@ -89,6 +89,14 @@ class ShardedLeaf:
     whole: at stage 2, the whole parameter this device holds already: the
       gather then moves nothing and only its gradient is reduce-scattered
       into `shard`'s place.
+
+  Outside a gather it is not an array, and says so:
+
+  >>> import jax.numpy as jnp, zerojax
+  >>> leaf = zerojax.ShardedLeaf(jnp.ones((2, 4)), 0, ('data',), 2, "params['w']")
+  >>> jnp.sum(leaf)
+  Traceback (most recent call last):
+  TypeError: parameter params['w'] was used without being gathered: ...
   """
 
   shard: jax.Array
