@@ -208,16 +208,20 @@ def test_tpu_fused_all_reduce_scatter_counts_as_one_reduce_scatter():
   assert stats.ring_bytes['reduce-scatter'] == 32 * 7
 
 
-def test_a_fused_copy_does_not_hide_another_kind_on_its_channel():
-  # TPU numbers a shard_map's explicit collectives alike: an all-gather's async
-  # copies (inside fusions) and a reduce-scatter all carry channel_id=1.
-  text = (
-    'HloModule m\n\n'
-    '%ag_fusion (x: f32[8]) -> f32[64] {\n'
+def test_tpu_async_collective_counts_once_at_its_start():
+  # The TPU form: the start, a continuation fusion (the matmul it overlaps) and
+  # the done each carry a copy of the all-gather. Every explicit collective of
+  # a shard_map has channel_id=1, so a reduce-scatter shares that channel.
+  gather = (
     '  %x = f32[8]{0} parameter(0)\n'
     '  ROOT %ag = f32[64]{0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}},'
     ' dimensions={0}\n'
-    '}\n\n'
+  )
+  text = (
+    'HloModule m\n\n'
+    f'%ag_start (x: f32[8]) -> f32[64] {{\n{gather}}}\n\n'
+    f'%async_collective_fusion.1 (x: f32[8]) -> f32[64] {{\n{gather}}}\n\n'
+    f'%ag_done (x: f32[8]) -> f32[64] {{\n{gather}}}\n\n'
     '%add (a: f32[], b: f32[]) -> f32[] {\n'
     '  %a = f32[] parameter(0)\n'
     '  %b = f32[] parameter(1)\n'
@@ -226,14 +230,18 @@ def test_a_fused_copy_does_not_hide_another_kind_on_its_channel():
     'ENTRY %main (p: f32[8], g: f32[64]) -> f32[8] {\n'
     '  %p = f32[8]{0} parameter(0)\n'
     '  %g = f32[64]{0} parameter(1)\n'
-    '  %f = f32[64]{0} fusion(%p), kind=kCustom, calls=%ag_fusion\n'
-    '  %f.1 = f32[64]{0} fusion(%p), kind=kCustom, calls=%ag_fusion\n'
+    '  %async-collective-start = f32[64]{0} fusion(%p), kind=kCustom, calls=%ag_start\n'
+    '  %c = f32[64]{0} fusion(%async-collective-start), kind=kCustom,'
+    ' calls=%async_collective_fusion.1\n'
+    '  %async-collective-done = f32[64]{0} fusion(%c), kind=kCustom, calls=%ag_done\n'
     '  ROOT %rs = f32[8]{0} reduce-scatter(%g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}},'
     ' dimensions={0}, to_apply=%add\n'
     '}\n'
   )
   stats = zerojax.count_collectives(text)
   assert stats.counts == {'all-gather': 1, 'reduce-scatter': 1}
+  # The continuation's matmul runs between the start and its done: overlapped.
+  assert stats.overlapped_ring_bytes == {'all-gather': 256 * 7 / 8}
 
 
 @pytest.mark.parametrize('between, overlapped', [(True, True), (False, False)])

@@ -150,24 +150,8 @@ def cmd_plan(args) -> int:
     batch_sds.shape, batch_sds.dtype, sharding=NamedSharding(mesh, PartitionSpec('data'))
   )
 
-  # Stages 1-3: zerojax.value_and_grad places the gradient reductions itself
-  # (reduce-scatters, at stages 2-3 layer by layer as the backward pass reaches
-  # each gather), where the TPU compiler would all-reduce a scanned model's
-  # gradients; --jax-grad keeps the plain jax.value_and_grad step.
-  if args.stage >= 1 and not args.jax_grad:
-    from zerojax._src import accumulate
-
-    grad_fn = accumulate.value_and_grad(
-      lambda p, b: spec.loss_fn(p, b, plan),
-      state.tx,
-      per_layer=args.stage >= 2 and not args.gather_all,
-    )
-  else:
-    plain = jax.value_and_grad(lambda p, b: spec.loss_fn(p, b, plan))
-    grad_fn = plain
-
   def train_step(state, batch):
-    loss, grads = grad_fn(state.params, batch)
+    loss, grads = jax.value_and_grad(lambda p: spec.loss_fn(p, batch, plan))(state.params)
     return state.apply_gradients(grads=grads), loss
 
   lowered = jax.jit(train_step, donate_argnums=0).lower(state, batch)
@@ -289,12 +273,6 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument('--no-remat', action='store_true', help='keep activations instead of recomputing')
   p.add_argument(
     '--gather-all', action='store_true', help='gather all parameters up front (not per layer)'
-  )
-  p.add_argument(
-    '--jax-grad',
-    action='store_true',
-    help='differentiate with jax.value_and_grad and let the compiler place the reductions'
-    ' (default at stages 1-3: zerojax.value_and_grad)',
   )
   p.add_argument('--json', help='also write the report as JSON here')
   p.set_defaults(func=cmd_plan)

@@ -49,6 +49,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _INIT_STEP = re.compile(r'"known_init_step":\{"init":"(-?\d+)","step":"(-?\d+)"\}')
 _CONSTANT = re.compile(r'^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\][^ ]*\s+constant\((-?\d+)\)')
 _OPERANDS = re.compile(r'%([\w.\-]+)')
+_ASYNC_COPY = re.compile(r'\bcalls=%?async_collective_fusion')
 # Replica groups: explicit lists, iota form [groups,size]<=[...], or TPU's
 # mesh['axis_0'=8, ...] {'axis_0'} form.
 _GROUPS_LIST = re.compile(r'replica_groups=\{\{([\d,]*)\}')
@@ -435,8 +436,8 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
   bodies, entry = _parse_computations(text)
   parsed: dict = {}  # computation -> its instructions, for trip counts
   uncertain: list[str] = []
-  # (channel_id, kind) -> whether first seen inside a fusion.
-  seen_channels: dict[tuple[str, str], bool] = {}
+  # Channels of the fused reduce-scatters counted so far.
+  seen_channels: set[str] = set()
   partitions = _PARTITIONS.search(text)
   default_group = int(partitions.group(1)) if partitions else 1
 
@@ -444,21 +445,17 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
     line: str, found, mult: int, tally: _Tally, fused: bool, overlapped: bool = False
   ) -> None:
     kind, is_start, type_str = found
-    channel = _CHANNEL.search(line)
-    if channel:
-      # One logical collective can be copied into several fusions (TPU: the
-      # async start, an overlapped matmul, the done), all with its channel.
-      # Distinct unfused ops may share a channel too (collectives written in
-      # shard_map on CPU all get channel 1): those all count.
-      # The key is the channel and the kind: a fused copy never hides a
-      # collective of another kind that shares its channel (TPU numbers the
-      # explicit collectives of a shard_map alike: an all-gather's async copies
-      # and a reduce-scatter can all carry channel_id=1).
-      ch = (channel.group(1), kind)
-      op_fused = fused or kind == 'reduce-scatter' and ' fusion(' in line
-      if ch in seen_channels and (op_fused or seen_channels[ch]):
-        return
-      seen_channels.setdefault(ch, op_fused)
+    # Copies of one collective: TPU's async collectives are counted at their
+    # start (their continuation fusions and dones are skipped in `visit`); its
+    # fused all-reduce-scatter appears as several fusions sharing one channel.
+    # Other ops that share a channel are distinct (a shard_map's explicit
+    # collectives all carry channel_id=1) and all count.
+    if kind == 'reduce-scatter' and (fused or ' fusion(' in line):
+      channel = _CHANNEL.search(line)
+      if channel:
+        if channel.group(1) in seen_channels:
+          return
+        seen_channels.add(channel.group(1))
     size = _type_bytes(_result_type(kind, is_start, type_str))
     tally.counts[kind] += mult
     tally.nbytes[kind] += mult * size
@@ -517,8 +514,12 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
         if subs:
           tally.add(max(subs, key=lambda s: (sum(s.ring.values()), sum(s.counts.values()))))
         continue
-      if op in ('async-update', 'async-done'):
+      if op in ('async-update', 'async-done') or instr.startswith('async-collective-done'):
         continue  # they name the computation that the async-start already ran
+      if _ASYNC_COPY.search(line):
+        # TPU's continuation of an async collective (the matmul it overlaps):
+        # a copy of the collective its async-collective-start already counted.
+        continue
       for _, callee in _CALLS.findall(line):
         visit(callee, mult, inner, tally, fused or op == 'fusion', overlapped or i in async_overlap)
 
@@ -536,6 +537,7 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
 
 
 _OPERANDS = re.compile(r'%([\w.\-]+)')
+_ASYNC_COPY = re.compile(r'\bcalls=%?async_collective_fusion')
 # Instructions that do no arithmetic of their own.
 _BOOKKEEPING = frozenset(
   {
