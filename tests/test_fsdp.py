@@ -157,8 +157,8 @@ def test_stage_2_carries_gradient_shards_through_the_backward_pass(auto_mesh):
   ).temp
   psi_bytes = layers * width * width * 4
   assert whole - per_layer >= psi_bytes * 0.6  # a gradient-sized buffer less
-  # Still above the plain step by the stacked shard copies (measured 1.28x here,
-  # 1.15x in the benchmark): the gap left, said in benchmarks/README.md.
+  # Still above the plain step (measured 1.28x here, 1.15x in the benchmark):
+  # the gap left, said in benchmarks/README.md.
   assert per_layer <= plain * 1.3, (per_layer, plain)
 
 
