@@ -208,6 +208,27 @@ def test_tpu_fused_all_reduce_scatter_counts_as_one_reduce_scatter():
   assert stats.ring_bytes['reduce-scatter'] == 32 * 7
 
 
+def test_tpu_fused_all_reduce_scatter_takes_its_group_from_inside():
+  # The fusion line names no replica groups; its computation's all-reduce does
+  # (here groups of 4 of 16 devices, as over one axis of a 4x4 torus).
+  text = (
+    'HloModule m, num_partitions=16\n\n'
+    '%all-reduce-scatter (input: f32[64]) -> f32[16] {\n'
+    '  %input = f32[64]{0} parameter(0)\n'
+    '  %ar = f32[64]{0} all-reduce(%input), channel_id=2,'
+    ' replica_groups={{0,1,2,3},{4,5,6,7},{8,9,10,11},{12,13,14,15}}, to_apply=%add\n'
+    '  ROOT %ds = f32[16]{0} slice(%ar), slice={[0:16]}\n'
+    '}\n\n'
+    'ENTRY %main (p: f32[64]) -> f32[16] {\n'
+    '  %p = f32[64]{0} parameter(0)\n'
+    '  ROOT %rs = f32[16]{0} fusion(%p), kind=kCustom, calls=%all-reduce-scatter\n'
+    '}\n'
+  )
+  stats = zerojax.count_collectives(text)
+  assert stats.counts == {'reduce-scatter': 1}
+  assert stats.ring_bytes['reduce-scatter'] == 64 * 3  # S(n-1) with n = 4, not 16
+
+
 def test_tpu_async_collective_counts_once_at_its_start():
   # The TPU form: the start, a continuation fusion (the matmul it overlaps) and
   # the done each carry a copy of the all-gather. Every explicit collective of

@@ -52,6 +52,7 @@ _OPERANDS = re.compile(r'%([\w.\-]+)')
 _ASYNC_COPY = re.compile(r'\bcalls=%?async_collective_fusion')
 # Replica groups: explicit lists, iota form [groups,size]<=[...], or TPU's
 # mesh['axis_0'=8, ...] {'axis_0'} form.
+_GROUPS_ANY = re.compile(r'replica_groups=')
 _GROUPS_LIST = re.compile(r'replica_groups=\{\{([\d,]*)\}')
 _GROUPS_IOTA = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
 # (an optional `device_ids=(...)` permutation may sit between the two parts).
@@ -459,10 +460,21 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
     size = _type_bytes(_result_type(kind, is_start, type_str))
     tally.counts[kind] += mult
     tally.nbytes[kind] += mult * size
-    ring = mult * _ring_bytes(kind, size, _group_size(line, default_group))
+    ring = mult * _ring_bytes(kind, size, _group_size(_with_groups(line), default_group))
     tally.ring[kind] += ring
     if overlapped:
       tally.overlapped[kind] += ring
+
+  def _with_groups(line: str) -> str:
+    """`line`, or for TPU's fused all-reduce-scatter (whose line names no
+    replica groups) the line inside its computation that does."""
+    if _GROUPS_ANY.search(line):
+      return line
+    for _, callee in _CALLS.findall(line):
+      for inner in bodies.get(callee, ()):
+        if _GROUPS_ANY.search(inner):
+          return inner
+    return line
 
   def visit(
     name: str,
