@@ -173,7 +173,7 @@ def value_and_grad(
         # Over the axes that split the leaf at rest: all ZeRO axes, or under
         # hpZ (`param_axis`) only the parameter axes.
         return [
-          x if g is None else jax.lax.all_gather(x, _axis_arg(g[1]), axis=g[0], tiled=True)
+          x if g is None else gather_lib.all_gather_axes(x, g[1], g[0])
           for x, g in zip(flat, gather_dims)
         ]
 
@@ -229,7 +229,7 @@ def value_and_grad(
         if done:  # reduce-scattered by the transpose of the model's gather
           return g
         if stage >= 1 and d is not None:
-          g = jax.lax.psum_scatter(g, _axis_arg(d[1]), scatter_dimension=d[0], tiled=True)
+          g = gather_lib.psum_scatter_axes(g, d[1], d[0])
           rest = tuple(a for a in axes if a not in d[1])
           return jax.lax.psum(g, _axis_arg(rest)) if rest else g
         return g

@@ -130,12 +130,32 @@ class ShardedLeaf:
         ' must be split on a per-layer dimension (a larger one than the layer count),'
         ' or kept whole with zero_stage(..., policy) options.'
       )
-    axes = self.axes[0] if len(self.axes) == 1 else self.axes
     if self.whole is not None:
-      return _whole_with_scattered_grad(x, self.whole, dim, axes, dtype)
+      return _whole_with_scattered_grad(x, self.whole, dim, self.axes, dtype)
     if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
       x = x.astype(dtype)
-    return checkpoint_name(jax.lax.all_gather(x, axes, axis=dim, tiled=True), GATHERED)
+    return checkpoint_name(all_gather_axes(x, self.axes, dim), GATHERED)
+
+
+# Over several mesh axes, collectives run one axis at a time: each is then a
+# ring over one axis, which the TPU compiler keeps a real reduce-scatter or
+# all-gather (over a whole 2-D torus it lowers a reduce-scatter to an
+# all-reduce), and the bytes moved are the same as one collective over all.
+# A dimension split over ('a', 'b') holds block a * |b| + b on device (a, b).
+
+
+def all_gather_axes(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+  """Tiled all-gather over `axes` along `dim`, innermost axis first."""
+  for axis in reversed(axes):
+    x = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+  return x
+
+
+def psum_scatter_axes(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+  """Tiled reduce-scatter over `axes` along `dim`, outermost axis first."""
+  for axis in axes:
+    x = jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+  return x
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -150,7 +170,7 @@ def _whole_fwd(shard, whole, dim, axes, dtype):
 
 
 def _whole_bwd(dim, axes, dtype, like, ct):
-  scattered = jax.lax.psum_scatter(ct, axes, scatter_dimension=dim, tiled=True)
+  scattered = psum_scatter_axes(ct, axes, dim)
   return scattered.astype(like.dtype), None
 
 
