@@ -267,7 +267,7 @@ def run(
   for step in bar:
     batch = to_devices(batch_at(step))
     t0 = time.perf_counter()
-    state, loss = step_fn(state, batch)
+    state, loss = compiled(state, batch)  # the program compiled above, not a second compile
     loss = float(loss)  # waits for the step: its time is the step's own
     seconds.append(time.perf_counter() - t0)
     if step % task.log_every == 0 or step == steps - 1:

@@ -209,7 +209,7 @@ def per_device_region():
     _PER_DEVICE.reset(token)
 
 
-def has_sharded_leaves(tree: Any) -> bool:
+def gathers_explicitly(tree: Any) -> bool:
   """Whether `tree` is to be gathered explicitly (inside value_and_grad's per-device loss)."""
   return _PER_DEVICE.get() or any(
     isinstance(x, ShardedLeaf) for x in jax.tree.leaves(tree, is_leaf=is_sharded_leaf)
@@ -265,7 +265,7 @@ def gather_params(
   >>> full['w'].sharding.is_fully_replicated
   True
   """
-  if has_sharded_leaves(params):  # inside value_and_grad(..., per_layer=True)
+  if gathers_explicitly(params):  # inside value_and_grad's per-device loss
     return gather_manual(params, dtype)
   mesh = plan.mesh
   layouts = plan.params if layouts is None else layouts

@@ -51,7 +51,7 @@ def gather_leaves(
   Returns:
     `tree`, gathered.
   """
-  if gather.has_sharded_leaves(tree):  # inside value_and_grad(..., per_layer=True)
+  if gather.gathers_explicitly(tree):  # inside value_and_grad's per-device loss
     return gather.gather_manual(tree, dtype)
   mesh = mesh_lib.resolve_mesh(mesh)
   axes = mesh_lib.resolve_axes(mesh, axis)
