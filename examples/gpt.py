@@ -150,10 +150,11 @@ class GPT(nn.Module):
       return zerojax.gathered_linen(cls, mesh=self.mesh) if self.per_layer else cls
 
     x = gathered(nn.Embed)(cfg.vocab, cfg.d_model, name='embed')(tokens)
-    pos = self.param('pos', nn.initializers.normal(0.02), (cfg.seq_len, cfg.d_model))
-    if self.per_layer:
-      pos = zerojax.gather_leaves(pos, mesh=self.mesh)
-    x = x + pos[: tokens.shape[1]]
+    # Learned positions as a module of their own, so that it gathers its shards too.
+    pos = gathered(nn.Embed)(
+      cfg.seq_len, cfg.d_model, embedding_init=nn.initializers.normal(0.02), name='pos'
+    )
+    x = x + pos(jnp.arange(tokens.shape[1]))
     block = nn.remat(gathered(Block), prevent_cse=False)
     x, _ = nn.scan(
       block, variable_axes={'params': 0}, split_rngs={'params': True}, length=cfg.n_layers
@@ -235,11 +236,28 @@ def add_arguments(parser) -> None:
   parser.add_argument(
     '--update-on', default='device', choices=('device', 'host'), help='with --offload'
   )
+  parser.add_argument(
+    '--quantize',
+    default=None,
+    choices=('int8', 'int4'),
+    help='ZeRO++: gradients reduce-scattered in this format, and at stage 3 weights'
+    ' all-gathered in int8 (through zerojax.value_and_grad)',
+  )
+  parser.add_argument(
+    '--compare-quantized',
+    action='store_true',
+    help='train at --stage with full-precision, int8 and int4 collectives on the same'
+    ' data; write a table, a PNG and JSON to --out',
+  )
 
 
 def configure(_, args) -> tuple[common.Task, dict]:
   cfg = Config(d_model=args.d_model, n_layers=args.layers, batch=args.batch)
   job, options = task(cfg), {'offload': args.offload, 'update_on': args.update_on}
+  if args.quantize:
+    options['quantize'] = zerojax.Quantize(
+      weights='int8' if args.stage == 3 else None, grads=args.quantize
+    )
   if args.mixed_precision:
     options.update(bf16_options(job.tx()))
   return job, options

@@ -132,6 +132,43 @@ def test_plan_command_for_tpu_topology(tmp_path):
   assert report['collectives']['counts']['reduce-scatter'] >= 1
 
 
+@pytest.mark.slow
+def test_plan_command_on_a_two_axis_mesh(tmp_path):
+  # One ZeRO axis per grid dimension, gradients through zerojax.value_and_grad:
+  # per-layer reduce-scatters, and the only all-reduce is the loss's.
+  out = tmp_path / 'plan.json'
+  proc = _run_cli(
+    'plan', '--model', 'tiny', '--topology', 'cpu:8', '--mesh', '2x4', '--json', str(out)
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "mesh {'x': 2, 'y': 4}, ZeRO over ('x', 'y'); gradients through" in proc.stdout
+  report = json.loads(out.read_text())
+  assert report['mesh'] == {'x': 2, 'y': 4} and report['gradients'] == 'zerojax.value_and_grad'
+  psi = presets.PRESETS['tiny'].num_params()
+  assert report['memory']['argument'] == 12 * psi // 8 + 8 * 65 * 4 // 8 + 8
+  counts, nbytes = report['collectives']['counts'], report['collectives']['result_bytes']
+  # Each split leaf's gradient is reduce-scattered over 'x' and then 'y'.
+  assert counts['reduce-scatter'] >= 2 * 4 * 8
+  assert counts['all-reduce'] == 1 and nbytes['all-reduce'] == 4
+
+
+@pytest.mark.parametrize(
+  'mesh, message',
+  [
+    (
+      '4x4',
+      '--mesh 4x4 has 16 devices but the topology has 8; give the chip grid, e.g. --mesh 16x16'
+      ' for v5e:16x16',
+    ),
+    ('2xa', "--mesh '2xa': expected 'data' or a grid of up to 3 dimensions like 16x16"),
+  ],
+)
+def test_plan_command_rejects_a_mesh_that_does_not_fit(mesh, message):
+  proc = _run_cli('plan', '--model', 'tiny', '--topology', 'cpu:8', '--mesh', mesh)
+  assert proc.returncode != 0
+  assert proc.stderr.strip() == f'error: {message}', proc.stderr
+
+
 def test_plan_command_rejects_unknown_topology():
   proc = _run_cli('plan', '--model', 'tiny', '--topology', 'v9z:3x3')
   assert proc.returncode != 0

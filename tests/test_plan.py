@@ -19,7 +19,7 @@ def specs(tree):
 @pytest.mark.parametrize(
   'shape, expected',
   [
-    ((16, 64), P(None, 'data')),  # the largest dimension
+    ((16, 64), P(None, 'data')),  # the largest (64 columns are not lane-aligned anyway)
     ((64, 16), P('data', None)),
     ((64, 64), P('data', None)),  # ties go to the first
     ((12, 40), P(None, 'data')),  # only 40 divides by 8
@@ -33,6 +33,27 @@ def test_leaf_rule_picks_largest_divisible_dimension(shape, expected, explicit_m
     shape, jnp.float32, None, mesh=explicit_mesh, axes=('data',), replicate_below_bytes=1 << 18
   )
   assert rule.sharded == expected
+
+
+@pytest.mark.parametrize(
+  'shape, dim',
+  [
+    # The 70B decoder's stacked MLP input: 28672 / 256 = 112 columns would
+    # unalign TPU's 128 lanes, so the 8192 rows are split instead.
+    ((80, 8192, 28672), 1),
+    ((80, 28672, 8192), 1),  # the largest dimension is not the minor one
+    ((8192, 32000), 0),  # the LM head: 32000 / 256 = 125 columns
+    ((80, 1024, 65536), 2),  # 65536 / 256 = 256 columns: aligned, the largest
+    ((28672,), 0),  # one dimension: nothing else to split
+  ],
+)
+def test_leaf_rule_keeps_the_minor_dimension_lane_aligned(shape, dim):
+  mesh = jax.sharding.AbstractMesh((16, 16), ('x', 'y'))
+  rule = rules.leaf_rule(
+    shape, jnp.bfloat16, None, mesh=mesh, axes=('x', 'y'), replicate_below_bytes=1 << 18
+  )
+  assert rule.dim == dim
+  assert rule.sharded[dim] == ('x', 'y')
 
 
 def test_stage_layouts(explicit_mesh):

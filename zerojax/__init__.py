@@ -29,6 +29,7 @@ from zerojax._src.precision import cast as cast
 from zerojax._src.precision import loss_scale as loss_scale
 from zerojax._src.precision import mixed_precision as mixed_precision
 from zerojax._src.presets import ModelSpec as ModelSpec
+from zerojax._src.quantize import Quantize as Quantize
 from zerojax._src.report import CollectiveStats as CollectiveStats
 from zerojax._src.report import MemoryStats as MemoryStats
 from zerojax._src.report import StepReport as StepReport
@@ -77,6 +78,7 @@ __all__ = [
   'ZeroConfig',
   'ZeroPlan',
   'ModelSpec',
+  'Quantize',
   'abstract_train_state',
   'config_of',
   'create_train_state',

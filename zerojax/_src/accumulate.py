@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from zerojax._src import gather as gather_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
+from zerojax._src import quantize as quantize_lib
 from zerojax._src import transform
 
 
@@ -150,6 +151,8 @@ def value_and_grad(
       padding = plan.padding or (None,) * len(shards)
       out_layouts = [g if pad else s for g, s, pad in zip(out_layouts, shards, padding)]
     grad_specs = [_manual_spec(s.spec, axes, x.ndim) for s, x in zip(out_layouts, leaves)]
+    # ZeRO++: the Quantize that applies to each leaf's collectives, or None.
+    quants = plan.quantized()
     gather_dims = [_zero_dim(s, axes) for s in param_specs]
     scatter_dims = [_zero_dim(s, axes) for s in grad_specs]
     # per_layer: the model's own gathers reduce-scatter these gradients already
@@ -173,24 +176,30 @@ def value_and_grad(
         # Over the axes that split the leaf at rest: all ZeRO axes, or under
         # hpZ (`param_axis`) only the parameter axes.
         return [
-          x if g is None else gather_lib.all_gather_axes(x, g[1], g[0])
-          for x, g in zip(flat, gather_dims)
+          x
+          if g is None
+          else gather_lib.ShardedLeaf(x, g[0], g[1], x.ndim, '', quantize=q).gather()
+          if q is not None
+          else gather_lib.all_gather_axes(x, g[1], g[0])
+          for x, g, q in zip(flat, gather_dims, quants)
         ]
 
       def as_shards(flat):
         # Stage 3: the local shard. Stage 2: this device's slice of the whole
         # parameter it holds, with the whole beside it (the gather moves nothing).
         out = []
-        for x, d, path in zip(flat, split, paths):
+        for x, d, path, q in zip(flat, split, paths, quants):
           if d is None:
             out.append(x)
           elif stage == 3:
-            out.append(gather_lib.ShardedLeaf(x, d[0], d[1], x.ndim, f'params{path}'))
+            out.append(gather_lib.ShardedLeaf(x, d[0], d[1], x.ndim, f'params{path}', quantize=q))
           else:
             size = x.shape[d[0]] // mesh_lib.axes_size(mesh, d[1])
             start = jax.lax.axis_index(_axis_arg(d[1])) * size
             shard = jax.lax.dynamic_slice_in_dim(x, start, size, d[0])
-            out.append(gather_lib.ShardedLeaf(shard, d[0], d[1], x.ndim, f'params{path}', x))
+            out.append(
+              gather_lib.ShardedLeaf(shard, d[0], d[1], x.ndim, f'params{path}', x, quantize=q)
+            )
         return out
 
       def micro_grads(flat_params, mb):
@@ -223,13 +232,16 @@ def value_and_grad(
           grads = [g.astype(reduce_dtype) for g in grads]
         return loss, aux, grads
 
-      def reduce_now(g, d, done):
+      def reduce_now(g, d, done, q):
         # Stages 2-3: each micro-batch's gradient is reduce-scattered at once
         # over the axes that split it, and summed over any other ZeRO axes.
         if done:  # reduce-scattered by the transpose of the model's gather
           return g
         if stage >= 1 and d is not None:
-          g = gather_lib.psum_scatter_axes(g, d[1], d[0])
+          if q is not None and q.grads is not None:
+            g = quantize_lib.reduce_scatter(g, d[1], d[0], q)
+          else:
+            g = gather_lib.psum_scatter_axes(g, d[1], d[0])
           rest = tuple(a for a in axes if a not in d[1])
           return jax.lax.psum(g, _axis_arg(rest)) if rest else g
         return g
@@ -242,8 +254,8 @@ def value_and_grad(
         acc, loss_sum = carry
         loss, aux, grads = micro_grads(flat_params, mb)
         acc = [
-          a + (reduce_now(g, d, done) if stage >= 2 else g)
-          for a, g, d, done in zip(acc, grads, scatter_dims, scattered)
+          a + (reduce_now(g, d, done, q) if stage >= 2 else g)
+          for a, g, d, done, q in zip(acc, grads, scatter_dims, scattered, quants)
         ]
         return (acc, loss_sum + loss.astype(jnp.float32)), aux
 
@@ -261,10 +273,10 @@ def value_and_grad(
       acc = [
         a
         if (stage >= 2 and d is not None)
-        else reduce_now(a, d, False)
+        else reduce_now(a, d, False, q)
         if (stage == 1 and d is not None)
         else jax.lax.psum(a, axis_arg)
-        for a, d in zip(acc, scatter_dims)
+        for a, d, q in zip(acc, scatter_dims, quants)
       ]
       # The mean over devices and micro-batches. A loss scale stays in: the
       # optimizer's `mixed_precision` divides it out, once, beside its

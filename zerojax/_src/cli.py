@@ -1,6 +1,6 @@
 """`python -m zerojax`: plan a run before launching it.
 
-python -m zerojax plan --model llama2-70b --topology v5e:16x16 --stage 3
+python -m zerojax plan --model llama2-70b --topology v5e:16x16 --mesh 16x16 --stage 3
 python -m zerojax estimate --params 7e9 --devices 256
 """
 
@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -99,6 +100,31 @@ def _quiet_libtpu():
           sys.stderr.write(line)
 
 
+# Names of the ZeRO axes of `--mesh AxB[xC]`, one per dimension of the chip grid.
+_GRID_AXES = ('x', 'y', 'z')
+
+
+def _mesh_shape(mesh: str, n: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+  """The device mesh `--mesh` asks for: 'data' (one axis) or a grid like '16x16'."""
+  if mesh == 'data':
+    return (n,), ('data',)
+  try:
+    shape = tuple(int(d) for d in mesh.lower().split('x'))
+  except ValueError:
+    shape = ()
+  if not shape or len(shape) > len(_GRID_AXES) or min(shape) < 1:
+    raise SystemExit(
+      f"error: --mesh {mesh!r}: expected 'data' or a grid of up to {len(_GRID_AXES)}"
+      ' dimensions like 16x16'
+    )
+  if math.prod(shape) != n:
+    raise SystemExit(
+      f'error: --mesh {mesh} has {math.prod(shape)} devices but the topology has {n};'
+      ' give the chip grid, e.g. --mesh 16x16 for v5e:16x16'
+    )
+  return shape, _GRID_AXES[: len(shape)]
+
+
 def _load_model(args) -> Any:
   from zerojax._src import presets
 
@@ -134,24 +160,42 @@ def cmd_plan(args) -> int:
   devices, hbm_gib = _devices(args.topology)
   n = len(devices)
   _log(start, f'topology {args.topology}: {n} devices ({devices[0].device_kind})')
-  mesh = Mesh(np.array(devices), ('data',), axis_types=(AxisType.Auto,))
+  shape, names = _mesh_shape(args.mesh, n)
+  mesh = Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
+  explicit = args.grad == 'zerojax' or (args.grad == 'auto' and len(names) > 1)
+  _log(
+    start,
+    f'mesh {dict(zip(names, shape))}, ZeRO over {names}; gradients through '
+    + (
+      f'zerojax.value_and_grad(per_layer={args.stage >= 2})' if explicit else 'jax.value_and_grad'
+    ),
+  )
   spec = _load_model(args)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  axis = names[0] if len(names) == 1 else names
   state = train_state.abstract_train_state(
     spec.init_fn,
     key,
-    tx=transform.zero_optimizer(_optimizer(args.optimizer), args.stage, mesh=mesh),
+    tx=transform.zero_optimizer(_optimizer(args.optimizer), args.stage, mesh=mesh, axis=axis),
   )
   plan = transform.plan_for(state.tx, state.params)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   _log(start, f'model {spec.name}: {num_params:,} parameters; stage {args.stage} plan built')
   batch_sds = spec.batch(args.batch_per_chip * n)
   batch = jax.ShapeDtypeStruct(
-    batch_sds.shape, batch_sds.dtype, sharding=NamedSharding(mesh, PartitionSpec('data'))
+    batch_sds.shape, batch_sds.dtype, sharding=NamedSharding(mesh, PartitionSpec(axis))
   )
+  if explicit:
+    from zerojax._src import accumulate
+
+    grad_fn = accumulate.value_and_grad(
+      lambda p, b: spec.loss_fn(p, b, plan), state.tx, per_layer=args.stage >= 2
+    )
+  else:
+    grad_fn = lambda p, b: jax.value_and_grad(lambda q: spec.loss_fn(q, b, plan))(p)
 
   def train_step(state, batch):
-    loss, grads = jax.value_and_grad(lambda p: spec.loss_fn(p, batch, plan))(state.params)
+    loss, grads = grad_fn(state.params, batch)
     return state.apply_gradients(grads=grads), loss
 
   lowered = jax.jit(train_step, donate_argnums=0).lower(state, batch)
@@ -191,6 +235,8 @@ def cmd_plan(args) -> int:
       'topology': args.topology,
       'num_devices': n,
       'batch_per_chip': args.batch_per_chip,
+      'mesh': dict(zip(names, shape)),
+      'gradients': 'zerojax.value_and_grad' if explicit else 'jax.value_and_grad',
       'memory': dataclasses.asdict(report.memory) | {'peak': peak},
       'hbm_bytes': None if hbm_gib is None else hbm_gib * 2**30,
       'fits': fits,
@@ -198,6 +244,7 @@ def cmd_plan(args) -> int:
         'counts': report.collectives.counts,
         'result_bytes': report.collectives.result_bytes,
         'ring_bytes': report.collectives.ring_bytes,
+        'overlapped_ring_bytes': report.collectives.overlapped_ring_bytes,
       },
       'zero_floor_bytes': report.floor_bytes,
       'compile_seconds': time.perf_counter() - start,
@@ -273,6 +320,21 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument('--no-remat', action='store_true', help='keep activations instead of recomputing')
   p.add_argument(
     '--gather-all', action='store_true', help='gather all parameters up front (not per layer)'
+  )
+  p.add_argument(
+    '--mesh',
+    default='data',
+    help="the device mesh: 'data' (one ZeRO axis over every chip) or the chip grid, e.g."
+    ' 16x16 (one ZeRO axis per torus dimension, named x, y, z: on a 2-D torus the TPU'
+    ' compiler keeps per-axis reduce-scatters, where over a whole 2-D torus it all-reduces)',
+  )
+  p.add_argument(
+    '--grad',
+    default='auto',
+    choices=('auto', 'jax', 'zerojax'),
+    help='how gradients are taken: jax.value_and_grad (the compiler places the reduction),'
+    ' zerojax.value_and_grad (explicit per-layer reduce-scatters), or auto: zerojax on a'
+    ' multi-axis mesh, jax otherwise',
   )
   p.add_argument('--json', help='also write the report as JSON here')
   p.set_defaults(func=cmd_plan)

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
+from zerojax._src import quantize as quantize_lib
 from zerojax._src import rules
 
 # The name of every gathered parameter, for jax.checkpoint policies.
@@ -66,7 +67,23 @@ def recompute_gathers(prim, *args, **params) -> bool:
   # A gathered value is not saved, and neither is what produced it (the name is
   # an identity: saving its operand would keep the same bytes). jax's own
   # save_anything_except_these_names saves everything in jax 0.10.
+  if prim.name == 'custom_vjp_call':  # a gather with its own gradient (ZeRO++ qwZ, qgZ)
+    return not _gathers(params.get('call_jaxpr'))
   return prim.name not in _GATHER_PRIMITIVES
+
+
+def _gathers(jaxpr: Any) -> bool:
+  """Whether a (closed) jaxpr runs an all_gather, in it or in a sub-jaxpr."""
+  jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
+  for eqn in getattr(jaxpr, 'eqns', ()):
+    if eqn.primitive.name == 'all_gather':
+      return True
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
+          if _gathers(sub):
+            return True
+  return False
 
 
 @jax.tree_util.register_dataclass
@@ -89,6 +106,8 @@ class ShardedLeaf:
     whole: at stage 2, the whole parameter this device holds already: the
       gather then moves nothing and only its gradient is reduce-scattered
       into `shard`'s place.
+    quantize: the ZeRO++ quantized collectives (`zerojax.Quantize`) its gather
+      and gradient use, or None for full precision.
 
   Outside a gather it is not an array, and says so:
 
@@ -105,6 +124,7 @@ class ShardedLeaf:
   ndim: int = dataclasses.field(metadata=dict(static=True))
   path: str = dataclasses.field(metadata=dict(static=True))
   whole: jax.Array | None = None
+  quantize: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
   def replace(self, **changes) -> ShardedLeaf:
     return dataclasses.replace(self, **changes)
@@ -130,11 +150,19 @@ class ShardedLeaf:
         ' must be split on a per-layer dimension (a larger one than the layer count),'
         ' or kept whole with zero_stage(..., policy) options.'
       )
+    q = self.quantize
     if self.whole is not None:
-      return _whole_with_scattered_grad(x, self.whole, dim, self.axes, dtype)
+      grads_q = q if q is not None and q.grads is not None else None
+      return _whole_with_scattered_grad(x, self.whole, dim, self.axes, dtype, grads_q)
     if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
       x = x.astype(dtype)
-    return checkpoint_name(all_gather_axes(x, self.axes, dim), GATHERED)
+    if q is not None and q.weights is not None:
+      whole = quantize_lib.quantized_all_gather(x, self.axes, dim, q)
+    elif q is not None:
+      whole = quantize_lib.all_gather_with_quantized_grad(x, self.axes, dim, q)
+    else:
+      whole = all_gather_axes(x, self.axes, dim)
+    return checkpoint_name(whole, GATHERED)
 
 
 # Over several mesh axes, collectives run one axis at a time: each is then a
@@ -158,19 +186,24 @@ def psum_scatter_axes(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Arra
   return x
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _whole_with_scattered_grad(shard, whole, dim, axes, dtype):
-  """`whole` (cast to `dtype`), whose gradient goes to `shard`, reduce-scattered."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _whole_with_scattered_grad(shard, whole, dim, axes, dtype, quantize=None):
+  """`whole` (cast to `dtype`), whose gradient goes to `shard`, reduce-scattered
+  (ZeRO++ qgZ with `quantize`)."""
   del shard
   return whole if dtype is None else whole.astype(dtype)
 
 
-def _whole_fwd(shard, whole, dim, axes, dtype):
-  return _whole_with_scattered_grad(shard, whole, dim, axes, dtype), jnp.zeros((), shard.dtype)
+def _whole_fwd(shard, whole, dim, axes, dtype, quantize):
+  out = _whole_with_scattered_grad(shard, whole, dim, axes, dtype, quantize)
+  return out, jnp.zeros((), shard.dtype)
 
 
-def _whole_bwd(dim, axes, dtype, like, ct):
-  scattered = psum_scatter_axes(ct, axes, dim)
+def _whole_bwd(dim, axes, dtype, quantize, like, ct):
+  if quantize is None:
+    scattered = psum_scatter_axes(ct, axes, dim)
+  else:
+    scattered = quantize_lib.reduce_scatter(ct, axes, dim, quantize)
   return scattered.astype(like.dtype), None
 
 

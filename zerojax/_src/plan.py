@@ -67,6 +67,11 @@ class ZeroPlan:
     state_padding: per optimizer-state leaf (in `jax.tree.leaves` order),
       None, or the (dimension, logical size) of a leaf padded under
       policy='pad': what checkpoints slice off to save the logical layout.
+    quantize: the ZeRO++ quantized collectives asked for (`zerojax.Quantize`),
+      or None.
+    unquantized: with `quantize`, per parameter leaf (in `jax.tree.leaves`
+      order), None where its collectives are quantized, else why they stay
+      full precision.
   """
 
   stage: int
@@ -80,6 +85,14 @@ class ZeroPlan:
   padding: tuple[tuple[int, int] | None, ...] = ()
   param_axes: tuple[str, ...] | None = None
   state_padding: tuple[tuple[int, int] | None, ...] = ()
+  quantize: Any = None
+  unquantized: tuple[str | None, ...] = ()
+
+  def quantized(self) -> tuple[Any, ...]:
+    """Per parameter leaf (in `jax.tree.leaves` order): the `Quantize` that applies, or None."""
+    if self.quantize is None:
+      return (None,) * len(jax.tree.leaves(self.params))
+    return tuple(self.quantize if why is None else None for why in self.unquantized)
 
   @property
   def num_shards(self) -> int:
@@ -168,6 +181,15 @@ def format_plan(plan: ZeroPlan) -> str:
   else:
     lines.append(f'replicated over {axes!r}: none')
   param_rows = [r for r in plan.rows if r.group == 'params']
+  if plan.quantize is not None:
+    q = plan.quantize
+    off = [(r, why) for r, why in zip(param_rows, plan.unquantized) if why is not None]
+    lines.append(
+      f'ZeRO++ quantized collectives (weights {q.weights}, gradients {q.grads}, blocks of'
+      f' {q.block_size}): {len(param_rows) - len(off)} of {len(param_rows)} parameter leaves'
+    )
+    lines.append(f'full precision ({len(off)}):' if off else 'full precision: none')
+    lines.extend(f'  params{r.path}: {why}' for r, why in off)
   padded = [(r, pad) for r, pad in zip(param_rows, plan.padding) if pad is not None]
   if padded:
     lines.append(f"padded for the optimizer (policy='pad') ({len(padded)}):")
@@ -405,7 +427,22 @@ def _assemble(
     ),
     param_axes=hpz,
     state_padding=tuple(state_padding),
+    quantize=config.quantize,
+    unquantized=_unquantized(param_leaves, config.quantize),
   )
+
+
+def _unquantized(param_leaves: _Leaves, quantize) -> tuple[str | None, ...]:
+  """Per parameter leaf: None where ZeRO++ quantizes its collectives, else why not."""
+  if quantize is None:
+    return ()
+  out = []
+  for rule in param_leaves.rules:
+    if rule.dim is None or rule.padded_shape is not None:
+      out.append('kept whole (not split over the ZeRO axes): no ZeRO collective to quantize')
+    else:
+      out.append(quantize.covers(rule.shape, rule.dtype))
+  return tuple(out)
 
 
 OFFLOAD = (None, 'opt_state', 'opt_state+master')

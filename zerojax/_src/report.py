@@ -679,6 +679,8 @@ class StepReport:
     process_devices: devices of the step's mesh in each process, by process
       index (one entry on one machine). Every device runs the same program, so
       a process needs `memory` times its device count, and the mesh the sum.
+    quantized: with ZeRO++ quantized collectives (the plan's `quantize`), what
+      is quantized and on how many leaves; the floor stays full precision.
   """
 
   memory: MemoryStats
@@ -688,6 +690,7 @@ class StepReport:
   num_devices: int | None = None
   floor_bytes: float | None = None
   process_devices: dict[int, int] | None = None
+  quantized: str | None = None
 
   def per_process(self, process: int | None = None) -> MemoryStats:
     """Memory of all of one process's devices (default: this process)."""
@@ -750,6 +753,18 @@ def step_report(
     num_devices=plan.num_shards,
     floor_bytes=zero_floor_bytes(plan.stage, num_params, plan.num_shards, bytes_per_param),
     process_devices=_process_devices(plan),
+    quantized=_quantized(plan),
+  )
+
+
+def _quantized(plan: Any) -> str | None:
+  q = getattr(plan, 'quantize', None)
+  if q is None:
+    return None
+  on = sum(why is None for why in plan.unquantized)
+  return (
+    f'weights {q.weights}, gradients {q.grads}, blocks of {q.block_size}, on {on} of'
+    f' {len(plan.unquantized)} parameter leaves'
   )
 
 
@@ -799,5 +814,9 @@ def format_report(report: StepReport) -> str:
     lines.append(
       f'ZeRO floor (stage {report.stage}: {factor}Ψ(N-1)/N, Ψ={report.num_params:,},'
       f' N={report.num_devices}): {report.floor_bytes:,.0f} bytes; measured/floor = {ratio:.3f}'
+    )
+  if report.quantized is not None:
+    lines.append(
+      f'ZeRO++ quantized collectives ({report.quantized}): the floor counts full precision'
     )
   return '\n'.join(lines)

@@ -95,6 +95,20 @@ def bytes_per_device(shape: Sequence[int], dtype, spec: PartitionSpec, mesh: Mes
   return size
 
 
+# The width TPU tiles an array's minor dimension across.
+LANES = 128
+
+
+def _breaks_lanes(shape: tuple[int, ...], i: int, n: int) -> bool:
+  """Whether splitting dimension `i` of `shape` `n` ways unaligns a lane-aligned minor dimension."""
+  return (
+    len(shape) >= 2
+    and i == len(shape) - 1
+    and shape[i] % LANES == 0
+    and (shape[i] // n) % LANES != 0
+  )
+
+
 def leaf_rule(
   shape: Sequence[int],
   dtype,
@@ -125,8 +139,11 @@ def leaf_rule(
   if n == 1 and free:
     divisible = free
   if divisible:
-    # Largest dimension first; ties go to the earliest dimension.
-    dim = max(divisible, key=lambda i: (shape[i], -i))
+    # Largest dimension first; ties go to the earliest dimension. The minor
+    # dimension comes last when splitting it would break its alignment to
+    # LANES: TPU tiles it across 128 lanes, pads a narrower shard, and lowers
+    # its reduce-scatter to an all-reduce and a slice.
+    dim = max(divisible, key=lambda i: (not _breaks_lanes(shape, i, n), shape[i], -i))
     entries = list(base)
     entries[dim] = zero_entry
     return LeafRule(shape, dtype, base, PartitionSpec(*entries), dim, None, False)

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
+from zerojax._src import quantize as quantize_lib
 from zerojax._src import rules, validation
 
 _CONFIG_ATTR = '_zerojax_config'
@@ -36,6 +37,7 @@ class ZeroConfig:
     param_axis: the hpZ parameter axes, if any (see `zerojax.zero_stage`).
     offload: which optimizer state lives in host memory, if any.
     update_on: where the optimizer update runs: 'device' or 'host'.
+    quantize: ZeRO++ quantized collectives (`zerojax.Quantize`), or None.
   """
 
   inner: optax.GradientTransformation
@@ -48,6 +50,7 @@ class ZeroConfig:
   param_axis: Any = None
   offload: str | None = None
   update_on: str = 'device'
+  quantize: Any = None
   # Plans already computed, keyed by everything that decides one: the tree,
   # each leaf's shape, dtype and own layout (least recently used dropped past
   # `_PLAN_CACHE_SIZE`). Under an Auto mesh a jitted `update` cannot see its
@@ -332,6 +335,7 @@ def make_config(
   param_axis: mesh_lib.AxisName | None = None,
   offload: str | None = None,
   update_on: str = 'device',
+  quantize: quantize_lib.Quantize | None = None,
 ) -> ZeroConfig:
   """Checks the options of `zero_stage` (documented there) and returns its `ZeroConfig`.
 
@@ -362,6 +366,7 @@ def make_config(
       "`update_on='host'` runs the update where offloaded state lives: pass"
       " offload='opt_state' (or 'opt_state+master') too."
     )
+  quantize = quantize_lib.check_stage(quantize, stage)
   return ZeroConfig(
     inner=tx,
     stage=stage,
@@ -373,6 +378,7 @@ def make_config(
     param_axis=param_axis,
     offload=offload,
     update_on=update_on,
+    quantize=quantize,
   )
 
 

@@ -51,6 +51,12 @@ def zero_stage(target: Any, stage: int, **options: Any) -> Any:
       (stream the offloaded state through device memory) or 'host' (run it on
       the host with `compute_on('device_host')`: only gradient shards go down
       and updates come up, so the state never takes device memory).
+    quantize: ZeRO++ quantized collectives, a `zerojax.Quantize`: int8
+      stage-3 weight all-gathers (qwZ) and int8/int4 gradient reduce-scatters
+      through an all-to-all, summed in float32 (qgZ), in block-quantized form.
+      They apply where zerojax places the collectives, in
+      `zerojax.value_and_grad`; the plan lists the leaves left full precision
+      (unsplit, integer, or below `Quantize.min_size`). Default None.
 
   These options are given here and only here: `create_train_state`,
   `abstract_train_state`, `restore_train_state`, `plan_for` and
@@ -65,7 +71,8 @@ def zero_stage(target: Any, stage: int, **options: Any) -> Any:
 
   Raises:
     ValueError: `stage` not in 0-3; `axis` not in the mesh; no mesh; a large
-      leaf that cannot be split under policy='error'; `target` already wrapped.
+      leaf that cannot be split under policy='error'; `target` already wrapped;
+      `quantize` at stage 0, or quantized weights below stage 3.
     TypeError: `target` is neither; a train state whose `tx` is not optax.
 
   >>> import jax, jax.numpy as jnp, optax, zerojax
