@@ -49,7 +49,7 @@ from tqdm import tqdm  # noqa: E402
 import zerojax  # noqa: E402
 
 
-def zerojax_step(mesh, tx, stage: int, path: str):
+def zerojax_step(mesh, tx, stage: int, path: str, quantize=None):
   """zerojax's documented step at `stage`.
 
   path 'value_and_grad': `zerojax.value_and_grad` (at stages 2-3 with
@@ -57,8 +57,9 @@ def zerojax_step(mesh, tx, stage: int, path: str):
   reaches it; at stage 3 each layer gathers its own shard and
   `zerojax.recompute_gathers` remats only the gathers). path 'jax.grad': the user's own `jax.grad` and the wrapped optimizer,
   with the same per-layer gathers at stage 3 (the compiler places the collectives).
+  `quantize`: ZeRO++ quantized collectives (a `zerojax.Quantize`), with 'value_and_grad'.
   """
-  ztx = zerojax.zero_stage(tx, stage, mesh=mesh)
+  ztx = zerojax.zero_stage(tx, stage, mesh=mesh, quantize=quantize)
   gather, policy = (lambda w: w), None
   if stage == 3 or stage == 2 and path == 'value_and_grad':
     # Each layer gathers its own; at stage 2 the gather moves nothing and marks
@@ -103,6 +104,8 @@ CONFIGS = [
   ('docs-gspmd', 3),
   ('docs-shard_map', 3),
   ('zerojax-3 value_and_grad', 3),
+  ('zerojax-3 value_and_grad int8', 3),
+  ('zerojax-3 value_and_grad int4', 3),
   ('zerojax-3 jax.grad', 3),
   ('zerojax-2 value_and_grad', 2),
   ('zerojax-2 jax.grad', 2),
@@ -114,8 +117,10 @@ CONFIGS = [
 def build(name: str, mesh, tx):
   if not name.startswith('zerojax'):
     return recipe_step(mesh, tx, name)
-  stage, path = name.split(' ', 1)
-  return zerojax_step(mesh, tx, int(stage[-1]), path)
+  stage, path, *fmt = name.split(' ')
+  # ZeRO++: int8 weight gathers, and gradients reduce-scattered in `fmt`.
+  quantize = zerojax.Quantize(weights='int8', grads=fmt[0]) if fmt else None
+  return zerojax_step(mesh, tx, int(stage[-1]), path, quantize)
 
 
 def max_rel_err(a, b) -> float:
@@ -214,6 +219,20 @@ def main(argv=None) -> int:
   }
   for name in ('zerojax-2 value_and_grad', 'zerojax-1 value_and_grad'):
     ratios[f'{name} ring bytes vs floor'] = results[name]['ring_vs_floor']
+  # ZeRO++ against full-precision zerojax and against the better recipe.
+  for fmt in ('int8', 'int4'):
+    q = f'{z3} {fmt}'
+    ratios[f'{q} ring bytes vs full precision'] = (
+      results[q]['ring_bytes'] / results[z3]['ring_bytes']
+    )
+    ratios[f'{q} ring bytes vs {better["ring"]}'] = (
+      results[q]['ring_bytes'] / results[better['ring']]['ring_bytes']
+    )
+    ratios[f'{q} time vs full precision (paired median)'] = paired(q, z3)
+    ratios[f'{q} time vs {better["time"]} (paired median)'] = paired(q, better['time'])
+    ratios[f'{q} peak vs {better["peak"]}'] = (
+      results[q]['peak_bytes'] / results[better['peak']]['peak_bytes']
+    )
   machine = {
     'platform': platform.platform(),
     'processor': platform.processor() or platform.machine(),

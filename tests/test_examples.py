@@ -283,3 +283,45 @@ def test_gpt_holds_out_the_end_of_its_text(tmp_path):
     window,
   )
   assert not data.synthetic and 'real text' in data.source
+
+
+def test_compare_quantized_writes_a_table_a_figure_and_json(tmp_path):
+  # ZeRO++ on the GPT example: the same data and seed with full-precision,
+  # int8 and int4 collectives, through zerojax.value_and_grad.
+  cfg = gpt.Config(d_model=64, n_layers=2, batch=8)
+  text = bytes(range(256)) * 40
+  path = tmp_path / 'corpus.txt'
+  path.write_bytes(text)
+  record = common.compare_quantized(
+    gpt.task(cfg, log_every=1), stage=3, steps=3, out_dir=str(tmp_path), data=str(path), quiet=True
+  )
+  base = tmp_path / 'gpt_quantized'
+  assert json.loads(base.with_suffix('.json').read_text()) == json.loads(json.dumps(record))
+  labels = [r['label'] for r in record['runs']]
+  assert labels == [
+    'full precision',
+    'weights int8, gradients int8',
+    'weights int8, gradients int4',
+  ]
+  full, int8, int4 = record['runs']
+  assert 'all-to-all' not in full['collectives'] and int8['collectives']['all-to-all'] > 0
+  # int8 weight gathers and int8 / int4 gradient exchanges: about a quarter of
+  # the bytes, a third here where the small model's norms and biases (below
+  # Quantize.min_size) stay full precision.
+  assert int4['ring_bytes'] < int8['ring_bytes'] < 0.35 * full['ring_bytes']
+  # The first loss is the same model on the same batch, quantized weights aside.
+  assert int8['losses'][0][1] == pytest.approx(full['losses'][0][1], rel=1e-2)
+  table = base.with_suffix('.md').read_text()
+  assert table.count('\n| ') == 4 and 'vs the ZeRO floor' in table
+  assert base.with_suffix('.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_committed_quantized_gpt_run_is_within_two_percent():
+  with open(os.path.join(EXAMPLES, 'results', 'gpt_quantized.json')) as f:
+    record = json.load(f)
+  assert record['steps'] == 200 and record['stage'] == 3 and not record['synthetic']
+  full, *quantized = record['runs']
+  for run in quantized:
+    assert run['heldout_loss'] <= 1.02 * full['heldout_loss'], run['label']
+    assert run['final_loss'] <= 1.02 * full['final_loss'], run['label']
+    assert run['ring_bytes'] < 0.3 * full['ring_bytes']

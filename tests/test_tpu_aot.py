@@ -179,3 +179,52 @@ def test_two_axis_mesh_keeps_reduce_scatters_on_a_2d_torus(stage):
   assert stats['reduce-scatter'] == 2 * layers  # one per axis, per layer
   assert not stats['all-reduce'], stats
   assert stats.total_ring_bytes <= zerojax.zero_floor_bytes(stage, layers * width * width, 16)
+
+
+@pytest.mark.parametrize('fmt, limit', [('int8', 0.27), ('int4', 0.14)])
+def test_quantized_collectives_compile_for_tpu(fmt, limit, topology):
+  # ZeRO++ on the TPU compiler's own program: the weight gathers move int8
+  # values and float32 scales (<= 0.53x bf16), the gradient exchange is an
+  # all-to-all of int8 / packed int4 blocks (<= 0.27x / 0.14x float32).
+  from test_quantize import _ops
+
+  mesh = Mesh(np.array(topology.devices), ('data',), axis_types=(AxisType.Explicit,))
+  params = {'w1': jax.ShapeDtypeStruct((D, D), jnp.float32)}
+  params['w2'] = params['w1']
+
+  def loss(p, x):
+    p = zerojax.gather_leaves(p, dtype=jnp.bfloat16)
+    h = jnp.tanh(x.astype(jnp.bfloat16) @ p['w1']) @ p['w2']
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+  def compile_with(quantize):
+    tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, quantize=quantize)
+    plan = zerojax.plan_for(tx, params)
+    p = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), params, plan.params
+    )
+    x = jax.ShapeDtypeStruct(
+      (64, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data'))
+    )
+    fn = jax.jit(zerojax.value_and_grad(loss, tx, per_layer=True))
+    return fn.lower(p, x).compile().as_text()
+
+  exact = compile_with(None)
+  quant = compile_with(zerojax.Quantize(weights='int8', grads=fmt))
+  big = D * D
+  # TPU gathers the bf16 weights as bf16 (CPU widens them to f32); counted once
+  # per async collective (the HLO repeats each inside its fusions).
+  full = zerojax.count_collectives(exact)
+  assert full['all-gather'] == 2 and full.result_bytes['all-gather'] == 2 * big * 2
+  assert {dtype for dtype, _ in _ops(exact, 'all-gather')} == {'bf16'}
+  stats = zerojax.count_collectives(quant)
+  # Per matrix: its int8 values and its float32 scales (one per 256 values).
+  assert stats['all-gather'] == 4
+  assert stats.result_bytes['all-gather'] == 2 * (big + big // 256 * 4)
+  assert {dtype for dtype, _ in _ops(quant, 'all-gather')} == {'s8', 'f32'}
+  assert stats.result_bytes['all-gather'] / (2 * big * 2) <= 0.53
+  packed = 's8' if fmt == 'int8' else 'u8'
+  assert {dtype for dtype, _ in _ops(quant, 'all-to-all')} == {packed, 'f32'}
+  assert stats['all-to-all'] == 4
+  assert stats.result_bytes['all-to-all'] / (2 * big * 4) <= limit
+  assert stats['reduce-scatter'] == 0  # no full-precision gradient collective left
