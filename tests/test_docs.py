@@ -2,6 +2,7 @@
 
 import doctest
 import importlib
+import json
 import os
 import pkgutil
 import subprocess
@@ -80,6 +81,9 @@ def _figures():
   ring = sum(plan['collectives']['ring_bytes'].values())
   ratio = ring / plan['zero_floor_bytes']
   overlap = sum(plan['collectives']['overlapped_ring_bytes'].values()) / ring
+  pre = _json('plan_llama2-70b_v5e-16x16_prefetch.json')
+  pre_ring = sum(pre['collectives']['ring_bytes'].values())
+  pre_overlap = sum(pre['collectives']['overlapped_ring_bytes'].values()) / pre_ring
   flat = _json('plan_llama2-70b_v5e-16x16_flat.json')
   flat_ratio = sum(flat['collectives']['ring_bytes'].values()) / flat['zero_floor_bytes']
   offload = {
@@ -92,13 +96,38 @@ def _figures():
   ]
   host_master = [offload[(s, 'opt_state', 'host')]['peak_vs_no_offload'] for s in (1, 2, 3)]
   demo = _json('demo_cpu8.json')
+  gptq = json.loads((ROOT / 'examples' / 'results' / 'gpt_quantized.json').read_text())['runs']
+  held = [r['heldout_loss'] for r in gptq]
+  ring_q = [r['ring_bytes_vs_full_precision'] for r in gptq]
+  q8, q4 = (
+    cpu['ratios'][f'zerojax-3 value_and_grad {f} ring bytes vs docs-shard_map']
+    for f in ('int8', 'int4')
+  )
+  t8, t4 = (
+    cpu['ratios'][f'zerojax-3 value_and_grad {f} time vs docs-shard_map (paired median)']
+    for f in ('int8', 'int4')
+  )
   return [
+    (
+      'README.md',
+      f'held-out loss {held[1]:.4f} with int8 weights and gradients and {held[2]:.4f} with int4'
+      f' gradients, against {held[0]:.4f} in full precision'
+      f' (+{100 * (held[1] / held[0] - 1):.2f}%, +{100 * (held[2] / held[0] - 1):.1f}%), with'
+      f' {ring_q[1]:.3f}× and {ring_q[2]:.3f}× the collective bytes',
+    ),
+    ('README.md', f'{q8:.3f}× (int8) and {q4:.3f}× (int4) the ring'),
+    ('README.md', f'the step is {t8:.2f}× and {t4:.2f}× slower'),
     ('README.md', f"({demo['wall_seconds']:.0f} s on this project's 2-core machine"),
     ('README.md', f'runs for {plan["compile_seconds"]:.1f} s, compile included'),
     ('README.md', f'needs {peak:.2f} GiB of the 16 GiB per chip'),
     ('README.md', f'move {ratio:.2f}× the 3Ψ(N−1)/N floor'),
     ('README.md', f'{100 * overlap:.0f}% of the bytes overlapping'),
     ('README.md', f'the same step moves {flat_ratio:.2f}× the floor'),
+    (
+      'README.md',
+      f'{100 * pre_overlap:.0f}% of the bytes then overlap compute, for'
+      f' {pre["memory"]["peak"] / 2**30:.2f} GiB per chip',
+    ),
     ('docs/design.md', f'the 70B step moves {ratio:.3f}× the floor'),
     ('docs/design.md', f'and needs {peak:.2f} GiB per chip'),
     (

@@ -267,3 +267,18 @@ def test_gpt_resume_from_checkpoint_is_bitwise_exact(tmp_path):
   for a, b in zip(jax.tree.leaves(resumed['state'].params), jax.tree.leaves(whole['state'].params)):
     assert np.array_equal(np.asarray(a), np.asarray(b))
   assert resumed['losses'][-1] == whole['losses'][-1]
+
+
+def test_gather_leaves_finds_the_mesh_set_by_jax_set_mesh_inside_jit():
+  # Inside jax.jit, jax.set_mesh leaves only the abstract mesh visible; the
+  # gather must still work without mesh= (it used to rebuild a Mesh from the
+  # abstract one's devices, which it has none of).
+  mesh = jax.make_mesh((8,), ('data',))
+  w = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P('data')))
+  with jax.set_mesh(mesh):
+    whole = jax.jit(lambda w: zerojax.gather_leaves(w))(w)
+    grad = jax.jit(jax.grad(lambda w: jnp.sum(zerojax.gather_leaves(w) ** 2)))(w)
+  assert whole.sharding.spec == P(None, None)
+  np.testing.assert_array_equal(np.asarray(whole), np.arange(32.0).reshape(8, 4))
+  assert grad.sharding.spec == P('data', None)
+  np.testing.assert_array_equal(np.asarray(grad), 2 * np.arange(32.0).reshape(8, 4))

@@ -472,3 +472,17 @@ def test_step_report_shows_quantized_traffic_against_the_full_precision_floor(me
   ring = quantized.collectives.total_ring_bytes
   assert ring / quantized.floor_bytes < 0.5 * exact.collectives.total_ring_bytes / exact.floor_bytes
   assert f'measured/floor = {ring / quantized.floor_bytes:.3f}' in text
+
+
+def test_gather_params_outside_value_and_grad_refuses_a_quantized_plan(mesh):
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, quantize=zerojax.Quantize())
+  params = _params()
+  plan = zerojax.plan_for(tx, params)
+  with pytest.raises(ValueError) as info:
+    zerojax.gather_params(jax.device_put(params, plan.params), plan)
+  assert str(info.value) == (
+    'this plan asks for ZeRO++ quantized collectives (quantize=...), which zerojax places'
+    ' itself inside zerojax.value_and_grad; here the compiler would gather in full'
+    ' precision. Differentiate with zerojax.value_and_grad(loss_fn, tx, per_layer=True),'
+    ' or build the optimizer without quantize.'
+  )

@@ -28,6 +28,7 @@ from zerojax._src.precision import DynamicLossScale as DynamicLossScale
 from zerojax._src.precision import cast as cast
 from zerojax._src.precision import loss_scale as loss_scale
 from zerojax._src.precision import mixed_precision as mixed_precision
+from zerojax._src.prefetch import scan_layers as scan_layers
 from zerojax._src.presets import ModelSpec as ModelSpec
 from zerojax._src.quantize import Quantize as Quantize
 from zerojax._src.report import CollectiveStats as CollectiveStats
@@ -85,6 +86,7 @@ __all__ = [
   'gather_params',
   'recompute_gathers',
   'ShardedLeaf',
+  'scan_layers',
   'make_plan',
   'plan_for',
   'unwrap',

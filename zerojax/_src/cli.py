@@ -145,6 +145,7 @@ def _load_model(args) -> Any:
     compute_dtype=jnp.dtype(args.compute_dtype),
     remat=not args.no_remat,
     per_layer=not args.gather_all,
+    prefetch_next=args.prefetch,
   )
 
 
@@ -335,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     help='how gradients are taken: jax.value_and_grad (the compiler places the reduction),'
     ' zerojax.value_and_grad (explicit per-layer reduce-scatters), or auto: zerojax on a'
     ' multi-axis mesh, jax otherwise',
+  )
+  p.add_argument(
+    '--prefetch',
+    action='store_true',
+    help="with zerojax gradients, gather block i+1's parameters while block i computes"
+    ' (zerojax.scan_layers; one more block of parameters lives at a time)',
   )
   p.add_argument('--json', help='also write the report as JSON here')
   p.set_defaults(func=cmd_plan)

@@ -73,17 +73,20 @@ def recompute_gathers(prim, *args, **params) -> bool:
 
 
 def _gathers(jaxpr: Any) -> bool:
-  """Whether a (closed) jaxpr runs an all_gather, in it or in a sub-jaxpr."""
+  """Whether a (closed) jaxpr is a gather: it runs an all_gather, and no loop
+  (a `custom_vjp` layer loop such as `scan_layers` computes, it does not gather)."""
+  found = False
   jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
   for eqn in getattr(jaxpr, 'eqns', ()):
-    if eqn.primitive.name == 'all_gather':
-      return True
+    name = eqn.primitive.name
+    if name in ('scan', 'while'):
+      return False
+    found = found or name == 'all_gather'
     for value in eqn.params.values():
       for sub in value if isinstance(value, (tuple, list)) else (value,):
         if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
-          if _gathers(sub):
-            return True
-  return False
+          found = found or _gathers(sub)
+  return found
 
 
 @jax.tree_util.register_dataclass
@@ -300,6 +303,13 @@ def gather_params(
   """
   if gathers_explicitly(params):  # inside value_and_grad's per-device loss
     return gather_manual(params, dtype)
+  if getattr(plan, 'quantize', None) is not None:
+    raise ValueError(
+      'this plan asks for ZeRO++ quantized collectives (quantize=...), which zerojax places'
+      ' itself inside zerojax.value_and_grad; here the compiler would gather in full'
+      ' precision. Differentiate with zerojax.value_and_grad(loss_fn, tx, per_layer=True),'
+      ' or build the optimizer without quantize.'
+    )
   mesh = plan.mesh
   layouts = plan.params if layouts is None else layouts
   full = jax.tree.map(

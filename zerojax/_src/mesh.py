@@ -73,11 +73,12 @@ def auto_mesh(mesh: Mesh) -> Mesh:
   """The same devices and names as `mesh`, with every axis of Auto type."""
   if not any_explicit(mesh):
     return mesh
-  return Mesh(
-    mesh.devices,
-    mesh.axis_names,
-    axis_types=(AxisType.Auto,) * len(mesh.axis_names),
-  )
+  # An AbstractMesh (what `jax.set_mesh` leaves visible inside `jax.jit`) has
+  # no devices to rebuild a Mesh from; both kinds change their axis types.
+  auto = (AxisType.Auto,) * len(mesh.axis_names)
+  if isinstance(mesh, AbstractMesh):
+    return mesh.update_axis_types(dict(zip(mesh.axis_names, auto)))
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 def constrain(tree: Any, shardings: Any, mesh: Mesh) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax._src import gather
+from zerojax._src import gather, prefetch
 from zerojax._src import plan as plan_lib
 
 
@@ -146,6 +146,7 @@ def decoder_loss(
   compute_dtype=jnp.bfloat16,
   remat: bool = True,
   per_layer: bool = True,
+  prefetch_next: bool = False,
 ) -> jax.Array:
   """Next-token cross-entropy of `tokens` (batch, seq + 1).
 
@@ -162,6 +163,10 @@ def decoder_loss(
       parameters and activations; gather and recompute them again).
     per_layer: gather each block's parameters inside the scan; False gathers
       the whole model up front (simple, and ZeRO-3 then saves nothing at peak).
+    prefetch_next: inside `zerojax.value_and_grad(per_layer=True)` with
+      `remat`, run the blocks through `zerojax.scan_layers`: block i+1's
+      parameters are gathered while block i computes (one more block's
+      parameters live at a time).
   """
   if plan is not None:
     gather_fn = plan_gather(plan, compute_dtype)
@@ -185,9 +190,21 @@ def decoder_loss(
       layer = gather_fn(layer, 'layers', True)
     return _block(cfg, x, cast(layer)), None
 
-  if remat:
-    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-  x, _ = jax.lax.scan(body, x, params['layers'])
+  if (
+    prefetch_next
+    and gather_fn is not None
+    and remat
+    and gather.gathers_explicitly(params['layers'])
+  ):
+    # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
+    # loop, with layer i+1's gather issued while layer i computes.
+    x = prefetch.scan_layers(
+      lambda x, layer: _block(cfg, x, cast(layer)), x, params['layers'], dtype=compute_dtype
+    )
+  else:
+    if remat:
+      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    x, _ = jax.lax.scan(body, x, params['layers'])
   x = _rms_norm(x, params['final_norm'])
   logits = (x @ cast(params['head'])).astype(jnp.float32)
   logp = jax.nn.log_softmax(logits, axis=-1)
@@ -233,6 +250,7 @@ def decoder_spec(
   compute_dtype=jnp.bfloat16,
   remat: bool = True,
   per_layer: bool = True,
+  prefetch_next: bool = False,
 ) -> ModelSpec:
   """A `ModelSpec` for a preset in `PRESETS`.
 
@@ -244,7 +262,12 @@ def decoder_spec(
   cfg = PRESETS[name]
   seq = seq_len or cfg.seq_len
   loss = functools.partial(
-    decoder_loss, cfg=cfg, compute_dtype=compute_dtype, remat=remat, per_layer=per_layer
+    decoder_loss,
+    cfg=cfg,
+    compute_dtype=compute_dtype,
+    remat=remat,
+    per_layer=per_layer,
+    prefetch_next=prefetch_next,
   )
   return ModelSpec(
     name=name,
