@@ -406,33 +406,42 @@ def compare_stages(
 
   Writes `<out_dir>/<name>_stages.json`, `.md` and `.png`; returns the record.
   """
-  import jax
 
   started = time.perf_counter()
   loaded = task.load(data)
   runs = [run(task, stage=s, steps=steps, data=loaded, quiet=quiet, **run_options) for s in stages]
   rows = [stage_row(r) for r in runs]
-  record = {
+  record = _record(task, loaded, steps, started, num_params=runs[0]['num_params'], stages=rows)
+  _write(record, os.path.join(out_dir, f'{task.name}_stages'), stage_table, plot_stages)
+  return record
+
+
+def _record(task: Task, loaded: Data, steps: int, started: float, **fields) -> dict:
+  """What every comparison records: the task, its data, the machine, and `fields`."""
+  import jax
+
+  return {
     'task': task.name,
     'data': loaded.source,
     'synthetic': loaded.synthetic,
-    'num_params': runs[0]['num_params'],
     'devices': len(jax.devices()),
     'device_kind': jax.devices()[0].device_kind,
     'steps': steps,
     'batch': task.batch,
     'machine': f'{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}',
     'wall_seconds': round(time.perf_counter() - started, 1),
-    'stages': rows,
+    **fields,
   }
-  os.makedirs(out_dir, exist_ok=True)
-  base = os.path.join(out_dir, f'{task.name}_stages')
+
+
+def _write(record: dict, base: str, table: Callable, plot: Callable) -> None:
+  """`base`.json, .md (the table) and .png (the plot)."""
+  os.makedirs(os.path.dirname(base) or '.', exist_ok=True)
   with open(base + '.json', 'w') as f:
     json.dump(record, f, indent=2)
   with open(base + '.md', 'w') as f:
-    f.write(stage_table(record) + '\n')
-  plot_stages(record, base + '.png')
-  return record
+    f.write(table(record) + '\n')
+  plot(record, base + '.png')
 
 
 def stage_table(record: dict) -> str:
@@ -457,6 +466,17 @@ def stage_table(record: dict) -> str:
   return '\n'.join(lines)
 
 
+def _loss_curves(ax, rows: list[dict], labels: list[str]) -> None:
+  """One training-loss curve per run, in line styles that survive greyscale."""
+  import numpy as np
+
+  for r, label, style in zip(rows, labels, ['-', '--', ':', '-.']):
+    steps, losses = np.array(r['losses']).T
+    ax.plot(steps, losses, style, label=label)
+  ax.set(xlabel='step', ylabel='training loss', title='training loss')
+  ax.legend()
+
+
 def plot_stages(record: dict, path: str) -> None:
   """Loss curves, held-out accuracy, step time and memory per device, by stage."""
   import matplotlib
@@ -468,11 +488,7 @@ def plot_stages(record: dict, path: str) -> None:
   rows = record['stages']
   labels = [f'stage {r["stage"]}' for r in rows]
   fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
-  for r, style in zip(rows, ['-', '--', ':', '-.']):
-    steps, losses = np.array(r['losses']).T
-    axes[0].plot(steps, losses, style, label=f'stage {r["stage"]}')
-  axes[0].set(xlabel='step', ylabel='training loss', title='training loss')
-  axes[0].legend()
+  _loss_curves(axes[0], rows, labels)
   axes[1].bar(labels, [100 * r['heldout_accuracy'] for r in rows])
   axes[1].set(ylabel='%', title='held-out accuracy')
   axes[2].bar(labels, [r['step_ms'] for r in rows])
@@ -513,7 +529,6 @@ def compare_quantized(
   Writes `<out_dir>/<name>_quantized.json`, `.md` and `.png` (loss curves and
   traffic); returns the record.
   """
-  import jax
   import numpy as np
 
   import zerojax
@@ -556,27 +571,9 @@ def compare_quantized(
     row['final_loss_vs_full_precision'] = row['final_loss'] / base_loss
     row['heldout_loss_vs_full_precision'] = row['heldout_loss'] / rows[0]['heldout_loss']
     row['ring_bytes_vs_full_precision'] = row['ring_bytes'] / rows[0]['ring_bytes']
-  record = {
-    'task': task.name,
-    'stage': stage,
-    'data': loaded.source,
-    'synthetic': loaded.synthetic,
-    'num_params': sum(int(np.prod(r.shape)) for r in out['plan'].rows if r.group == 'params'),
-    'devices': len(jax.devices()),
-    'device_kind': jax.devices()[0].device_kind,
-    'steps': steps,
-    'batch': task.batch,
-    'machine': f'{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}',
-    'wall_seconds': round(time.perf_counter() - started, 1),
-    'runs': rows,
-  }
-  os.makedirs(out_dir, exist_ok=True)
-  base = os.path.join(out_dir, f'{task.name}_quantized')
-  with open(base + '.json', 'w') as f:
-    json.dump(record, f, indent=2)
-  with open(base + '.md', 'w') as f:
-    f.write(quantized_table(record) + '\n')
-  plot_quantized(record, base + '.png')
+  num_params = sum(int(np.prod(r.shape)) for r in out['plan'].rows if r.group == 'params')
+  record = _record(task, loaded, steps, started, stage=stage, num_params=num_params, runs=rows)
+  _write(record, os.path.join(out_dir, f'{task.name}_quantized'), quantized_table, plot_quantized)
   return record
 
 
@@ -607,15 +604,10 @@ def plot_quantized(record: dict, path: str) -> None:
 
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  import numpy as np
 
   rows = record['runs']
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-  for r, style in zip(rows, ['-', '--', ':', '-.']):
-    steps, losses = np.array(r['losses']).T
-    axes[0].plot(steps, losses, style, label=r['label'])
-  axes[0].set(xlabel='step', ylabel='training loss', title='training loss')
-  axes[0].legend()
+  _loss_curves(axes[0], rows, [r['label'] for r in rows])
   labels = [r['label'].replace(', ', '\n') for r in rows]
   axes[1].bar(labels, [r['ring_bytes'] / 2**20 for r in rows])
   axes[1].axhline(rows[0]['floor_bytes'] / 2**20, color='k', ls=':', label='full-precision floor')

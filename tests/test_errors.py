@@ -180,5 +180,36 @@ def test_zero_stage_options_have_one_home():
     zerojax.zero_stage(optax.adam(1e-3), 2, mesh=None, shard_axis='data')
   assert str(e.value) == (
     'zero_stage got unknown option(s) shard_axis; the ZeRO options are stage and mesh, axis,'
-    ' policy, replicate_below_bytes, param_specs, param_axis, offload, update_on.'
+    ' policy, replicate_below_bytes, param_specs, param_axis, offload, update_on, quantize.'
   )
+
+
+def test_nnx_helpers_take_the_same_options():
+  from flax import nnx
+
+  class Tiny(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(64, 32, rngs=rngs)
+
+  mesh = jax.make_mesh((8,), ('data',))
+  with pytest.raises(TypeError) as e:
+    zerojax.create_nnx_model(lambda: Tiny(nnx.Rngs(0)), stage=3, mesh=mesh, shard_axis='data')
+  assert str(e.value) == (
+    'create_nnx_model got unknown option(s) shard_axis; the ZeRO options are stage and mesh,'
+    ' axis, policy, replicate_below_bytes, param_specs, param_axis, offload, update_on, quantize.'
+  )
+
+  # Any zero_stage option passes through: an 8 KiB kernel no dimension of which
+  # divides by 8 is an error above replicate_below_bytes, unless policy says so.
+  class Odd(nnx.Module):
+    def __init__(self, rngs):
+      self.dense = nnx.Linear(63, 33, rngs=rngs)
+
+  with pytest.raises(ValueError, match='no free dimension of \\(63, 33\\) divides by 8'):
+    zerojax.create_nnx_model(
+      lambda: Odd(nnx.Rngs(0)), stage=3, mesh=mesh, replicate_below_bytes=1024
+    )
+  model = zerojax.create_nnx_model(
+    lambda: Odd(nnx.Rngs(0)), stage=3, mesh=mesh, replicate_below_bytes=1024, policy='replicate'
+  )
+  assert model.dense.kernel.value.sharding.is_fully_replicated

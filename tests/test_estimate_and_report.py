@@ -152,6 +152,21 @@ def test_plan_command_on_a_two_axis_mesh(tmp_path):
   assert counts['all-reduce'] == 1 and nbytes['all-reduce'] == 4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('stage', [1, 2])
+def test_plan_command_floor_counts_the_parameters_own_dtype_below_stage_3(stage):
+  # fp32 presets: below stage 3 the gradients of the stored fp32 parameters are
+  # reduce-scattered and the updated ones all-gathered, 2 x 4 bytes x Psi(N-1)/N:
+  # exactly the floor through zerojax's own collectives (the loss adds 7 bytes).
+  proc = _run_cli(
+    'plan', '--model', 'tiny', '--topology', 'cpu:8', '--stage', str(stage), '--grad', 'zerojax'
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  psi = presets.PRESETS['tiny'].num_params()
+  floor = 2 * psi * 4 * 7 // 8
+  assert f'Ψ={psi:,}, N=8): {floor:,} bytes; measured/floor = 1.000' in proc.stdout
+
+
 @pytest.mark.parametrize(
   'mesh, message',
   [

@@ -486,3 +486,27 @@ def test_gather_params_outside_value_and_grad_refuses_a_quantized_plan(mesh):
     ' precision. Differentiate with zerojax.value_and_grad(loss_fn, tx, per_layer=True),'
     ' or build the optimizer without quantize.'
   )
+
+
+def test_whole_tree_gather_is_quantized_too(mesh):
+  # Stage 3 without per_layer: value_and_grad gathers every parameter before
+  # the loss, through the same quantized gather.
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, quantize=zerojax.Quantize(grads=None))
+  params = _params()
+  plan = zerojax.plan_for(tx, params)
+  placed = jax.device_put(params, plan.params)
+  x = jax.device_put(
+    jax.random.normal(jax.random.key(7), (64, 256)), NamedSharding(mesh, P('data'))
+  )
+
+  def loss(p, x):  # whole parameters arrive: no gather of its own
+    h = jnp.tanh(x @ p['w1']) @ p['w2'] + p['b']
+    return jnp.mean(h**2)
+
+  fn = jax.jit(zerojax.value_and_grad(loss, tx))
+  text = fn.lower(placed, x).compile().as_text()
+  assert sorted(d for d, _ in _ops(text, 'all-gather')) == ['f32', 'f32', 'f32', 's8', 's8']
+  _, grads = fn(placed, x)
+  _, exact = jax.value_and_grad(loss)(params, np.asarray(x))
+  rel = jnp.linalg.norm(grads['w1'] - exact['w1']) / jnp.linalg.norm(exact['w1'])
+  assert float(rel) < 0.02

@@ -207,11 +207,16 @@ def cmd_plan(args) -> int:
     compiled = lowered.compile()
   _log(start, 'compiled')
 
-  # Parameters travel in the compute dtype (gathered after the cast) and so do
-  # their gradients: that is the floor's unit.
+  # The floor's unit: at stage 3 parameters travel in the compute dtype (cast
+  # before they are gathered) and so do their gradients (the gather's
+  # transpose); below it the gradients of the stored parameters are reduced
+  # and the updated parameters gathered, in the parameters' own dtype.
   import jax.numpy as jnp
 
-  unit = jnp.dtype(args.compute_dtype).itemsize
+  if args.stage == 3:
+    unit = jnp.dtype(args.compute_dtype).itemsize
+  else:
+    unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
   report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit)
   peak = report.memory.peak
   print(
