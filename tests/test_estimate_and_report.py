@@ -250,3 +250,18 @@ def test_plan_command_takes_a_users_model_spec():
     'error: --model _custom_model:wrong returned a dict; it must return a'
     ' zerojax.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
   )
+
+
+def test_cli_help_shows_every_default():
+  plan = ' '.join(_run_cli('plan', '--help').stdout.split())
+  for shown in (
+    '--stage {0,1,2,3} ZeRO stage (default: 3)',
+    '--optimizer {adam,adamw,sgd,lion,adafactor} optax optimizer (default: adamw)',
+    '--batch-per-chip BATCH_PER_CHIP sequences per chip per step (default: 1)',
+    '--compute-dtype COMPUTE_DTYPE dtype of the matmuls (default: bfloat16)',
+    '(default: data)',
+    '(default: auto)',
+  ):
+    assert shown in plan, shown
+  estimate = ' '.join(_run_cli('estimate', '--help').stdout.split())
+  assert '--optimizer {adam,adamw,sgd,lion,adafactor} optax optimizer (default: adam)' in estimate

@@ -307,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
 
   parser = argparse.ArgumentParser(prog='python -m zerojax', description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='command', required=True)
-  p = sub.add_parser('plan', help='compile a training step ahead of time and report its cost')
+  shown = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
+  p = sub.add_parser(
+    'plan', help='compile a training step ahead of time and report its cost', formatter_class=shown
+  )
   p.add_argument(
     '--model',
     default='gpt2-small',
@@ -316,13 +319,11 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument(
     '--topology', default='v5e:2x4', help='TPU topology (v5e:16x16, v4:2x2x1, ...) or cpu:N'
   )
-  p.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3))
-  p.add_argument('--optimizer', default='adamw', choices=OPTIMIZERS)
-  p.add_argument('--batch-per-chip', type=int, default=1)
-  p.add_argument(
-    '--seq-len', type=int, default=None, help="sequence length (default: the preset's)"
-  )
-  p.add_argument('--compute-dtype', default='bfloat16')
+  p.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3), help='ZeRO stage')
+  p.add_argument('--optimizer', default='adamw', choices=OPTIMIZERS, help='optax optimizer')
+  p.add_argument('--batch-per-chip', type=int, default=1, help='sequences per chip per step')
+  p.add_argument('--seq-len', type=int, default=None, help="sequence length; None: the preset's")
+  p.add_argument('--compute-dtype', default='bfloat16', help='dtype of the matmuls')
   p.add_argument('--no-remat', action='store_true', help='keep activations instead of recomputing')
   p.add_argument(
     '--gather-all', action='store_true', help='gather all parameters up front (not per layer)'
@@ -350,11 +351,13 @@ def main(argv: list[str] | None = None) -> int:
   )
   p.add_argument('--json', help='also write the report as JSON here')
   p.set_defaults(func=cmd_plan)
-  e = sub.add_parser('estimate', help='per-device bytes of each stage, from theory')
+  e = sub.add_parser(
+    'estimate', help='per-device bytes of each stage, from theory', formatter_class=shown
+  )
   e.add_argument('--params', help='parameter count, e.g. 7e9')
   e.add_argument('--model', help='or a preset name')
-  e.add_argument('--devices', type=int, required=True)
-  e.add_argument('--optimizer', default='adam', choices=OPTIMIZERS)
+  e.add_argument('--devices', type=int, required=True, help='devices on the ZeRO axes')
+  e.add_argument('--optimizer', default='adam', choices=OPTIMIZERS, help='optax optimizer')
   e.add_argument(
     '--mixed-precision',
     action='store_true',
@@ -362,7 +365,11 @@ def main(argv: list[str] | None = None) -> int:
   )
   e.add_argument('--offload', choices=('opt_state', 'opt_state+master'), help='host offload')
   e.set_defaults(func=cmd_estimate)
-  i = sub.add_parser('inspect', help='describe a checkpoint folder: steps, stage, mesh, leaves')
+  i = sub.add_parser(
+    'inspect',
+    help='describe a checkpoint folder: steps, stage, mesh, leaves',
+    formatter_class=shown,
+  )
   i.add_argument('directory')
   i.add_argument('--step', type=int, default=None, help='default: the latest committed step')
   i.set_defaults(func=cmd_inspect)
