@@ -334,17 +334,29 @@ def test_quantized_step_stays_close_to_the_exact_one(mesh, stage, quantize):
   assert qgrads['w1'].sharding == grads['w1'].sharding
 
 
-def test_two_axis_mesh_reduces_hop_by_hop():
+@pytest.mark.parametrize('stage', [2, 3])
+def test_two_axis_mesh_reduces_within_hosts_first(stage):
+  # ZeRO++'s hierarchy: with the axis inside a host named first,
+  # axis=('chip', 'host'), gradients are reduce-scattered over 'chip' first and
+  # only a quarter of them crosses hosts; parameter shards cross hosts first,
+  # before they are gathered within the host.
   mesh = jax.make_mesh((2, 4), ('host', 'chip'))
-  fn, params, x, _ = _step(mesh, 2, None, axis=('host', 'chip'))
-  qfn, *_ = _step(mesh, 2, zerojax.Quantize(weights=None), axis=('host', 'chip'))
+  axis = ('chip', 'host')
+  fn, params, x, _ = _step(mesh, stage, None, axis=axis)
+  qfn, *_ = _step(mesh, stage, zerojax.Quantize(weights='int8' if stage == 3 else None), axis=axis)
   text = qfn.lower(params, x).compile().as_text()
-  groups = {
-    report._group_size(line, 8)
-    for line in text.splitlines()
-    if (found := report._collective(line)) and found[0] == 'all-to-all'
-  }
-  assert groups == {2, 4}  # one all-to-all per mesh axis, not one over all 8
+  by_group = {}
+  for line in text.splitlines():
+    found = report._collective(line)
+    if found and found[0] in ('all-to-all', 'all-gather'):
+      key = (found[0], report._group_size(line, 8))
+      by_group[key] = by_group.get(key, 0) + report._type_bytes(found[2])
+  # One collective per mesh axis, not one over all 8 devices.
+  assert {g for _, g in by_group} == {2, 4}
+  # Gradients: what crosses hosts (groups of 2) is a quarter of what moves within them.
+  assert by_group[('all-to-all', 2)] * 4 == by_group[('all-to-all', 4)]
+  if stage == 3:  # weights: hosts exchange shards, chips then gather 4x the bytes
+    assert by_group[('all-gather', 2)] * 4 == by_group[('all-gather', 4)]
   _, grads = fn(params, x)
   _, qgrads = qfn(params, x)
   rel = jnp.linalg.norm(qgrads['w1'] - grads['w1']) / jnp.linalg.norm(grads['w1'])
