@@ -77,6 +77,9 @@ def scan_layers(
 
     return jax.lax.scan(jax.checkpoint(plain), init, layers)[0]
   stacked = [x.shard if s else x for x, s in zip(leaves, sharded)]
+  # Stage 2: the whole parameters each device holds already (the "gather"
+  # moves nothing; only gradients are reduce-scattered), sliced like the shards.
+  wholes = [x.whole if s else None for x, s in zip(leaves, sharded)]
   sizes = {x.shape[0] for x in stacked}
   if len(sizes) != 1:
     raise ValueError(
@@ -84,25 +87,26 @@ def scan_layers(
       ' leaf needs the same layer count first.'
     )
   (count,) = sizes
-  meta = tuple(x.replace(shard=None) if s else None for x, s in zip(leaves, sharded))
+  meta = tuple(x.replace(shard=None, whole=None) if s else None for x, s in zip(leaves, sharded))
   layer_of = _layer_of(meta, dtype)
   # Closed-over arrays (constants, other parameters the body uses) become
   # explicit inputs, so their gradients are returned too.
   step, consts = jax.closure_convert(
     lambda carry, flat: body(carry, jax.tree.unflatten(treedef, flat)),
     init,
-    layer_of(stacked, 0),
+    layer_of(stacked, wholes, 0),
   )
-  return _prefetched(step, count, meta, layer_of)(init, stacked, tuple(consts))
+  return _prefetched(step, count, meta, layer_of)(init, stacked, wholes, tuple(consts))
 
 
 def _layer_of(meta: tuple, dtype: Any):
-  def layer_of(stack, i):
+  def layer_of(stack, wholes, i):
     """Layer i's parameters: gathered (ShardedLeafs) or sliced (other leaves)."""
+    take = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
     out = []
-    for x, m in zip(stack, meta):
-      piece = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-      out.append(piece if m is None else m.replace(shard=piece).gather(dtype))
+    for x, whole, m in zip(stack, wholes, meta):
+      piece = take(x)
+      out.append(piece if m is None else m.replace(shard=piece, whole=take(whole)).gather(dtype))
     return out
 
   return layer_of
@@ -124,29 +128,30 @@ def _scatter(grad: jax.Array, meta: Any, like: jax.Array) -> jax.Array:
 def _prefetched(step, count: int, meta: tuple, layer_of):
   """The loop with its own gradient; see the module docstring."""
 
-  def forward(init, stacked, consts):
+  def forward(init, stacked, wholes, consts):
     # Layers 0..count-2 run in the loop, each issuing its successor's gather
     # first; the last runs after it, on the parameters the loop carried out.
     def one(c, i):
       x, w = c
-      following = layer_of(stacked, i + 1)
+      following = layer_of(stacked, wholes, i + 1)
       return (step(x, w, *consts), following), x
 
-    (x, w), inputs = jax.lax.scan(one, (init, layer_of(stacked, 0)), jnp.arange(count - 1))
+    first = layer_of(stacked, wholes, 0)
+    (x, w), inputs = jax.lax.scan(one, (init, first), jnp.arange(count - 1))
     return step(x, w, *consts), (inputs, x)
 
   @jax.custom_vjp
-  def run(init, stacked, consts):
-    return forward(init, stacked, consts)[0]
+  def run(init, stacked, wholes, consts):
+    return forward(init, stacked, wholes, consts)[0]
 
-  def fwd(init, stacked, consts):
-    out, (inputs, last_input) = forward(init, stacked, consts)
+  def fwd(init, stacked, wholes, consts):
+    out, (inputs, last_input) = forward(init, stacked, wholes, consts)
     # Kept for the backward pass: each layer's input and the shards, not the
     # gathered parameters.
-    return out, (inputs, last_input, stacked, consts)
+    return out, (inputs, last_input, stacked, wholes, consts)
 
   def bwd(res, g):
-    inputs, last_input, stacked, consts = res
+    inputs, last_input, stacked, wholes, consts = res
 
     def grad_of(x, w, g, g_consts):
       _, vjp = jax.vjp(step, x, w, *consts)
@@ -161,18 +166,18 @@ def _prefetched(step, count: int, meta: tuple, layer_of):
 
     g_consts = jax.tree.map(jnp.zeros_like, consts)
     # The last layer, with layer count-2's gather issued first.
-    w = layer_of(stacked, count - 1)
-    previous = layer_of(stacked, count - 2) if count > 1 else None
+    w = layer_of(stacked, wholes, count - 1)
+    previous = layer_of(stacked, wholes, count - 2) if count > 1 else None
     g, g_w, g_consts = grad_of(last_input, w, g, g_consts)
     last = scatter(g_w, count - 1)
     if count == 1:
-      return g, [c[None] for c in last], g_consts
+      return g, [c[None] for c in last], None, g_consts
 
     def one(c, i):
       # Layer i (count-2 down to 1), its parameters gathered by the previous
       # iteration; layer i-1's gather is issued first.
       g, w, g_consts = c
-      following = layer_of(stacked, i - 1)
+      following = layer_of(stacked, wholes, i - 1)
       x = jax.lax.dynamic_index_in_dim(inputs, i, 0, keepdims=False)
       g, g_w, g_consts = grad_of(x, w, g, g_consts)
       return (g, following, g_consts), scatter(g_w, i)
@@ -184,7 +189,7 @@ def _prefetched(step, count: int, meta: tuple, layer_of):
     g, g_w, g_consts = grad_of(x, w, g, g_consts)
     first = scatter(g_w, 0)
     grads = [jnp.concatenate([a[None], b, c[None]], axis=0) for a, b, c in zip(first, middle, last)]
-    return g, grads, g_consts
+    return g, grads, None, g_consts  # the stage-2 wholes are constants
 
   run.defvjp(fwd, bwd)
   return run
