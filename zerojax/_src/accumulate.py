@@ -238,10 +238,7 @@ def value_and_grad(
         if done:  # reduce-scattered by the transpose of the model's gather
           return g
         if stage >= 1 and d is not None:
-          if q is not None and q.grads is not None:
-            g = quantize_lib.reduce_scatter(g, d[1], d[0], q)
-          else:
-            g = gather_lib.psum_scatter_axes(g, d[1], d[0])
+          g = quantize_lib.reduce_scatter(g, d[1], d[0], q)  # qgZ if q asks for it
           rest = tuple(a for a in axes if a not in d[1])
           return jax.lax.psum(g, _axis_arg(rest)) if rest else g
         return g

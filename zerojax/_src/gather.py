@@ -183,10 +183,8 @@ def all_gather_axes(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
 
 
 def psum_scatter_axes(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
-  """Tiled reduce-scatter over `axes` along `dim`, outermost axis first."""
-  for axis in axes:
-    x = jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
-  return x
+  """Tiled reduce-scatter over `axes` along `dim`, in their order (full precision)."""
+  return quantize_lib.reduce_scatter(x, axes, dim, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -203,11 +201,7 @@ def _whole_fwd(shard, whole, dim, axes, dtype, quantize):
 
 
 def _whole_bwd(dim, axes, dtype, quantize, like, ct):
-  if quantize is None:
-    scattered = psum_scatter_axes(ct, axes, dim)
-  else:
-    scattered = quantize_lib.reduce_scatter(ct, axes, dim, quantize)
-  return scattered.astype(like.dtype), None
+  return quantize_lib.reduce_scatter(ct, axes, dim, quantize).astype(like.dtype), None
 
 
 _whole_with_scattered_grad.defvjp(_whole_fwd, _whole_bwd)

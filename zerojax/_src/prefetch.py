@@ -117,12 +117,7 @@ def _scatter(grad: jax.Array, meta: Any, like: jax.Array) -> jax.Array:
   if meta is None:
     return grad.astype(like.dtype)
   dim = meta.dim - (meta.ndim - like.ndim)  # the split dimension within one layer
-  q = meta.quantize
-  if q is not None and q.grads is not None:
-    out = quantize_lib.reduce_scatter(grad, meta.axes, dim, q)
-  else:
-    out = gather_lib.psum_scatter_axes(grad, meta.axes, dim)
-  return out.astype(like.dtype)
+  return quantize_lib.reduce_scatter(grad, meta.axes, dim, meta.quantize).astype(like.dtype)
 
 
 def _prefetched(step, count: int, meta: tuple, layer_of):

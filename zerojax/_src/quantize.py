@@ -233,7 +233,8 @@ _gather_qg.defvjp(_gather_qg_fwd, _qw_bwd)
 
 
 def reduce_scatter(x: jax.Array, axes: tuple[str, ...], dim: int, q: Quantize | None) -> jax.Array:
-  """Tiled reduce-scatter of `x` along `dim` over `axes` (outermost first), qgZ if `q.grads`."""
+  """Tiled reduce-scatter of `x` along `dim` over `axes`, one axis at a time in their
+  order; quantized (qgZ) if `q.grads`, else `psum_scatter` in full precision."""
   for axis in axes:
     if q is None or q.grads is None:
       x = jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
