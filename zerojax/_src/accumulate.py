@@ -178,10 +178,8 @@ def value_and_grad(
         return [
           x
           if g is None
-          else gather_lib.ShardedLeaf(x, g[0], g[1], x.ndim, '', quantize=q).gather()
-          if q is not None
-          else gather_lib.all_gather_axes(x, g[1], g[0])
-          for x, g, q in zip(flat, gather_dims, quants)
+          else gather_lib.ShardedLeaf(x, g[0], g[1], x.ndim, f'params{path}', quantize=q).gather()
+          for x, g, q, path in zip(flat, gather_dims, quants, paths)
         ]
 
       def as_shards(flat):

@@ -171,10 +171,6 @@ def _unpack_int4(packed: jax.Array) -> jax.Array:
 # Collectives, inside a manual region (shard_map) over `axes`.
 
 
-def _axis_size(axis: str) -> int:
-  return jax.lax.axis_size(axis)
-
-
 def quantized_all_gather(x: jax.Array, axes: tuple[str, ...], dim: int, q: Quantize) -> jax.Array:
   """qwZ: the tiled all-gather of `x` along `dim` over `axes`, moving int8 and scales.
 
@@ -251,7 +247,7 @@ def quantized_psum_scatter(
   Each device quantizes one chunk per peer; an all-to-all delivers every
   peer's chunk for this device, which is dequantized and summed in float32.
   """
-  n = _axis_size(axis)
+  n = jax.lax.axis_size(axis)
   moved = jnp.moveaxis(x, dim, 0)
   if moved.shape[0] % n:
     raise ValueError(
