@@ -1,6 +1,6 @@
 """zerojax: ZeRO (the Zero Redundancy Optimizer) for JAX, as sharding layouts."""
 
-from zerojax._src.accumulate import value_and_grad as value_and_grad
+from zerojax._src.grad import value_and_grad as value_and_grad
 from zerojax._src.checkpoint import Checkpointer as Checkpointer
 from zerojax._src.checkpoint import export_params as export_params
 from zerojax._src.checkpoint import format_checkpoint as format_checkpoint
@@ -31,6 +31,7 @@ from zerojax._src.precision import mixed_precision as mixed_precision
 from zerojax._src.prefetch import scan_layers as scan_layers
 from zerojax._src.presets import ModelSpec as ModelSpec
 from zerojax._src.quantize import Quantize as Quantize
+from zerojax._src.reduction import WeightedMean as WeightedMean
 from zerojax._src.report import CollectiveStats as CollectiveStats
 from zerojax._src.report import MemoryStats as MemoryStats
 from zerojax._src.report import StepReport as StepReport
@@ -51,6 +52,7 @@ from zerojax._src.zero_stage import zero_stage as zero_stage
 
 __all__ = [
   'value_and_grad',
+  'WeightedMean',
   'Checkpointer',
   'export_params',
   'format_checkpoint',

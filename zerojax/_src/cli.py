@@ -187,9 +187,9 @@ def cmd_plan(args) -> int:
     batch_sds.shape, batch_sds.dtype, sharding=NamedSharding(mesh, PartitionSpec(axis))
   )
   if explicit:
-    from zerojax._src import accumulate
+    from zerojax._src import grad as grad_lib
 
-    grad_fn = accumulate.value_and_grad(
+    grad_fn = grad_lib.value_and_grad(
       lambda p, b: spec.loss_fn(p, b, plan), state.tx, per_layer=args.stage >= 2
     )
   else:

@@ -1,0 +1,433 @@
+"""`zerojax.value_and_grad`: the global batch's loss and gradient, with ZeRO's collectives in place.
+
+The loss runs per device inside `jax.shard_map` over the ZeRO axes, on that
+device's rows of the batch, one micro-batch after another; the gradient's
+reduction is placed here rather than left to the compiler:
+
+- stages 0-1: each device accumulates its own unreduced gradient over the
+  micro-batches and one collective runs after the loop: an all-reduce at
+  stage 0, a reduce-scatter into the optimizer state's shards at stage 1;
+- stages 2-3: each micro-batch's gradient is reduce-scattered (`psum_scatter`,
+  a real reduce-scatter even on CPU) into an accumulator holding one shard;
+- with `per_layer=True` the loss sees split parameters as `ShardedLeaf`s and
+  the model's own gathers (`gathered_linen`, `gathered_nnx`, `gather_leaves`,
+  `gather_params`) are explicit all-gathers whose transposes reduce-scatter
+  each layer's gradient as the backward pass reaches it.
+
+What the per-device parts mean for the whole batch (scalar means,
+`WeightedMean`s, per-row aux, random keys) is `reduction`'s. Every decision
+about a parameter leaf (where it is split at rest and as a gradient, who
+gathers it, its quantization) is made once, in `LeafRoute`, before tracing.
+Other mesh axes (tensor parallelism) stay under the compiler's control.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from zerojax._src import gather as gather_lib
+from zerojax._src import mesh as mesh_lib
+from zerojax._src import plan as plan_lib
+from zerojax._src import quantize as quantize_lib
+from zerojax._src import reduction, transform
+
+# A split: the dimension and the mesh axes (in the spec's order) it is split over.
+Split = tuple[int, tuple[str, ...]]
+
+
+def _axis_arg(names: tuple[str, ...]) -> str | tuple[str, ...]:
+  return names[0] if len(names) == 1 else names
+
+
+def _zero_split(spec: PartitionSpec, axes: tuple[str, ...]) -> Split | None:
+  """The dimension a spec splits over ZeRO axes, and those axes."""
+  for dim, entry in enumerate(spec):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    kept = tuple(n for n in names if n in axes)
+    if kept:
+      return dim, kept
+  return None
+
+
+def _manual_spec(spec: PartitionSpec, axes: tuple[str, ...], ndim: int) -> PartitionSpec:
+  """`spec` with only the ZeRO axes kept (shard_map's specs name manual axes only)."""
+  out = []
+  for entry in tuple(spec) + (None,) * (ndim - len(spec)):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    kept = tuple(n for n in names if n in axes)
+    out.append(None if not kept else _axis_arg(kept))
+  return PartitionSpec(*out)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRoute:
+  """Where one parameter leaf's collectives go in a step.
+
+  Attributes:
+    path: the leaf's place in the parameter tree, for messages.
+    rest_spec: its layout at rest over the ZeRO axes (what the device holds).
+    grad_spec: its gradient's layout over the ZeRO axes (what is returned).
+    gather: the split at rest, undone before use (None: whole at rest).
+    scatter: the split of its gradient (None: all-reduced whole).
+    model_split: with `per_layer`, the split the model's own gather undoes
+      and whose transpose reduce-scatters the gradient (None: not so).
+    quantize: the ZeRO++ `Quantize` of its collectives, or None.
+    acc_shape: this device's gradient accumulator.
+    acc_dtype: the accumulator's dtype.
+  """
+
+  path: str
+  rest_spec: PartitionSpec
+  grad_spec: PartitionSpec
+  gather: Split | None
+  scatter: Split | None
+  model_split: Split | None
+  quantize: Any
+  acc_shape: tuple[int, ...]
+  acc_dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Routes:
+  """The static decisions of one step: per-leaf routes and the loop's shape."""
+
+  leaves: tuple[LeafRoute, ...]
+  mesh: Mesh
+  stage: int
+  axes: tuple[str, ...]
+  row_axes: tuple[str, ...]  # the batch's rows are split over these, in this order
+  micro_batches: int
+  has_aux: bool
+
+  def size(self, axes: tuple[str, ...]) -> int:
+    return mesh_lib.axes_size(self.mesh, axes)
+
+
+def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any) -> tuple:
+  """One `LeafRoute` per parameter leaf, from the plan."""
+  plan, axes, stage = config.plan(params), config.axes, config.stage
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  # Stage 1 keeps a full gradient buffer through the micro-batches and leaves
+  # it reduce-scattered into the optimizer state's shards (the update reads
+  # only those): the floor's traffic, where an all-reduce would move more.
+  grad_layouts = jax.tree.leaves(plan.grads)
+  if stage == 1:
+    shards = jax.tree.leaves(plan.param_shards)
+    padding = plan.padding or (None,) * len(shards)
+    grad_layouts = [g if pad else s for g, s, pad in zip(grad_layouts, shards, padding)]
+  routes = []
+  for (path, x), rest, grad, q in zip(
+    flat, jax.tree.leaves(plan.params), grad_layouts, plan.quantized()
+  ):
+    rest_spec = _manual_spec(rest.spec, axes, x.ndim)
+    grad_spec = _manual_spec(grad.spec, axes, x.ndim)
+    gather, scatter = _zero_split(rest_spec, axes), _zero_split(grad_spec, axes)
+    acc_shape = list(x.shape)
+    if stage >= 2 and scatter is not None:
+      acc_shape[scatter[0]] //= mesh_lib.axes_size(config.mesh, scatter[1])
+    model_split = (gather if stage == 3 else scatter) if per_layer else None
+    routes.append(
+      LeafRoute(
+        f'params{jax.tree_util.keystr(path)}', rest_spec, grad_spec, gather, scatter,
+        model_split, q, tuple(acc_shape), reduce_dtype or x.dtype,
+      )
+    )  # fmt: skip
+  return tuple(routes), plan
+
+
+# -- per device -----------------------------------------------------------------
+
+
+def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], list]]:
+  """What the loss is differentiated with respect to, and how it becomes its leaves.
+
+  Without `per_layer`, split leaves are gathered up front. With it, the loss
+  gets `ShardedLeaf`s (stage 3: the local shard; stage 2: this device's slice
+  of the whole it holds, with the whole beside it, so its gather moves
+  nothing) and the gradient is taken with respect to the shards only.
+  """
+  leaves = []
+  for route, x in zip(r.leaves, flat_params):
+    if route.model_split is not None:
+      dim, axes = route.model_split
+      whole = None
+      if r.stage < 3:
+        size = x.shape[dim] // r.size(axes)
+        whole, x = x, jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
+      leaves.append(gather_lib.ShardedLeaf(x, dim, axes, x.ndim, route.path, whole, route.quantize))
+    elif route.gather is not None:
+      leaf = gather_lib.ShardedLeaf(x, *route.gather, x.ndim, route.path, quantize=route.quantize)
+      leaves.append(leaf.gather())
+    else:
+      leaves.append(x)
+  diff = [x.shard if gather_lib.is_sharded_leaf(x) else x for x in leaves]
+
+  def rebuild(diff):
+    return [x.replace(shard=v) if gather_lib.is_sharded_leaf(x) else v for x, v in zip(leaves, diff)]
+
+  return diff, rebuild
+
+
+def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
+  """The loss of one part as (total, weight, aux), with a message for captured batch arrays."""
+  try:
+    with gather_lib.per_device_region():
+      out = loss_fn(jax.tree.unflatten(treedef, rebuild(diff)), mb, *args)
+  except TypeError as e:
+    if 'incompatible shapes' not in str(e) and 'shapes must' not in str(e):
+      raise
+    rows = jax.tree.leaves(mb)[0].shape[0]
+    raise ValueError(
+      f'zerojax.value_and_grad: the loss failed on one part of the batch ({rows} rows) with'
+      f' "{e}". Inside value_and_grad the loss sees one device\'s micro-batch, while an array'
+      ' it closes over keeps the whole batch\'s rows. Pass batch-shaped arrays (weights,'
+      ' masks, targets) inside `batch`, so they are split with it.'
+    ) from e
+  loss, aux = out if r.has_aux else (out, None)
+  total, weight = reduction.as_weighted(loss)
+  return total, weight, aux  # weight None: a plain mean, one per part
+
+
+def _check_loss(r: Routes, loss_fn, treedef, flat_params, mb, args, meta: dict) -> None:
+  """Traces one part's loss once, before the loop: refuses a loss or aux whose parts would
+  not add up to the global batch's, and records what it returns in `meta`."""
+  diff, rebuild = _loss_inputs(r, flat_params)
+  closed, shapes = jax.make_jaxpr(
+    lambda d, b: _traced_loss(r, loss_fn, treedef, rebuild, d, b, args), return_shape=True
+  )(diff, mb)
+  num_batch = len(jax.tree.leaves(mb))
+  outputs = [True] + [False] * (len(closed.jaxpr.outvars) - 1)
+  reduction.check_normalisation(closed, len(diff), num_batch, outputs)
+  _, weight, aux = shapes
+  meta['weighted'] = weight is not None
+  if meta['weighted'] and reduction.depends_on_params(
+    reduction.output_deps(closed, len(diff), num_batch)[1]
+  ):
+    raise ValueError(
+      'zerojax.value_and_grad: the loss returned a zerojax.WeightedMean whose weight depends'
+      ' on the parameters; the weight is a count or sum of weights taken from the batch.'
+    )
+  if r.has_aux:
+    meta['aux_kinds'] = reduction.aux_kinds(aux, jax.tree.leaves(mb)[0].shape[0])
+    meta['aux_treedef'] = jax.tree.structure(aux, is_leaf=reduction.is_weighted_mean)
+
+
+def _micro_step(r: Routes, loss_fn, treedef, flat_params, mb, args, scale, meta: dict):
+  """One part's (total, weight, aux, gradients of total * scale)."""
+  diff, rebuild = _loss_inputs(r, flat_params)
+
+  def scaled(diff):
+    total, weight, aux = _traced_loss(r, loss_fn, treedef, rebuild, diff, mb, args)
+    return (total * scale.astype(total.dtype)).astype(total.dtype), (total, weight, aux)
+
+  (_, (total, weight, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(diff)
+  if r.has_aux:
+    aux = reduction.stack_aux(aux, meta['aux_kinds'])
+  grads = [g.astype(route.acc_dtype) for g, route in zip(grads, r.leaves)]
+  return total.astype(jnp.float32), weight, aux, grads
+
+
+def _reduce_scatter(route: LeafRoute, g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """Reduce-scatters over the axes that split the gradient, sums over the other ZeRO axes."""
+  dim, split_axes = route.scatter
+  g = quantize_lib.reduce_scatter(g, split_axes, dim, route.quantize)  # qgZ if asked
+  rest = tuple(a for a in axes if a not in split_axes)
+  return jax.lax.psum(g, _axis_arg(rest)) if rest else g
+
+
+def _reduce_micro(r: Routes, route: LeafRoute, g: jax.Array) -> jax.Array:
+  """Stages 2-3: each micro-batch's gradient into its shard (unless the model's gather did)."""
+  if r.stage >= 2 and route.scatter is not None and route.model_split is None:
+    return _reduce_scatter(route, g, r.axes)
+  return g
+
+
+def _reduce_final(r: Routes, route: LeafRoute, acc: jax.Array) -> jax.Array:
+  """After the loop: stage 1 reduce-scatters its full buffer; whole leaves are all-reduced."""
+  if route.scatter is not None and r.stage >= 2:
+    return acc
+  if route.scatter is not None and r.stage == 1:
+    return _reduce_scatter(route, acc, r.axes)
+  return jax.lax.psum(acc, _axis_arg(r.axes))
+
+
+def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, scale):
+  """One device's step: the micro-batch loop, then the reductions and the global means."""
+  m = r.micro_batches
+  micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+  first = jax.lax.axis_index(_axis_arg(r.row_axes)) * m  # this device's first part
+
+  def body(carry, xs):
+    acc, sums = carry
+    i, mb = xs
+    part = reduction.fold_keys(args, first + i)  # each part draws its own numbers
+    t, w, aux, grads = _micro_step(r, loss_fn, treedef, flat_params, mb, part, scale, meta)
+    acc = [a + _reduce_micro(r, route, g) for a, g, route in zip(acc, grads, r.leaves)]
+    return (acc, sums + (t if w is None else jnp.stack([t, w]))), aux
+
+  mb0 = jax.tree.map(lambda x: x[0], micro)
+  _check_loss(r, loss_fn, treedef, flat_params, mb0, reduction.fold_keys(args, first), meta)
+  acc0 = [jnp.zeros(route.acc_shape, route.acc_dtype) for route in r.leaves]
+  sums0 = jnp.zeros((2,) if meta['weighted'] else (), jnp.float32)
+  (acc, sums), auxes = jax.lax.scan(body, (acc0, sums0), (jnp.arange(m), micro))
+  # The global normaliser: the parts' summed weights (one all-reduce with the
+  # loss), or for a plain mean the number of parts. A loss scale stays in the
+  # gradients: `mixed_precision` divides it out, once.
+  sums = jax.lax.psum(sums, _axis_arg(r.axes))
+  total, weight = (sums[0], sums[1]) if meta['weighted'] else (sums, r.size(r.axes) * m)
+  grads = [
+    (_reduce_final(r, route, a) / weight).astype(a.dtype) for a, route in zip(acc, r.leaves)
+  ]
+  loss = total / weight
+  if not r.has_aux:
+    return loss, None, grads
+  aux, per_row = reduction.finish_aux(
+    auxes, meta['aux_treedef'], meta['aux_kinds'], _axis_arg(r.axes)
+  )
+  meta['aux_per_row'] = per_row
+  # Per-row leaves leave concatenated over devices; global means leave one copy per device.
+  return loss, [x if rows else x[None] for x, rows in zip(aux, per_row)], grads
+
+
+# -- the public function ----------------------------------------------------------
+
+
+def _check_batch(batch: Any, n: int, micro_batches: int) -> None:
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    where = f'batch{jax.tree_util.keystr(path)}'
+    if jnp.ndim(x) == 0:
+      raise ValueError(
+        f'{where} is a scalar: every leaf of `batch` is split by rows over the devices. Pass'
+        ' values that are the same for every row as extra arguments, after `batch`.'
+      )
+    rows = x.shape[0]
+    if rows % (n * micro_batches):
+      raise ValueError(
+        f'{where} has {rows} rows, which do not split into {n} devices x {micro_batches}'
+        f' micro-batches. Use a batch size divisible by {n * micro_batches}.'
+      )
+
+
+def _row_axes(batch: Any, axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The ZeRO axes the rows are split over, in the order the batch already uses if so split."""
+  first = jax.tree.leaves(batch)[0]
+  spec = plan_lib.spec_of(first)
+  if spec is not None and len(spec) and spec[0] is not None:
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    if set(names) == set(axes):
+      return tuple(names)
+  return axes
+
+
+def value_and_grad(
+  loss_fn: Callable[..., Any],
+  tx: optax.GradientTransformation,
+  *,
+  micro_batches: int = 1,
+  reduce_dtype: Any = None,
+  has_aux: bool = False,
+  per_layer: bool = False,
+) -> Callable[..., Any]:
+  """`jax.value_and_grad` over the global batch, for a zero-wrapped optimizer.
+
+  The loss runs once per device and micro-batch, on those rows of the batch,
+  and the parts are combined into what `jax.value_and_grad(loss_fn)` returns
+  on the whole batch under `jax.jit`:
+
+  - a scalar loss is taken to be the mean over its rows (every row weighs the
+    same); the result is the mean over the global batch. A scalar loss that
+    divides by a count it computed from its batch is refused with the fix;
+  - a `zerojax.WeightedMean(total, weight)` (sums over its rows, e.g. a
+    padding-weighted cross-entropy and its count of real tokens): the result
+    is the global sum of `total` over the global sum of `weight`;
+  - aux leaves whose leading dimension is the rows come back with every row
+    of the batch; `WeightedMean` aux leaves are combined as above; any other
+    aux leaf is refused (its meaning for the whole batch is unknown);
+  - every typed PRNG key among `args` (`jax.random.key`) is folded with the
+    part's index (device, micro-batch), so each part draws its own numbers,
+    as one key over the whole batch would (equal in distribution).
+
+  Args:
+    loss_fn: `loss_fn(params, batch, *args)` -> a scalar mean over `batch`'s
+      rows or a `zerojax.WeightedMean` (with `has_aux`: `(loss, aux)`). It gets
+      whole parameters or, with `per_layer`, shards for its layers to gather.
+    tx: the optimizer from `zerojax.zero_stage` (its stage, mesh and plan decide
+      where the reduction goes).
+    micro_batches: split each device's rows into this many micro-batches, run
+      one after another (the activations of one live at a time).
+    reduce_dtype: accumulate and reduce gradients in this dtype (e.g.
+      `jnp.float32` for bf16 models); default: the parameters' dtype.
+    has_aux: `loss_fn` returns `(loss, aux)`.
+    per_layer: stages 2-3: hand `loss_fn` each split parameter as a
+      `zerojax.ShardedLeaf` for the model to gather layer by layer
+      (`gathered_linen`, `gathered_nnx`, `gather_leaves`, `gather_params`),
+      each gather's gradient reduce-scattered as the backward pass reaches it.
+      A split parameter used without a gather raises a TypeError naming it.
+
+  Returns:
+    `fn(params, batch, *args, loss_scale=None)` -> `(loss, grads)` (or
+    `((loss, aux), grads)`), to call inside `jax.jit`: the global batch's loss
+    and its gradient, in the plan's gradient layout (at stage 1: split like
+    the optimizer state). Every leaf of `batch` has the global batch's rows
+    first (split over the ZeRO axes here); `args` reach every part unchanged
+    but for their keys. With `loss_scale` (`zerojax.loss_scale(opt_state)`),
+    the gradients are of the scaled loss (`zerojax.mixed_precision` divides
+    the scale out); the returned loss is unscaled.
+
+  Raises:
+    ValueError: the rows do not divide into devices x `micro_batches`; a batch
+      leaf is a scalar; `per_layer` below stage 2 or with `param_axis`; at
+      trace time, a loss or aux whose parts cannot be combined exactly.
+  """
+  config = transform.require_config(tx)
+  if per_layer and (config.stage < 2 or config.param_axis is not None):
+    raise ValueError(
+      '`per_layer=True` is for stages 2-3 with parameters split over all of the ZeRO axes'
+      f' (got stage {config.stage}, param_axis={config.param_axis!r}); stages 0-1 keep'
+      ' whole gradients by design, and under hpZ (param_axis) use per_layer=False.'
+    )
+  if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+    raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
+  mesh, axes = config.mesh, config.axes
+  n = mesh_lib.axes_size(mesh, axes)
+
+  def fn(params, batch, *args, loss_scale=None):
+    _check_batch(batch, n, micro_batches)
+    reduction.warn_raw_keys(args)
+    leaves, treedef = jax.tree.flatten(params)
+    routes, plan = _leaf_routes(config, params, per_layer=per_layer, reduce_dtype=reduce_dtype)
+    row_axes = _row_axes(batch, axes)
+    r = Routes(routes, mesh, config.stage, axes, row_axes, micro_batches, has_aux)
+    rows = PartitionSpec(_axis_arg(row_axes))
+    scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
+    meta: dict = {}
+    mapped = jax.shard_map(
+      functools.partial(_per_device, r, loss_fn, treedef, meta),
+      mesh=mesh,
+      in_specs=([x.rest_spec for x in routes], rows, PartitionSpec(), PartitionSpec()),
+      out_specs=(PartitionSpec(), rows, [x.grad_spec for x in routes]),
+      axis_names=set(axes),
+      check_vma=False,
+    )
+    if mesh_lib.any_explicit(mesh):
+      # Explicit axes: shard_map takes its inputs only in the layouts it names.
+      # Parameters go to the plan's layout at rest and batch rows to the ZeRO
+      # axes (no-ops when they are there already), so any batch layout works.
+      leaves = [jax.sharding.reshard(x, s) for x, s in zip(leaves, jax.tree.leaves(plan.params))]
+      batch = jax.tree.map(lambda x: jax.sharding.reshard(x, NamedSharding(mesh, rows)), batch)
+    loss, aux, grads = mapped(leaves, batch, args, scale)
+    grads = jax.tree.unflatten(treedef, grads)
+    if not has_aux:
+      return loss, grads
+    aux = [x if rows else x[0] for x, rows in zip(aux, meta['aux_per_row'])]
+    return (loss, meta['aux_treedef'].unflatten(aux)), grads
+
+  return fn
