@@ -4,13 +4,14 @@ python _checkpoint_worker.py save N DIR STAGE [STAGE ...]   -> DIR/n{N}_s{STAGE}
 python _checkpoint_worker.py restore N DIR STAGE [...]      -> restores every DIR/n*_s*/
 python _checkpoint_worker.py kill DIR                       -> saves step 1, then a big step 2
 python _checkpoint_worker.py exit DIR                       -> starts an async save, then exits
+python _checkpoint_worker.py exit-state DIR                 -> the same with a flax TrainState
 """
 
 import json
 import os
 import sys
 
-N = int(sys.argv[2]) if sys.argv[1] not in ('kill', 'exit') else 2
+N = int(sys.argv[2]) if sys.argv[1] not in ('kill', 'exit', 'exit-state') else 2
 os.environ['JAX_PLATFORMS'] = 'cpu'
 os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={N}'
 
@@ -102,6 +103,21 @@ def exit_without_close(folder):
   print('RETURNED', flush=True)
 
 
+def exit_state_without_close(folder):
+  # A flax TrainState with a step, laid out at stage 2: what a training script saves last.
+  state = zerojax.create_train_state(
+    init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), 2, mesh=mesh())
+  )
+  state = jax.jit(lambda s: s.apply_gradients(grads=jax.tree.map(jnp.cos, s.params)))(state)
+  # Held by a module global, as in a script: it lives until the interpreter exits, after
+  # the point where Python stops its thread pools (where orbax commits in the background).
+  global CHECKPOINTER
+  CHECKPOINTER = zerojax.Checkpointer(folder)
+  CHECKPOINTER.save(1, state, extra={'data_position': jnp.array(7)})
+  np.savez(os.path.join(folder, '..', 'expected.npz'), **flat({'params': state.params}))
+  print('RETURNED', flush=True)
+
+
 if __name__ == '__main__':
   mode, rest = sys.argv[1], sys.argv[2:]
   if mode == 'save':
@@ -110,5 +126,7 @@ if __name__ == '__main__':
     restore(rest[1], [int(s) for s in rest[2:]])
   elif mode == 'exit':
     exit_without_close(rest[0])
+  elif mode == 'exit-state':
+    exit_state_without_close(rest[0])
   else:
     kill(rest[0])

@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, shard_batch

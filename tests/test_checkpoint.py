@@ -339,6 +339,47 @@ def test_async_save_finishes_when_the_script_ends_without_close(tmp_path):
   assert np.array_equal(np.asarray(restored['w']), np.arange(16 * 1024 * 1024, dtype=np.float32))
 
 
+@pytest.mark.slow
+def test_async_save_of_a_train_state_is_committed_at_exit(tmp_path, mesh):
+  # A script's last save, of a flax TrainState, with the Checkpointer still alive at exit.
+  out = worker('exit-state', tmp_path / 'run')
+  assert 'RETURNED' in out
+  assert os.listdir(tmp_path / 'run') == ['1']  # committed: no '1.orbax-checkpoint-tmp'
+  state, extra = zerojax.restore_train_state(
+    tmp_path / 'run', init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), 2, mesh=mesh)
+  )
+  expected = np.load(tmp_path / 'expected.npz')
+  got = {
+    jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+  }
+  assert int(state.step) == 1 and int(extra['data_position']) == 7
+  assert sorted(expected.files) == sorted(f"['params']{k}" for k in got)
+  for k, x in got.items():
+    assert np.array_equal(np.asarray(x), expected[f"['params']{k}"])
+
+
+def test_a_truncated_array_file_names_the_step_and_the_array(tmp_path):
+  tree = {'a': jnp.arange(4096.0).reshape(64, 64), 'b': jnp.ones((256, 256)), 'c': jnp.ones(8)}
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, tree)
+    ckpt.save(2, tree)
+  # The largest data file holds the one array that does not compress away: 'a'.
+  path = max(_data_files(tmp_path / '2'), key=os.path.getsize)
+  with open(path, 'r+b') as fh:
+    fh.truncate(os.path.getsize(path) // 2)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+  with zerojax.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with pytest.raises(ValueError) as err:
+      ckpt.restore(target, step=2)
+    assert str(err.value).startswith(
+      f'checkpoint step 2 in {tmp_path} could not be read from {tmp_path / "2" / "state"}: the'
+      " array ['state']['tree']['a'] is damaged (a truncated or partly written file); Exception:"
+    )
+    assert str(err.value).endswith('Restore another step (committed: [1, 2]) or save it again.')
+    restored, _ = ckpt.restore(target, step=1)
+  assert np.array_equal(np.asarray(restored['a']), np.asarray(tree['a']))
+
+
 def test_fresh_train_state_saves_and_restores(tmp_path, mesh):
   from flax.training import train_state
 

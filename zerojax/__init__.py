@@ -1,6 +1,5 @@
 """zerojax: ZeRO (the Zero Redundancy Optimizer) for JAX, as sharding layouts."""
 
-from zerojax._src.grad import value_and_grad as value_and_grad
 from zerojax._src.checkpoint import Checkpointer as Checkpointer
 from zerojax._src.checkpoint import export_params as export_params
 from zerojax._src.checkpoint import format_checkpoint as format_checkpoint
@@ -16,6 +15,7 @@ from zerojax._src.estimate import format_estimates as format_estimates
 from zerojax._src.gather import ShardedLeaf as ShardedLeaf
 from zerojax._src.gather import gather_params as gather_params
 from zerojax._src.gather import recompute_gathers as recompute_gathers
+from zerojax._src.grad import value_and_grad as value_and_grad
 from zerojax._src.layers import gather_leaves as gather_leaves
 from zerojax._src.layers import gathered_linen as gathered_linen
 from zerojax._src.layers import gathered_nnx as gathered_nnx

@@ -16,9 +16,12 @@ garbage. Leaves padded under policy='pad' are saved unpadded.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
+import re
 import shutil
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -214,6 +217,11 @@ class Checkpointer:
     # A script that ends without close() must not lose its last save: finish
     # pending writes when this object goes away or the interpreter exits.
     self._finalizer = weakref.finalize(self, _finish, self._manager)
+    # At exit, before the thread pools shut down: orbax commits a background
+    # save on them, and interpreter shutdown stops them before any atexit
+    # hook runs (the save would stay `N.orbax-checkpoint-tmp`). This is the
+    # hook concurrent.futures itself uses; hooks run newest first.
+    _before_thread_pools_stop(self._finalizer)
 
   # --- Writing.
   def save(self, step: int, state: Any, *, extra: dict | None = None, force: bool = False) -> bool:
@@ -355,11 +363,10 @@ class Checkpointer:
         step,
         args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted)),
       )['state']
-    except (OSError, ValueError) as e:  # tensorstore: truncated, missing or undecodable files
-      raise type(e)(
-        f'checkpoint step {step} in {self.directory} could not be read from'
-        f' {os.path.join(self.directory, str(step), "state")}: {type(e).__name__}: {e}'
-      ) from e
+    except Exception as e:  # TensorStore: truncated, missing or undecodable files
+      if not isinstance(e, (OSError, ValueError)) and 'TensorStore' not in str(e):
+        raise
+      raise _unreadable(e, step, self.directory, wanted, self.all_steps()) from e
     _verify(meta, out, self.directory, step)
     out = _decode_keys(out, meta['prng_keys'])
     restored = out['state']
@@ -385,6 +392,35 @@ class Checkpointer:
 def _finish(manager: Any) -> None:
   manager.wait_until_finished()
   manager.close()
+
+
+def _before_thread_pools_stop(fn: Callable[[], Any]) -> None:
+  register = getattr(threading, '_register_atexit', atexit.register)
+  register(fn)
+
+
+def _orbax_names(tree: Any) -> dict[str, str]:
+  """orbax's name of each leaf (keys joined by '.') -> its pytree path."""
+  names = {}
+  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    keys = [getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))) for k in path]
+    names['.'.join(map(str, keys))] = jax.tree_util.keystr(path)
+  return names
+
+
+def _unreadable(e: Exception, step: int, directory: str, wanted: Any, steps: list) -> Exception:
+  """The error for a file orbax or TensorStore could not read, naming the array."""
+  text = str(e)
+  found = re.findall(r"'path': '([^'/][^']*)/'", text)
+  array = _orbax_names(wanted).get(found[-1]) if found else None
+  first = text.split(' See full TensorStore details')[0].strip().splitlines()[0][:300].rstrip('.')
+  kind = type(e) if isinstance(e, (OSError, ValueError)) else ValueError
+  return kind(
+    f'checkpoint step {step} in {directory} could not be read from'
+    f' {os.path.join(directory, str(step), "state")}'
+    + (f': the array {array} is damaged (a truncated or partly written file)' if array else '')
+    + f'; {type(e).__name__}: {first}. Restore another step (committed: {steps}) or save it again.'
+  )
 
 
 def _logical_struct(x: jax.ShapeDtypeStruct, pad: tuple[int, int], rep: Any):

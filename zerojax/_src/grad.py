@@ -171,7 +171,9 @@ def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], l
   diff = [x.shard if gather_lib.is_sharded_leaf(x) else x for x in leaves]
 
   def rebuild(diff):
-    return [x.replace(shard=v) if gather_lib.is_sharded_leaf(x) else v for x, v in zip(leaves, diff)]
+    return [
+      x.replace(shard=v) if gather_lib.is_sharded_leaf(x) else v for x, v in zip(leaves, diff)
+    ]
 
   return diff, rebuild
 
@@ -188,7 +190,7 @@ def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
     raise ValueError(
       f'zerojax.value_and_grad: the loss failed on one part of the batch ({rows} rows) with'
       f' "{e}". Inside value_and_grad the loss sees one device\'s micro-batch, while an array'
-      ' it closes over keeps the whole batch\'s rows. Pass batch-shaped arrays (weights,'
+      " it closes over keeps the whole batch's rows. Pass batch-shaped arrays (weights,"
       ' masks, targets) inside `batch`, so they are split with it.'
     ) from e
   loss, aux = out if r.has_aux else (out, None)
@@ -283,9 +285,7 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
   # gradients: `mixed_precision` divides it out, once.
   sums = jax.lax.psum(sums, _axis_arg(r.axes))
   total, weight = (sums[0], sums[1]) if meta['weighted'] else (sums, r.size(r.axes) * m)
-  grads = [
-    (_reduce_final(r, route, a) / weight).astype(a.dtype) for a, route in zip(acc, r.leaves)
-  ]
+  grads = [(_reduce_final(r, route, a) / weight).astype(a.dtype) for a, route in zip(acc, r.leaves)]
   loss = total / weight
   if not r.has_aux:
     return loss, None, grads
@@ -298,6 +298,13 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
 
 
 # -- the public function ----------------------------------------------------------
+
+
+def _first(x: jax.Array, mesh: Mesh) -> jax.Array:
+  """One device's copy of a value every device computed alike."""
+  if mesh_lib.any_explicit(mesh):
+    x = jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
+  return x[0]
 
 
 def _check_batch(batch: Any, n: int, micro_batches: int) -> None:
@@ -427,7 +434,7 @@ def value_and_grad(
     grads = jax.tree.unflatten(treedef, grads)
     if not has_aux:
       return loss, grads
-    aux = [x if rows else x[0] for x, rows in zip(aux, meta['aux_per_row'])]
+    aux = [x if rows else _first(x, mesh) for x, rows in zip(aux, meta['aux_per_row'])]
     return (loss, meta['aux_treedef'].unflatten(aux)), grads
 
   return fn

@@ -100,7 +100,7 @@ def aux_kinds(aux: Any, rows: int) -> list[str]:
     raise ValueError(
       'zerojax.value_and_grad(has_aux=True): the loss runs per device on'
       f' {rows} rows at a time, and these aux values are not per-row, so they cannot be'
-      f' combined into the global batch\'s: {", ".join(bad)}. Return per-row values'
+      f" combined into the global batch's: {', '.join(bad)}. Return per-row values"
       f' (leading dimension {rows}, e.g. the correct predictions, not their mean; they'
       ' come back with every row of the batch), or a zerojax.WeightedMean(total, weight)'
       ' of sums over the rows (WeightedMean(x, 1.0) for a mean over the rows).'
@@ -153,7 +153,7 @@ def warn_raw_keys(args: Any) -> None:
         f'zerojax.value_and_grad: args{jax.tree_util.keystr(path)} looks like a raw uint32 PRNG'
         ' key (jax.random.PRNGKey). It is passed to every device and micro-batch unchanged,'
         ' so they would all draw the same numbers. Pass a typed key (jax.random.key, or'
-        ' jax.random.wrap_key_data(key)) and value_and_grad folds in each part\'s index.',
+        " jax.random.wrap_key_data(key)) and value_and_grad folds in each part's index.",
         stacklevel=4,
       )
 
@@ -212,7 +212,9 @@ def _find_divisions(jaxpr: Any, in_deps: list[int], live_out: list[bool]) -> lis
     if eqn.primitive.name == 'div':
       divisor = eqn.invars[1]
       if read(divisor) == _BATCH and int(np.prod(divisor.aval.shape)) == 1:
-        found.append(f'{eqn.invars[0].aval.str_short()} / {divisor.aval.str_short()}')
+        found.append(
+          f'{eqn.invars[0].aval.str_short(short_dtypes=True)} / {divisor.aval.str_short(short_dtypes=True)}'
+        )
     inner = _sub_jaxpr(eqn)
     if inner is not None:
       inner_live = [v in live for v in eqn.outvars]
@@ -242,8 +244,8 @@ def check_normalisation(closed: Any, num_params: int, num_batch: int, outputs: l
     raise ValueError(
       'zerojax.value_and_grad: the loss divides by a value computed from its batch'
       f' ({"; ".join(found)}), such as a count of tokens that are not padding. The loss runs'
-      ' per device, on part of the batch, so it would be normalised by that part\'s count,'
-      ' not the whole batch\'s. Return zerojax.WeightedMean(total, count) (the sums before'
+      " per device, on part of the batch, so it would be normalised by that part's count,"
+      " not the whole batch's. Return zerojax.WeightedMean(total, count) (the sums before"
       ' dividing) and value_and_grad divides the global sums, as jax.value_and_grad on the'
       ' whole batch would.'
     )

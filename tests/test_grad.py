@@ -1,0 +1,254 @@
+"""value_and_grad means what the loss means on the global batch: aux, weighted losses, keys.
+
+Each test compares with `jax.value_and_grad` of the same loss on the whole batch under
+`jax.jit`, or asserts the exact error for a loss whose per-device parts cannot be combined.
+"""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import BATCH, batch, max_rel_err, mlp_apply, mlp_params, shard_batch
+
+import zerojax
+
+STAGES = [0, 1, 2, 3]
+
+
+def _placed(mesh, stage, **options):
+  tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh, **options)
+  return tx, jax.device_put(mlp_params(), zerojax.plan_for(tx, mlp_params()).params)
+
+
+def _padding_mask():
+  # Uneven padding: the devices' parts hold 1 to 4 real rows of 4, so per-device
+  # normalisation would weigh the rows of sparse parts up.
+  keep = np.zeros(BATCH, np.float32)
+  for part in range(8):
+    keep[part * 4 : part * 4 + [1, 4, 2, 4, 1, 3, 4, 1][part]] = 1.0
+  return jnp.asarray(keep)
+
+
+def _weighted_loss(p, b):
+  err = jnp.sum((mlp_apply(p, b['x']) - b['y']) ** 2, axis=-1)
+  return zerojax.WeightedMean(jnp.sum(err * b['mask']), jnp.sum(b['mask']))
+
+
+@pytest.mark.parametrize('stage', STAGES)
+@pytest.mark.parametrize('micro', [1, 2])
+def test_aux_comes_back_with_every_row(stage, micro, mesh):
+  x, y = batch()
+
+  def loss_aux(p, b):
+    logits = mlp_apply(p, b['x'])
+    return jnp.mean((logits - b['y']) ** 2), {'logits': logits, 'err': (logits - b['y']) ** 2}
+
+  (want_loss, want_aux), want = jax.jit(jax.value_and_grad(loss_aux, has_aux=True))(
+    mlp_params(), {'x': x, 'y': y}
+  )
+  tx, params = _placed(mesh, stage)
+  xs, ys = shard_batch(mesh, x, y)
+  grad_fn = zerojax.value_and_grad(loss_aux, tx, has_aux=True, micro_batches=micro)
+  (loss, aux), grads = jax.jit(grad_fn)(params, {'x': xs, 'y': ys})
+  assert aux['logits'].shape == (BATCH, 8)
+  np.testing.assert_allclose(aux['logits'], want_aux['logits'], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(aux['err'], want_aux['err'], rtol=1e-5, atol=1e-6)
+  assert abs(float(loss) - float(want_loss)) < 1e-6
+  assert max_rel_err(grads, want) < 1e-5
+
+
+@pytest.mark.parametrize('stage', STAGES)
+@pytest.mark.parametrize('micro', [1, 4])
+def test_weighted_loss_is_normalised_over_the_global_batch(stage, micro, mesh):
+  x, y = batch()
+  y = y * jnp.repeat(jnp.array([4.0, 1, 1, 1, 4, 1, 1, 4]), 4)[:, None]  # sparse parts err more
+  b = {'x': x, 'y': y, 'mask': _padding_mask()}
+  want_loss, want = jax.jit(jax.value_and_grad(lambda p, b: _weighted_loss(p, b).value))(
+    mlp_params(), b
+  )
+
+  def with_metrics(p, b):
+    loss = _weighted_loss(p, b)
+    hits = (jnp.argmax(mlp_apply(p, b['x']), -1) == jnp.argmax(b['y'], -1)) * b['mask']
+    return loss, {'accuracy': zerojax.WeightedMean(jnp.sum(hits), jnp.sum(b['mask']))}
+
+  tx, params = _placed(mesh, stage)
+  xs, ys, ms = shard_batch(mesh, x, y, b['mask'])
+  grad_fn = zerojax.value_and_grad(with_metrics, tx, micro_batches=micro, has_aux=True)
+  (loss, aux), grads = jax.jit(grad_fn)(params, {'x': xs, 'y': ys, 'mask': ms})
+  assert abs(float(loss) - float(want_loss)) < 1e-5 * abs(float(want_loss))
+  assert max_rel_err(grads, want) < 1e-5
+  hits = np.argmax(mlp_apply(mlp_params(), x), -1) == np.argmax(y, -1)
+  want_accuracy = float(np.sum(hits * b['mask']) / np.sum(b['mask']))
+  assert abs(float(aux['accuracy']) - want_accuracy) < 1e-6
+  # What averaging the devices' own normalised losses gave (the old behaviour): not this.
+  parts = [
+    _weighted_loss(mlp_params(), jax.tree.map(lambda v, i=i: v[i * 4 : i * 4 + 4], b)).value
+    for i in range(8)
+  ]
+  assert abs(float(np.mean(parts)) - float(want_loss)) > 0.05 * float(want_loss)
+
+
+LOCAL_NORMALISATION = (
+  'zerojax.value_and_grad: the loss divides by a value computed from its batch'
+  ' (f32[] / f32[]), such as a count of tokens that are not padding. The loss runs per'
+  " device, on part of the batch, so it would be normalised by that part's count, not the"
+  " whole batch's. Return zerojax.WeightedMean(total, count) (the sums before dividing) and"
+  ' value_and_grad divides the global sums, as jax.value_and_grad on the whole batch would.'
+)
+
+
+@pytest.mark.parametrize(
+  'normalise',
+  [
+    lambda err, mask: jnp.sum(err * mask) / jnp.sum(mask),
+    lambda err, mask: jnp.mean(err, where=mask > 0),
+  ],
+  ids=['sum-over-count', 'mean-where'],
+)
+def test_a_loss_normalised_by_its_own_batch_is_refused(normalise, auto_mesh):
+  tx, params = _placed(auto_mesh, 2)
+
+  def loss(p, b):
+    return normalise(jnp.sum((mlp_apply(p, b['x']) - b['y']) ** 2, axis=-1), b['mask'])
+
+  x, y = batch()
+  xs, ys, ms = shard_batch(auto_mesh, x, y, _padding_mask())
+  with pytest.raises(ValueError, match=re.escape(LOCAL_NORMALISATION)):
+    jax.jit(zerojax.value_and_grad(loss, tx))(params, {'x': xs, 'y': ys, 'mask': ms})
+
+
+def test_normalising_by_constants_and_activations_passes(auto_mesh):
+  # jnp.mean divides by a constant, softmax and layer norms by activations: per-row, exact.
+  tx, params = _placed(auto_mesh, 3)
+
+  def loss(p, b):
+    logits = mlp_apply(p, b['x'])
+    logits = logits / jnp.linalg.norm(logits, axis=-1, keepdims=True)
+    return jnp.mean(optax.softmax_cross_entropy(logits, jax.nn.softmax(b['y'])))
+
+  x, y = batch()
+  want_loss, want = jax.jit(jax.value_and_grad(loss))(mlp_params(), {'x': x, 'y': y})
+  xs, ys = shard_batch(auto_mesh, x, y)
+  got_loss, grads = jax.jit(zerojax.value_and_grad(loss, tx))(params, {'x': xs, 'y': ys})
+  assert abs(float(got_loss) - float(want_loss)) < 1e-6
+  assert max_rel_err(grads, want) < 1e-5
+
+
+def test_a_weight_that_depends_on_the_parameters_is_refused(auto_mesh):
+  tx, params = _placed(auto_mesh, 1)
+
+  def loss(p, b):
+    out = mlp_apply(p, b['x'])
+    return zerojax.WeightedMean(jnp.sum(out**2), jnp.sum(jnp.abs(out)))
+
+  xs, ys = shard_batch(auto_mesh, *batch())
+  with pytest.raises(ValueError, match='whose weight depends on the parameters'):
+    jax.jit(zerojax.value_and_grad(loss, tx))(params, {'x': xs, 'y': ys})
+
+
+def test_aux_that_is_not_per_row_is_refused(auto_mesh):
+  tx, params = _placed(auto_mesh, 2)
+
+  def loss(p, b):
+    err = jnp.mean((mlp_apply(p, b['x']) - b['y']) ** 2)
+    return err, {'mse': err, 'rows': b['x']}
+
+  xs, ys = shard_batch(auto_mesh, *batch())
+  msg = (
+    'zerojax.value_and_grad(has_aux=True): the loss runs per device on 4 rows at a time, and'
+    " these aux values are not per-row, so they cannot be combined into the global batch's:"
+    " aux['mse'] (shape ()). Return per-row values (leading dimension 4,"
+  )
+  with pytest.raises(ValueError, match=re.escape(msg)):
+    jax.jit(zerojax.value_and_grad(loss, tx, has_aux=True))(params, {'x': xs, 'y': ys})
+
+
+def _dropout_loss(p, b, key):
+  h = jnp.tanh(b['x'] @ p['dense1']['kernel'] + p['dense1']['bias'])
+  keep = jax.random.bernoulli(key, 0.5, h.shape)
+  h = jnp.where(keep, h / 0.5, 0.0)
+  out = h @ p['dense2']['kernel'] + p['dense2']['bias']
+  return jnp.mean((out - b['y']) ** 2), keep
+
+
+@pytest.mark.parametrize('stage', [0, 3])
+def test_keys_draw_independently_per_device_and_micro_batch(stage, mesh):
+  tx, params = _placed(mesh, stage)
+  x, y = batch()
+  xs, ys = shard_batch(mesh, x, y)
+  grad_fn = jax.jit(zerojax.value_and_grad(_dropout_loss, tx, has_aux=True, micro_batches=2))
+  key = jax.random.key(0)
+  (loss, keep), grads = grad_fn(params, {'x': xs, 'y': ys}, key)
+  parts = np.asarray(keep).reshape(16, 2, 64)  # 8 devices x 2 micro-batches, 2 rows each
+  distinct = {parts[i].tobytes() for i in range(16)}
+  assert len(distinct) == 16, 'two parts drew the same dropout mask'
+  # Equal in distribution to one key over the whole batch: Bernoulli(0.5) per unit.
+  (_, want_keep), _ = jax.jit(jax.value_and_grad(_dropout_loss, has_aux=True))(
+    mlp_params(), {'x': x, 'y': y}, key
+  )
+  n = keep.size
+  for mask in (keep, want_keep):
+    assert abs(float(np.mean(mask)) - 0.5) < 4 * np.sqrt(0.25 / n)
+  # The same key gives the same step (the folding is deterministic) and the loss is the
+  # loss of the masks drawn.
+  (loss2, keep2), _ = grad_fn(params, {'x': xs, 'y': ys}, key)
+  assert float(loss2) == float(loss) and np.array_equal(keep, keep2)
+
+
+def test_a_raw_uint32_key_warns(auto_mesh):
+  tx, params = _placed(auto_mesh, 2)
+  xs, ys = shard_batch(auto_mesh, *batch())
+
+  def loss(p, b, key):
+    return _dropout_loss(p, b, jax.random.wrap_key_data(key))[0]
+
+  with pytest.warns(UserWarning, match=re.escape('args[0] looks like a raw uint32 PRNG key')):
+    jax.jit(zerojax.value_and_grad(loss, tx))(params, {'x': xs, 'y': ys}, jax.random.PRNGKey(0))
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    jax.jit(zerojax.value_and_grad(_dropout_loss, tx, has_aux=True))(
+      params, {'x': xs, 'y': ys}, jax.random.key(0)
+    )
+
+
+def test_a_captured_batch_array_names_the_fix(auto_mesh):
+  tx, params = _placed(auto_mesh, 2)
+  x, y = batch()
+  weights = jnp.linspace(0.0, 1.0, BATCH)
+
+  def loss(p, b):  # `weights` has the global batch's rows, captured from outside
+    return jnp.mean(jnp.sum((mlp_apply(p, b['x']) - b['y']) ** 2, -1) * weights)
+
+  xs, ys = shard_batch(auto_mesh, x, y)
+  msg = (
+    'zerojax.value_and_grad: the loss failed on one part of the batch (4 rows) with "mul got'
+    ' incompatible shapes for broadcasting: (4,), (32,).". Inside value_and_grad the loss sees'
+    " one device's micro-batch, while an array it closes over keeps the whole batch's rows."
+    ' Pass batch-shaped arrays (weights, masks, targets) inside `batch`, so they are split'
+    ' with it.'
+  )
+  with pytest.raises(ValueError, match=re.escape(msg)):
+    jax.jit(zerojax.value_and_grad(loss, tx))(params, {'x': xs, 'y': ys})
+  # The fix, as the message says: in `batch`, it is exact.
+  want = jax.grad(loss)(mlp_params(), {'x': x, 'y': y})
+  ws = shard_batch(auto_mesh, weights)[0]
+
+  def fixed(p, b):
+    return jnp.mean(jnp.sum((mlp_apply(p, b['x']) - b['y']) ** 2, -1) * b['w'])
+
+  _, grads = jax.jit(zerojax.value_and_grad(fixed, tx))(params, {'x': xs, 'y': ys, 'w': ws})
+  assert max_rel_err(grads, want) < 1e-5
+
+
+def test_a_scalar_batch_leaf_is_refused(auto_mesh):
+  tx, params = _placed(auto_mesh, 1)
+  xs, ys = shard_batch(auto_mesh, *batch())
+  with pytest.raises(ValueError, match=re.escape("batch['t'] is a scalar")):
+    jax.jit(zerojax.value_and_grad(lambda p, b: jnp.mean(b['x']), tx))(
+      params, {'x': xs, 'y': ys, 't': jnp.ones(())}
+    )
