@@ -224,7 +224,7 @@ def test_a_parameter_used_without_a_gather_is_named(auto_mesh):
     jax.jit(grad_fn)(params, jnp.ones((8, 64)))
   assert str(e.value).startswith(
     "parameter params['layer']['w'] was used without being gathered: inside"
-    ' zerojax.value_and_grad(..., per_layer=True) stage-3 parameters arrive as shards'
+    ' zerojax.value_and_grad(..., per_layer=True) split parameters arrive as shards'
   )
 
 

@@ -22,6 +22,7 @@ from zerojax._src.layers import gathered_nnx as gathered_nnx
 from zerojax._src.logical import logical_param_specs as logical_param_specs
 from zerojax._src.nnx_state import create_nnx_model as create_nnx_model
 from zerojax._src.nnx_state import nnx_plan as nnx_plan
+from zerojax._src.nnx_state import nnx_value_and_grad as nnx_value_and_grad
 from zerojax._src.nnx_state import shard_nnx as shard_nnx
 from zerojax._src.plan import ZeroPlan as ZeroPlan
 from zerojax._src.precision import DynamicLossScale as DynamicLossScale
@@ -52,6 +53,7 @@ from zerojax._src.zero_stage import zero_stage as zero_stage
 
 __all__ = [
   'value_and_grad',
+  'nnx_value_and_grad',
   'WeightedMean',
   'Checkpointer',
   'export_params',

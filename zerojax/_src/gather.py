@@ -89,6 +89,22 @@ def _gathers(jaxpr: Any) -> bool:
   return found
 
 
+def count_gathers(jaxpr: Any, in_loop: bool = False) -> tuple[int, int]:
+  """All-gathers in a (closed) jaxpr: (outside any loop, inside a scan or while loop)."""
+  outside = inside = 0
+  for eqn in getattr(getattr(jaxpr, 'jaxpr', jaxpr), 'eqns', ()):
+    name = eqn.primitive.name
+    if name == 'all_gather':
+      inside, outside = (inside + 1, outside) if in_loop else (inside, outside + 1)
+    loop = in_loop or name in ('scan', 'while')
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
+          o, i = count_gathers(sub, loop)
+          outside, inside = outside + o, inside + i
+  return outside, inside
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ShardedLeaf:
@@ -133,13 +149,7 @@ class ShardedLeaf:
     return dataclasses.replace(self, **changes)
 
   def __jax_array__(self):
-    raise TypeError(
-      f'parameter {self.path} was used without being gathered: inside'
-      ' zerojax.value_and_grad(..., per_layer=True) stage-3 parameters arrive as shards,'
-      ' and each layer gathers its own. Wrap the module with zerojax.gathered_linen'
-      ' (linen) or zerojax.gathered_nnx (NNX), call zerojax.gather_leaves on the'
-      ' parameters before use, or pass per_layer=False to gather everything up front.'
-    )
+    raise ungathered(self.path)
 
   def gather(self, dtype: Any = None) -> jax.Array:
     """The whole parameter: an all-gather of the shards (its transpose: a reduce-scatter)."""
@@ -166,6 +176,17 @@ class ShardedLeaf:
     else:
       whole = all_gather_axes(x, self.axes, dim)
     return checkpoint_name(whole, GATHERED)
+
+
+def ungathered(path: str) -> TypeError:
+  """The error for a split parameter used where its layer did not gather it."""
+  return TypeError(
+    f'parameter {path} was used without being gathered: inside'
+    ' zerojax.value_and_grad(..., per_layer=True) split parameters arrive as shards,'
+    ' and each layer gathers its own. Wrap the module with zerojax.gathered_linen'
+    ' (linen) or zerojax.gathered_nnx (NNX), call zerojax.gather_leaves on the'
+    ' parameters before use, or pass per_layer=False to gather everything up front.'
+  )
 
 
 # Over several mesh axes, collectives run one axis at a time: each is then a

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 import optax
@@ -178,11 +181,26 @@ def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], l
   return diff, rebuild
 
 
+def _linen_param_path(message: str) -> str | None:
+  """`params['scope']['name']` of the parameter a linen ScopeParamShapeError names."""
+  found = re.search(r'For parameter "([^"]+)" in "([^"]*)"', message)
+  if found is None:
+    return None
+  name, scope = found.groups()
+  return 'params' + ''.join(f"['{p}']" for p in scope.split('/') if p) + f"['{name}']"
+
+
 def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
   """The loss of one part as (total, weight, aux), with a message for captured batch arrays."""
   try:
     with gather_lib.per_device_region():
       out = loss_fn(jax.tree.unflatten(treedef, rebuild(diff)), mb, *args)
+  except flax.errors.ScopeParamShapeError as e:
+    # linen compares a parameter's shape before using it: a shard fails there.
+    path = _linen_param_path(str(e))
+    if path not in {route.path for route in r.leaves if route.model_split is not None}:
+      raise
+    raise gather_lib.ungathered(path) from e
   except TypeError as e:
     if 'incompatible shapes' not in str(e) and 'shapes must' not in str(e):
       raise
@@ -217,9 +235,26 @@ def _check_loss(r: Routes, loss_fn, treedef, flat_params, mb, args, meta: dict) 
       'zerojax.value_and_grad: the loss returned a zerojax.WeightedMean whose weight depends'
       ' on the parameters; the weight is a count or sum of weights taken from the batch.'
     )
+  if r.stage == 3 and any(route.model_split is not None for route in r.leaves):
+    _warn_unrolled(closed)
   if r.has_aux:
     meta['aux_kinds'] = reduction.aux_kinds(aux, jax.tree.leaves(mb)[0].shape[0])
     meta['aux_treedef'] = jax.tree.structure(aux, is_leaf=reduction.is_weighted_mean)
+
+
+def _warn_unrolled(closed: Any) -> None:
+  """Per-layer gathers save memory only inside a layer loop: says so when there is none."""
+  outside, inside = gather_lib.count_gathers(closed)
+  if outside >= 2 and inside == 0:
+    warnings.warn(
+      f'zerojax.value_and_grad(per_layer=True): the loss gathers {outside} split parameters,'
+      ' none of them inside a layer loop (lax.scan, nn.scan, nnx.scan, zerojax.scan_layers).'
+      ' Unrolled layers (a Python for loop) give the compiler separate gathers it may run'
+      ' together, so the whole model can be live at once, as with per_layer=False. Scan over'
+      ' stacked layers, rematerialised (policy=zerojax.recompute_gathers), to hold one'
+      " layer's parameters at a time.",
+      stacklevel=2,
+    )
 
 
 def _micro_step(r: Routes, loss_fn, treedef, flat_params, mb, args, scale, meta: dict):

@@ -14,6 +14,8 @@ gathered again in the backward pass). Three forms of the same operation:
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any
 
 import jax
@@ -84,6 +86,9 @@ def gathered_linen(
     axis: the ZeRO mesh axis or axes.
     dtype: compute dtype to cast parameters to before the gather.
 
+  Every public method of the class gathers, not only `__call__`: a tied
+  embedding's `attend` sees whole parameters too.
+
   Returns:
     A Module class with the same constructor.
   """
@@ -91,7 +96,20 @@ def gathered_linen(
   def trans_in(variables):
     return gather_leaves(variables, mesh=mesh, axis=axis, dtype=dtype)
 
-  return nn.map_variables(module_cls, 'params', trans_in_fn=trans_in, init=True)
+  return nn.map_variables(
+    module_cls, 'params', trans_in_fn=trans_in, init=True, methods=_public_methods(module_cls)
+  )
+
+
+def _public_methods(module_cls: type[nn.Module]) -> list[str]:
+  """`__call__` and the public methods a linen Module subclass defines (not `setup`)."""
+  base = set(dir(nn.Module)) | {f.name for f in dataclasses.fields(module_cls)}  # not fields
+  names = [
+    name
+    for name, value in inspect.getmembers(module_cls, inspect.isfunction)
+    if not name.startswith('_') and name not in base
+  ]
+  return (['__call__'] if callable(getattr(module_cls, '__call__', None)) else []) + names
 
 
 def gathered_nnx(

@@ -1,4 +1,4 @@
-"""Flax NNX models laid out for ZeRO."""
+"""Flax NNX models laid out for ZeRO, and differentiated with `zerojax.value_and_grad`."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from zerojax._src import grad as grad_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
-from zerojax._src import transform
+from zerojax._src import reduction, transform
 
 
 def nnx_plan(
@@ -39,7 +41,7 @@ def shard_nnx(model: nnx.Module, *, stage: int = 3, **options: Any) -> nnx.Modul
   transform.check_option_names(options, 'shard_nnx')
   plan = nnx_plan(model, stage=stage, **options)
   nnx.update(model, jax.device_put(nnx.state(model, nnx.Param), plan.params))
-  return model
+  return _guard_explicit_stage3(model, plan)
 
 
 def create_nnx_model(
@@ -77,4 +79,86 @@ def create_nnx_model(
 
   del params
   p, r = jax.jit(create, out_shardings=(plan.params, rest_shardings))()
-  return nnx.merge(graphdef, p, r)
+  return _guard_explicit_stage3(nnx.merge(graphdef, p, r), plan)
+
+
+_GUARDED: dict[type, type] = {}
+
+
+def _guard_explicit_stage3(model: nnx.Module, plan: plan_lib.ZeroPlan) -> nnx.Module:
+  """At stage 3 on an Explicit mesh, calling the model names the fix for JAX's sharding
+  type error (its parameters rest split, and each layer must gather its own)."""
+  if plan.stage < 3 or not mesh_lib.any_explicit(plan.mesh):
+    return model
+  cls = type(model)
+  if cls not in _GUARDED and not getattr(cls, '_zerojax_guarded', False):
+    call = cls.__call__
+
+    def guarded_call(self, *args, **kwargs):
+      try:
+        return call(self, *args, **kwargs)
+      except Exception as e:
+        # jax does not export the class; its name is stable and public in messages.
+        if type(e).__name__ != 'ShardingTypeError':
+          raise
+        raise ValueError(
+          f'{cls.__name__} failed on ZeRO stage-3 parameters, which rest split over the'
+          f" Explicit mesh: {e}\nGather each layer's parameters where it runs, with"
+          ' zerojax.gathered_nnx(layer) inside the (scanned, rematerialised) forward pass or'
+          ' zerojax.gathered_nnx(model) for the whole model at once, and differentiate with'
+          ' zerojax.nnx_value_and_grad(loss_fn, tx): its loss runs per device, where the batch'
+          ' and the gathered parameters are local. Or use a mesh with Auto axes.'
+        ) from e
+
+    namespace = {'__call__': guarded_call, '_zerojax_guarded': True}
+    namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
+    _GUARDED[cls] = type(cls)(cls.__name__, (cls,), namespace)
+  model.__class__ = _GUARDED.get(cls, cls)
+  return model
+
+
+def nnx_value_and_grad(
+  loss_fn: Callable[..., Any], tx: optax.GradientTransformation, *, has_aux: bool = False, **options
+) -> Callable[..., Any]:
+  """`zerojax.value_and_grad` for an NNX model: `loss_fn(model, batch, *args)`.
+
+  The model's `nnx.Param`s are differentiated; its other state (BatchNorm's
+  running statistics, RNG streams) is passed to every device and micro-batch,
+  and what the forward pass writes to it comes back into `model` as its mean
+  over them. Give `nnx.BatchNorm` `axis_name=` the ZeRO axis (e.g. 'data') so
+  its statistics are the global batch's, as under `jax.jit` on the whole
+  batch; then the mean is exact with `micro_batches=1`. RNG streams draw
+  independently per device and micro-batch (their keys are folded with the
+  part's index).
+
+  Args:
+    loss_fn: `loss_fn(model, batch, *args)` -> the loss (or `(loss, aux)`), with
+      the meaning `zerojax.value_and_grad` gives it.
+    tx: the optimizer from `zerojax.zero_stage`.
+    has_aux: `loss_fn` returns `(loss, aux)`.
+    **options: `zerojax.value_and_grad`'s (`micro_batches`, `reduce_dtype`,
+      `per_layer`).
+
+  Returns:
+    `fn(model, batch, *args, loss_scale=None)` -> `(loss, grads)` (or
+    `((loss, aux), grads)`), grads an `nnx.State` of the Params for
+    `nnx.Optimizer.update(model, grads)`; to call inside `nnx.jit`.
+  """
+
+  def fn(model, batch, *args, loss_scale=None):
+    graphdef, params, keys, rest = nnx.split(model, nnx.Param, nnx.RngKey, ...)
+
+    def state_loss(params, batch, keys, rest, *args):
+      part = nnx.merge(graphdef, params, keys, rest, copy=True)
+      out = loss_fn(part, batch, *args)
+      _, _, _, written = nnx.split(part, nnx.Param, nnx.RngKey, ...)
+      # Every part starts from the same state; what it writes is averaged over the parts.
+      written = jax.tree.map(lambda x: reduction.WeightedMean(x.astype(jnp.float32)), written)
+      return (out[0], (out[1], written)) if has_aux else (out, (None, written))
+
+    grad_fn = grad_lib.value_and_grad(state_loss, tx, has_aux=True, **options)
+    (loss, (aux, written)), grads = grad_fn(params, batch, keys, rest, *args, loss_scale=loss_scale)
+    nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype), written, rest))
+    return ((loss, aux), grads) if has_aux else (loss, grads)
+
+  return fn

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import compute_on
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
@@ -432,6 +432,7 @@ def zero_optimizer(
     if params is not None:
       validation.check_like_params(updates, params, 'grads')
     plan = config.plan(params if params is not None else updates, opt_state=state)
+    _check_state_not_replicated(state, plan, mesh)
 
     on_host = config.update_on == 'host'
 
@@ -482,6 +483,40 @@ def zero_optimizer(
 
   setattr(update, _CONFIG_ATTR, config)
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _visible_spec(x: Any, mesh: Mesh) -> PartitionSpec | None:
+  """The layout of `x` where it can be seen: a placed array, or a traced one whose type
+  carries it (Explicit axes). Traced on Auto axes, the layout is not known yet."""
+  if isinstance(x, jax.core.Tracer):
+    return jax.typeof(x).sharding.spec if mesh_lib.any_explicit(mesh) else None
+  sharding = getattr(x, 'sharding', None)
+  return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def _check_state_not_replicated(state: Any, plan: plan_lib.ZeroPlan, mesh: Mesh) -> None:
+  """Refuses optimizer state that was moved to whole copies on every device.
+
+  The data-parallel recipe (`jax.device_put(state, NamedSharding(mesh, P()))`)
+  does that to the sharded state of a model and its optimizer: each device
+  then holds all of it, which is what ZeRO exists to avoid.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  bad = []
+  for (path, x), want in zip(flat, jax.tree.leaves(plan.opt_state)):
+    spec = _visible_spec(x, mesh)
+    if spec is not None and not any(spec) and any(want.spec):
+      bad.append(f'opt_state{jax.tree_util.keystr(path)}')
+  if bad:
+    shown = ', '.join(bad[:4]) + (f' and {len(bad) - 4} more' if len(bad) > 4 else '')
+    raise ValueError(
+      f'The optimizer state is replicated on every device ({shown}), where stage'
+      f' {plan.stage} splits it over {plan.axes}: it was moved out of its ZeRO layout, e.g. by'
+      ' jax.device_put(state, NamedSharding(mesh, P())) as in the plain data-parallel recipe.'
+      ' Leave the model and optimizer state where zerojax placed them (device_put only the'
+      ' batch), or put them with their own shardings:'
+      ' jax.device_put(state, jax.tree.map(lambda x: x.sharding, state)).'
+    )
 
 
 def unwrap(tx: optax.GradientTransformation) -> optax.GradientTransformation:
