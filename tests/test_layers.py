@@ -2,6 +2,7 @@
 
 import os
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -283,3 +284,132 @@ def test_gather_leaves_finds_the_mesh_set_by_jax_set_mesh_inside_jit():
   np.testing.assert_array_equal(np.asarray(whole), np.arange(32.0).reshape(8, 4))
   assert grad.sharding.spec == P('data', None)
   np.testing.assert_array_equal(np.asarray(grad), 2 * np.arange(32.0).reshape(8, 4))
+
+
+# -- NNX recipes and per-layer helpers on real model code --------------------------------
+
+
+class Small(nnx.Module):
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(16, 64, rngs=rngs)
+    self.fc2 = nnx.Linear(64, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc2(jnp.tanh(self.fc1(x)))
+
+
+def test_replicating_the_nnx_state_is_refused_on_an_explicit_mesh(explicit_mesh):
+  # Flax's data-parallel recipe: device_put the model and optimizer state replicated.
+  model = Small(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+    model, zerojax.zero_stage(optax.adam(1e-3), 1, mesh=explicit_mesh), wrt=nnx.Param
+  )
+  state = jax.device_put(nnx.state((model, optimizer)), NamedSharding(explicit_mesh, P()))
+  nnx.update((model, optimizer), state)
+  grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+  with pytest.raises(ValueError) as err:
+    nnx.jit(lambda m, o, g: o.update(m, g))(model, optimizer, grads)
+  assert str(err.value) == (
+    "The optimizer state is replicated on every device (opt_state[0].mu['fc1']['bias'],"
+    " opt_state[0].mu['fc1']['kernel'], opt_state[0].mu['fc2']['bias'],"
+    " opt_state[0].mu['fc2']['kernel'] and 4 more), where stage 1 splits it over ('data',):"
+    ' it was moved out of its ZeRO layout, e.g. by jax.device_put(state, NamedSharding(mesh,'
+    ' P())) as in the plain data-parallel recipe. Leave the model and optimizer state where'
+    ' zerojax placed them, and device_put only the batch.'
+  )
+  # As the message says: without the device_put the update runs, in the plan's layout.
+  model = Small(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+    model, zerojax.zero_stage(optax.adam(1e-3), 1, mesh=explicit_mesh), wrt=nnx.Param
+  )
+  nnx.jit(lambda m, o, g: o.update(m, g))(model, optimizer, grads)
+  assert not optimizer.opt_state[0].mu['fc1']['kernel'][...].sharding.is_fully_replicated
+
+
+def test_stage3_nnx_call_on_an_explicit_mesh_names_gathered_nnx(explicit_mesh):
+  model = zerojax.shard_nnx(Small(nnx.Rngs(0)), stage=3, mesh=explicit_mesh)
+  x = jax.device_put(jnp.ones((16, 16)), NamedSharding(explicit_mesh, P('data')))
+  with pytest.raises(ValueError) as err:
+    model(x)
+  assert str(err.value).startswith('Small failed on ZeRO stage-3 parameters, which rest split')
+  assert 'zerojax.gathered_nnx(layer)' in str(err.value)
+  assert 'zerojax.nnx_value_and_grad(loss_fn, tx)' in str(err.value)
+  assert isinstance(model, Small) and type(model).__name__ == 'Small'
+  # What it says to do works: gathered, inside nnx_value_and_grad.
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=explicit_mesh)
+  grad_fn = zerojax.nnx_value_and_grad(
+    lambda m, b: jnp.mean(zerojax.gathered_nnx(m)(b['x']) ** 2), tx, per_layer=True
+  )
+  want = nnx.grad(lambda m: jnp.mean(m(jnp.ones((16, 16))) ** 2))(Small(nnx.Rngs(0)))
+  _, grads = nnx.jit(lambda m, b: grad_fn(m, b))(model, {'x': x})
+  assert max_rel_err(grads, want) < 1e-5
+
+
+def test_linen_parameter_used_without_a_gather_is_named(mesh):
+  from flax import linen as nn
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = zerojax.gathered_linen(nn.Dense, mesh=mesh)(64)(x)
+      return nn.Dense(8, name='head')(jnp.tanh(h))  # not gathered
+
+  model = Model()
+  params = model.init(jax.random.key(0), jnp.ones((1, 16)))['params']
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh)
+  params = jax.device_put(params, zerojax.plan_for(tx, params).params)
+  grad_fn = zerojax.value_and_grad(
+    lambda p, b: jnp.mean(model.apply({'params': p}, b['x']) ** 2), tx, per_layer=True
+  )
+  x = jax.device_put(jnp.ones((16, 16)), NamedSharding(mesh, P('data')))
+  with pytest.raises(TypeError) as err:
+    jax.jit(grad_fn)(params, {'x': x})
+  assert str(err.value).startswith(
+    "parameter params['head']['kernel'] was used without being gathered: inside"
+  )
+
+
+def test_gathered_linen_gathers_for_every_method(mesh):
+  # A tied embedding: `attend` reuses the table that `__call__` looks up.
+  from flax import linen as nn
+
+  class TiedLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      embed = zerojax.gathered_linen(nn.Embed, mesh=mesh)(64, 16)
+      return embed.attend(jnp.tanh(embed(tokens)))
+
+  model, tokens = TiedLM(), jnp.arange(64).reshape(16, 4) % 64
+  params = model.init(jax.random.key(0), tokens)['params']
+  loss = lambda p, b: jnp.mean(model.apply({'params': p}, b['t']) ** 2)
+  want_loss, want = jax.value_and_grad(loss)(params, {'t': tokens})
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh)
+  sharded = jax.device_put(params, zerojax.plan_for(tx, params).params)
+  t = jax.device_put(tokens, NamedSharding(mesh, P('data')))
+  got_loss, grads = jax.jit(zerojax.value_and_grad(loss, tx, per_layer=True))(sharded, {'t': t})
+  assert abs(float(got_loss) - float(want_loss)) < 1e-6
+  assert max_rel_err(grads, want) < 1e-5
+
+
+def test_unrolled_per_layer_gathers_warn(mesh):
+  layers = {f'l{i}': 0.1 * jnp.ones((32, 32)) for i in range(4)}
+  stacked = {'w': 0.1 * jnp.ones((4, 32, 32))}
+  tx = zerojax.zero_stage(optax.sgd(1e-3), 3, mesh=mesh)
+  layers = jax.device_put(layers, zerojax.plan_for(tx, layers).params)
+  stacked = jax.device_put(stacked, zerojax.plan_for(tx, stacked).params)
+  x = {'x': jax.device_put(jnp.ones((16, 32)), NamedSharding(mesh, P('data')))}
+
+  def unrolled(p, b):
+    h = b['x']
+    for i in range(4):  # a Python loop: four separate gathers
+      h = jnp.tanh(h @ zerojax.gather_leaves(p[f'l{i}'], mesh=mesh))
+    return jnp.mean(h**2)
+
+  def scanned(p, b):
+    return jnp.mean(zerojax.scan_layers(lambda h, layer: jnp.tanh(h @ layer['w']), b['x'], p) ** 2)
+
+  with pytest.warns(UserWarning, match='the loss gathers 4 split parameters, none of them inside'):
+    jax.jit(zerojax.value_and_grad(unrolled, tx, per_layer=True))(layers, x)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    jax.jit(zerojax.value_and_grad(scanned, tx, per_layer=True))(stacked, x)

@@ -109,7 +109,10 @@ def _public_methods(module_cls: type[nn.Module]) -> list[str]:
     for name, value in inspect.getmembers(module_cls, inspect.isfunction)
     if not name.startswith('_') and name not in base
   ]
-  return (['__call__'] if callable(getattr(module_cls, '__call__', None)) else []) + names
+  defines_call = any(
+    '__call__' in vars(k) for k in module_cls.__mro__ if k not in (nn.Module, object)
+  )
+  return (['__call__'] if defines_call else []) + names
 
 
 def gathered_nnx(

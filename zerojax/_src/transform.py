@@ -513,9 +513,8 @@ def _check_state_not_replicated(state: Any, plan: plan_lib.ZeroPlan, mesh: Mesh)
       f'The optimizer state is replicated on every device ({shown}), where stage'
       f' {plan.stage} splits it over {plan.axes}: it was moved out of its ZeRO layout, e.g. by'
       ' jax.device_put(state, NamedSharding(mesh, P())) as in the plain data-parallel recipe.'
-      ' Leave the model and optimizer state where zerojax placed them (device_put only the'
-      ' batch), or put them with their own shardings:'
-      ' jax.device_put(state, jax.tree.map(lambda x: x.sharding, state)).'
+      ' Leave the model and optimizer state where zerojax placed them, and device_put only'
+      ' the batch.'
     )
 
 
