@@ -211,3 +211,45 @@ def test_no_private_module_imports_the_top_level_package():
       if code == 'import zerojax' or code.startswith('from zerojax import'):
         offenders.append(f'{path.name}:{number}')
   assert offenders == []
+
+
+def _src_imports() -> dict[str, set[str]]:
+  """Which zerojax._src modules each one imports, anywhere in its code (ast, not text)."""
+  import ast
+
+  names = {p.stem for p in (ROOT / 'zerojax' / '_src').glob('*.py')}
+  graph = {}
+  for path in (ROOT / 'zerojax' / '_src').glob('*.py'):
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module == 'zerojax._src':
+        found |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('zerojax._src.'):
+        found.add(node.module.split('.')[2])
+    graph[path.stem] = found & names - {path.stem}
+  return graph
+
+
+def test_private_modules_import_each_other_without_cycles():
+  graph, cycles = _src_imports(), []
+
+  def visit(name, trail):
+    if name in trail:
+      cycles.append(' -> '.join(trail[trail.index(name) :] + [name]))
+      return
+    for other in sorted(graph[name]):
+      visit(other, trail + [name])
+
+  for name in sorted(graph):
+    visit(name, [])
+  assert cycles == []
+
+
+def test_value_and_grad_has_no_function_over_80_lines():
+  import ast
+
+  for module in ('grad', 'reduction'):
+    tree = ast.parse((ROOT / 'zerojax' / '_src' / f'{module}.py').read_text())
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        assert node.end_lineno - node.lineno + 1 <= 80, (module, node.name)

@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+from zerojax._src import hlo
 from zerojax._src import quantize as quantize_lib
-from zerojax._src import report
 
 N = 8
 ULP = float(np.finfo(np.float32).eps)
@@ -253,10 +253,10 @@ def _ops(text, kind):
   """(result dtype, result bytes) of each `kind` collective in the HLO."""
   out = []
   for line in text.splitlines():
-    found = report._collective(line)
+    found = hlo._collective(line)
     if found and found[0] == kind:
-      shape = report._SHAPE.search(found[2])
-      out.append((shape.group(1), report._type_bytes(found[2])))
+      shape = hlo._SHAPE.search(found[2])
+      out.append((shape.group(1), hlo._type_bytes(found[2])))
   return out
 
 
@@ -347,10 +347,10 @@ def test_two_axis_mesh_reduces_within_hosts_first(stage):
   text = qfn.lower(params, x).compile().as_text()
   by_group = {}
   for line in text.splitlines():
-    found = report._collective(line)
+    found = hlo._collective(line)
     if found and found[0] in ('all-to-all', 'all-gather'):
-      key = (found[0], report._group_size(line, 8))
-      by_group[key] = by_group.get(key, 0) + report._type_bytes(found[2])
+      key = (found[0], hlo._group_size(line, 8))
+      by_group[key] = by_group.get(key, 0) + hlo._type_bytes(found[2])
   # One collective per mesh axis, not one over all 8 devices.
   assert {g for _, g in by_group} == {2, 4}
   # Gradients: what crosses hosts (groups of 2) is a quarter of what moves within them.

@@ -16,6 +16,8 @@ from zerojax._src.gather import ShardedLeaf as ShardedLeaf
 from zerojax._src.gather import gather_params as gather_params
 from zerojax._src.gather import recompute_gathers as recompute_gathers
 from zerojax._src.grad import value_and_grad as value_and_grad
+from zerojax._src.hlo import CollectiveStats as CollectiveStats
+from zerojax._src.hlo import count_collectives as count_collectives
 from zerojax._src.layers import gather_leaves as gather_leaves
 from zerojax._src.layers import gathered_linen as gathered_linen
 from zerojax._src.layers import gathered_nnx as gathered_nnx
@@ -33,10 +35,8 @@ from zerojax._src.prefetch import scan_layers as scan_layers
 from zerojax._src.presets import ModelSpec as ModelSpec
 from zerojax._src.quantize import Quantize as Quantize
 from zerojax._src.reduction import WeightedMean as WeightedMean
-from zerojax._src.report import CollectiveStats as CollectiveStats
 from zerojax._src.report import MemoryStats as MemoryStats
 from zerojax._src.report import StepReport as StepReport
-from zerojax._src.report import count_collectives as count_collectives
 from zerojax._src.report import memory_stats as memory_stats
 from zerojax._src.report import step_report as step_report
 from zerojax._src.report import zero_floor_bytes as zero_floor_bytes

@@ -438,38 +438,41 @@ def value_and_grad(
     )
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
     raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
-  mesh, axes = config.mesh, config.axes
-  n = mesh_lib.axes_size(mesh, axes)
+  options = dict(micro_batches=micro_batches, reduce_dtype=reduce_dtype, has_aux=has_aux)
+  return functools.partial(_step, config, loss_fn, per_layer, options)
 
-  def fn(params, batch, *args, loss_scale=None):
-    _check_batch(batch, n, micro_batches)
-    reduction.warn_raw_keys(args)
-    leaves, treedef = jax.tree.flatten(params)
-    routes, plan = _leaf_routes(config, params, per_layer=per_layer, reduce_dtype=reduce_dtype)
-    row_axes = _row_axes(batch, axes)
-    r = Routes(routes, mesh, config.stage, axes, row_axes, micro_batches, has_aux)
-    rows = PartitionSpec(_axis_arg(row_axes))
-    scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
-    meta: dict = {}
-    mapped = jax.shard_map(
-      functools.partial(_per_device, r, loss_fn, treedef, meta),
-      mesh=mesh,
-      in_specs=([x.rest_spec for x in routes], rows, PartitionSpec(), PartitionSpec()),
-      out_specs=(PartitionSpec(), rows, [x.grad_spec for x in routes]),
-      axis_names=set(axes),
-      check_vma=False,
-    )
-    if mesh_lib.any_explicit(mesh):
-      # Explicit axes: shard_map takes its inputs only in the layouts it names.
-      # Parameters go to the plan's layout at rest and batch rows to the ZeRO
-      # axes (no-ops when they are there already), so any batch layout works.
-      leaves = [jax.sharding.reshard(x, s) for x, s in zip(leaves, jax.tree.leaves(plan.params))]
-      batch = jax.tree.map(lambda x: jax.sharding.reshard(x, NamedSharding(mesh, rows)), batch)
-    loss, aux, grads = mapped(leaves, batch, args, scale)
-    grads = jax.tree.unflatten(treedef, grads)
-    if not has_aux:
-      return loss, grads
-    aux = [x if rows else _first(x, mesh) for x, rows in zip(aux, meta['aux_per_row'])]
-    return (loss, meta['aux_treedef'].unflatten(aux)), grads
 
-  return fn
+def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=None):
+  """What `value_and_grad`'s function does: routes, then the per-device step in shard_map."""
+  mesh, axes, m = config.mesh, config.axes, options['micro_batches']
+  _check_batch(batch, mesh_lib.axes_size(mesh, axes), m)
+  reduction.warn_raw_keys(args)
+  leaves, treedef = jax.tree.flatten(params)
+  routes, plan = _leaf_routes(
+    config, params, per_layer=per_layer, reduce_dtype=options['reduce_dtype']
+  )
+  row_axes = _row_axes(batch, axes)
+  r = Routes(routes, mesh, config.stage, axes, row_axes, m, options['has_aux'])
+  rows = PartitionSpec(_axis_arg(row_axes))
+  scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
+  meta: dict = {}  # what tracing the loss finds out: its kind, its aux's structure
+  mapped = jax.shard_map(
+    functools.partial(_per_device, r, loss_fn, treedef, meta),
+    mesh=mesh,
+    in_specs=([x.rest_spec for x in routes], rows, PartitionSpec(), PartitionSpec()),
+    out_specs=(PartitionSpec(), rows, [x.grad_spec for x in routes]),
+    axis_names=set(axes),
+    check_vma=False,
+  )
+  if mesh_lib.any_explicit(mesh):
+    # Explicit axes: shard_map takes its inputs only in the layouts it names.
+    # Parameters go to the plan's layout at rest and batch rows to the ZeRO
+    # axes (no-ops when they are there already), so any batch layout works.
+    leaves = [jax.sharding.reshard(x, s) for x, s in zip(leaves, jax.tree.leaves(plan.params))]
+    batch = jax.tree.map(lambda x: jax.sharding.reshard(x, NamedSharding(mesh, rows)), batch)
+  loss, aux, grads = mapped(leaves, batch, args, scale)
+  grads = jax.tree.unflatten(treedef, grads)
+  if not r.has_aux:
+    return loss, grads
+  aux = [x if per_row else _first(x, mesh) for x, per_row in zip(aux, meta['aux_per_row'])]
+  return (loss, meta['aux_treedef'].unflatten(aux)), grads

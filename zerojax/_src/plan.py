@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -13,8 +13,24 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import rules, validation
 
-if TYPE_CHECKING:  # the config module imports this one
-  from zerojax._src.transform import ZeroConfig
+
+class PlanOptions(Protocol):
+  """What a plan is built from: the options of `zerojax.zero_stage` (its `ZeroConfig`).
+
+  A protocol, so that this module needs nothing from the transform built on it.
+  """
+
+  inner: optax.GradientTransformation
+  stage: int
+  mesh: Mesh
+  axes: tuple[str, ...]
+  policy: str
+  replicate_below_bytes: int
+  param_specs: Any
+  param_axis: Any
+  offload: str | None
+  quantize: Any
+
 
 STAGES = (0, 1, 2, 3)
 
@@ -232,7 +248,7 @@ class _Leaves:
 
 
 def build_plan(
-  params: optax.Params, config: ZeroConfig, opt_state: optax.OptState | None = None
+  params: optax.Params, config: PlanOptions, opt_state: optax.OptState | None = None
 ) -> ZeroPlan:
   """The ZeRO layouts of `params`, their grads and the optimizer's state, in named steps.
 
@@ -248,7 +264,7 @@ def build_plan(
   return _assemble(param_leaves, state_leaves, state_padding, param_axes, config)
 
 
-def _leaf_rule_for(config: ZeroConfig):
+def _leaf_rule_for(config: PlanOptions):
   # Padding only matters where something is split: from stage 1 up.
   pad = config.policy == 'pad' and config.stage >= 1
 
@@ -266,7 +282,7 @@ def _leaf_rule_for(config: ZeroConfig):
   return rule_for
 
 
-def _param_rules(params, config: ZeroConfig, rule_for) -> tuple[_Leaves, list]:
+def _param_rules(params, config: PlanOptions, rule_for) -> tuple[_Leaves, list]:
   """A rule per parameter (keeping its tensor-parallel layout), and the shapes the
   optimizer sees (padded where the policy pads)."""
   abstract = validation.abstract_arrays(params, 'params')
@@ -282,7 +298,7 @@ def _param_rules(params, config: ZeroConfig, rule_for) -> tuple[_Leaves, list]:
 
 
 def _state_rules(
-  param_leaves: _Leaves, opt_shapes: list, config: ZeroConfig, rule_for, opt_state
+  param_leaves: _Leaves, opt_shapes: list, config: PlanOptions, rule_for, opt_state
 ) -> tuple[_Leaves, list]:
   """A rule per optimizer-state leaf: its parameter's when path and shape match."""
   if opt_state is not None:
@@ -312,7 +328,7 @@ def _must_split(stage: int) -> dict[str, bool]:
   return {'params': stage >= 3, 'grads': stage >= 2, 'opt_state': stage >= 1}
 
 
-def _check_splittable(param_leaves: _Leaves, state_leaves: _Leaves, config: ZeroConfig) -> None:
+def _check_splittable(param_leaves: _Leaves, state_leaves: _Leaves, config: PlanOptions) -> None:
   """Under policy='error', every leaf the stage must split can be split; else one error."""
   must = _must_split(config.stage)
   offending = []

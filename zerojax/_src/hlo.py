@@ -1,0 +1,628 @@
+"""Reading compiled HLO text: the collectives a program runs and what they move.
+
+A small reader of XLA's text format (computations, instructions, while-loop trip
+counts, replica groups, asynchronous start/done pairs), enough to count each
+collective the number of times it executes, the bytes it moves on a ring, and
+how many of those bytes overlap compute. `report` builds on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import warnings
+from typing import Any
+
+import numpy as np
+
+COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
+
+_DTYPE_BYTES = {
+  'pred': 1,
+  's8': 1,
+  'u8': 1,
+  's16': 2,
+  'u16': 2,
+  'f16': 2,
+  'bf16': 2,
+  's32': 4,
+  'u32': 4,
+  'f32': 4,
+  's64': 8,
+  'u64': 8,
+  'f64': 8,
+  'c64': 8,
+  'c128': 16,
+  'f8e4m3fn': 1,
+  'f8e5m2': 1,
+}
+_HEADER = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$')
+# One instruction: `[ROOT] %name = TYPE opcode(operands), attributes`. The type
+# may be a (nested) tuple, so the opcode is found after it by `_split_type`.
+_INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$')
+_OPCODE = re.compile(r'^\s*(?P<op>[\w\-]+)\(')
+_COMMENT = re.compile(r'/\*.*?\*/')
+_FUSED_RS = re.compile(r'fusion\(.*kind=kCustom.*calls=%?all-reduce-scatter')
+_SHAPE = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([\d,]*)\]')
+_CALLS = re.compile(r'\b(calls|to_apply)=%?([\w.\-]+)')
+_BODY = re.compile(r'\bbody=%?([\w.\-]+)')
+_CONDITION = re.compile(r'\bcondition=%?([\w.\-]+)')
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_TRUE_FALSE = re.compile(r'\b(?:true_computation|false_computation)=%?([\w.\-]+)')
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_INIT_STEP = re.compile(r'"known_init_step":\{"init":"(-?\d+)","step":"(-?\d+)"\}')
+_CONSTANT = re.compile(r'^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\][^ ]*\s+constant\((-?\d+)\)')
+_OPERANDS = re.compile(r'%([\w.\-]+)')
+_ASYNC_COPY = re.compile(r'\bcalls=%?async_collective_fusion')
+# Replica groups: explicit lists, iota form [groups,size]<=[...], or TPU's
+# mesh['axis_0'=8, ...] {'axis_0'} form.
+_GROUPS_ANY = re.compile(r'replica_groups=')
+_GROUPS_LIST = re.compile(r'replica_groups=\{\{([\d,]*)\}')
+_GROUPS_IOTA = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
+# (an optional `device_ids=(...)` permutation may sit between the two parts).
+_GROUPS_MESH = re.compile(r'replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}')
+_PARTITIONS = re.compile(r'num_partitions=(\d+)')
+_CHANNEL = re.compile(r'\bchannel_id=(\d+)')
+
+
+class CollectiveCountWarning(UserWarning):
+  """A collective count could not be determined exactly from the HLO."""
+
+
+def _group_size(line: str, default: int) -> int:
+  m = _GROUPS_LIST.search(line)
+  if m:
+    return len([x for x in m.group(1).split(',') if x]) or default
+  m = _GROUPS_IOTA.search(line)
+  if m:
+    return int(m.group(2))
+  m = _GROUPS_MESH.search(line)
+  if m:
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    names = re.findall(r"'([^']+)'", m.group(2))
+    return int(np.prod([int(sizes[n]) for n in names if n in sizes] or [1]))
+  return default
+
+
+def _ring_bytes(kind: str, result_bytes: int, n: int) -> float:
+  """Bytes one device sends in a ring implementation of the collective."""
+  if n <= 1:
+    return 0.0
+  if kind == 'all-reduce':
+    return 2.0 * result_bytes * (n - 1) / n
+  if kind in ('all-gather', 'all-to-all'):
+    return result_bytes * (n - 1) / n
+  if kind == 'reduce-scatter':
+    return float(result_bytes * (n - 1))  # the input is n times the result
+  return float(result_bytes)  # collective-permute
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+  """Splits `TYPE opcode(...)...` into the type and what follows it."""
+  rest = rest.lstrip()
+  if not rest.startswith('('):
+    head, _, tail = rest.partition(' ')
+    return head, tail
+  depth = 0
+  for i, ch in enumerate(rest):
+    depth += ch in '([{'
+    depth -= ch in ')]}'
+    if depth == 0:
+      return rest[: i + 1], rest[i + 1 :]
+  return rest, ''
+
+
+def _tuple_elements(type_str: str) -> list[str]:
+  """The top-level elements of a tuple type (or [type_str] for an array type)."""
+  type_str = type_str.strip()
+  if not type_str.startswith('('):
+    return [type_str]
+  out, depth, current = [], 0, ''
+  for ch in type_str[1:-1]:
+    if ch == ',' and depth == 0:
+      out.append(current.strip())
+      current = ''
+      continue
+    depth += ch in '([{'
+    depth -= ch in ')]}'
+    current += ch
+  if current.strip():
+    out.append(current.strip())
+  return out
+
+
+def _result_type(kind: str, is_start: bool, type_str: str) -> str:
+  """The type of what an op delivers (an async start also carries its operands)."""
+  if not is_start:
+    return type_str
+  elements = _tuple_elements(type_str)
+  if kind == 'all-reduce' and not elements[0].startswith('('):
+    # all-reduce-start's type is its results only (a tuple when variadic).
+    return type_str
+  # all-gather-start (operands, results); collective-permute-start (operand,
+  # result, contexts); the generic async form ((operands), result, context).
+  return elements[1] if len(elements) > 1 else type_str
+
+
+def _instructions(lines: list[str]) -> dict[str, tuple[str, list[str], str]]:
+  """name -> (opcode, operand names, the whole line) for one computation."""
+  out = {}
+  for line in lines:
+    m = _INSTR.match(line)
+    if m is None:
+      continue
+    _, tail = _split_type(m.group('rest'))
+    op = _OPCODE.match(tail)
+    if op is None:
+      continue
+    depth, end = 0, len(tail)
+    for i, ch in enumerate(tail):
+      depth += ch == '('
+      depth -= ch == ')'
+      if ch == ')' and depth == 0:
+        end = i
+        break
+    out[m.group('name')] = (op.group('op'), _OPERANDS.findall(tail[: end + 1]), line)
+  return out
+
+
+def _parsed(bodies: dict[str, list[str]], name: str, memo: dict) -> dict:
+  """`_instructions` of computation `name`, parsed once per `count_collectives` call."""
+  if name not in memo:
+    memo[name] = _instructions(bodies.get(name, []))
+  return memo[name]
+
+
+_PASS_THROUGH = ('copy', 'bitcast', 'convert')
+_INDEX = re.compile(r'\bindex=(\d+)')
+
+
+def _through(instrs: dict, name: str) -> str:
+  """`name`, followed back through copies and bitcasts."""
+  seen = set()
+  while name in instrs and instrs[name][0] in _PASS_THROUGH and name not in seen:
+    seen.add(name)
+    name = instrs[name][1][0]
+  return name
+
+
+def _int_constant(instrs: dict, name: str) -> int | None:
+  name = _through(instrs, name)
+  if name in instrs and instrs[name][0] == 'constant':
+    c = _CONSTANT.match(instrs[name][2])
+    return int(c.group(2)) if c else None
+  return None
+
+
+def _tuple_index(instrs: dict, name: str) -> int | None:
+  """k when `name` is element k of the computation's parameter tuple."""
+  name = _through(instrs, name)
+  if name in instrs and instrs[name][0] == 'get-tuple-element':
+    source = _through(instrs, instrs[name][1][0])
+    if source in instrs and instrs[source][0] == 'parameter':
+      m = _INDEX.search(instrs[name][2])
+      return int(m.group(1)) if m else None
+  return None
+
+
+def _compare_lt(instrs: dict, root: str, bodies: dict, memo: dict) -> tuple[str, str] | None:
+  """The operands (i, N) of a root `compare(i, N), direction=LT`, directly or in a fusion."""
+  op, operands, line = instrs[root]
+  if op == 'compare' and 'direction=LT' in line and len(operands) == 2:
+    return operands[0], operands[1]
+  callee = _CALLS.search(line)
+  if op == 'fusion' and callee and callee.group(2) in bodies:
+    inner = _parsed(bodies, callee.group(2), memo)
+    inner_root = next((n for n, v in inner.items() if v[2].lstrip().startswith('ROOT')), None)
+    if inner_root is None:
+      return None
+    iop, iargs, iline = inner[inner_root]
+    if iop == 'compare' and 'direction=LT' in iline and len(iargs) == 2:
+      params = {}
+      for n, (o, _, pline) in inner.items():
+        m = re.search(r'parameter\((\d+)\)', pline)
+        if o == 'parameter' and m:
+          params[n] = int(m.group(1))
+      if iargs[0] in params and iargs[1] in params:
+        return operands[params[iargs[0]]], operands[params[iargs[1]]]
+  return None
+
+
+def _trip_count(line: str, where: str, bodies: dict[str, list[str]], memo: dict) -> int | None:
+  """Iterations of the `while` on `line` (in computation `where`), or None if undetermined.
+
+  XLA's `known_trip_count` when present (XLA:CPU writes it). Otherwise the
+  loop must read as `for i = C; i < N; i += S` with constants C, N and S: the
+  condition's root compares tuple element k with a constant, the loop's
+  initial tuple holds a constant at k, and the body's result holds
+  `element k + constant` at k (the TPU compiler's form). Nothing else is
+  assumed.
+  """
+  m = _TRIP.search(line)
+  if m:
+    return int(m.group(1))
+  cond, body = _CONDITION.search(line), _BODY.search(line)
+  if not (cond and body and cond.group(1) in bodies and body.group(1) in bodies):
+    return None
+  cond_instrs = _parsed(bodies, cond.group(1), memo)
+  root = next((n for n, v in cond_instrs.items() if v[2].lstrip().startswith('ROOT')), None)
+  compared = _compare_lt(cond_instrs, root, bodies, memo) if root else None
+  if compared is None:
+    return None
+  k, limit = _tuple_index(cond_instrs, compared[0]), _int_constant(cond_instrs, compared[1])
+  if k is None or limit is None:
+    return None
+  init_step = _INIT_STEP.search(line)
+  outer = _parsed(bodies, where, memo)
+  init = None
+  if init_step:
+    init, step = int(init_step.group(1)), int(init_step.group(2))
+  else:
+    # The initial value: element k of the while's operand tuple.
+    this = _INSTR.match(line).group('name')
+    operand = _through(outer, outer[this][1][0]) if this in outer and outer[this][1] else None
+    if operand in outer and outer[operand][0] == 'tuple' and k < len(outer[operand][1]):
+      init = _int_constant(outer, outer[operand][1][k])
+    # The step: element k of the body's result is `element k + S`.
+    body_instrs = _parsed(bodies, body.group(1), memo)
+    broot = next((n for n, v in body_instrs.items() if v[2].lstrip().startswith('ROOT')), None)
+    step = None
+    if broot and body_instrs[broot][0] == 'tuple' and k < len(body_instrs[broot][1]):
+      new = _through(body_instrs, body_instrs[broot][1][k])
+      if new in body_instrs and body_instrs[new][0] == 'add' and len(body_instrs[new][1]) == 2:
+        a, b = body_instrs[new][1]
+        for i_arg, c_arg in ((a, b), (b, a)):
+          if _tuple_index(body_instrs, i_arg) == k and _int_constant(body_instrs, c_arg):
+            step = _int_constant(body_instrs, c_arg)
+    if init is None or step is None:
+      return None
+  if step <= 0:
+    return None
+  return max(0, -(-(limit - init) // step))
+
+
+def _type_bytes(type_str: str) -> int:
+  total = 0
+  for dtype, dims in _SHAPE.findall(type_str):
+    total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(',') if d] or [1]))
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveStats:
+  """Collectives of one compiled program, counted per step.
+
+  Attributes:
+    counts: kind -> number of ops executed per step (loop bodies multiplied by
+      their trip counts).
+    result_bytes: kind -> bytes of the ops' results per step, per device.
+    ring_bytes: kind -> bytes each device sends per step if each op runs as a
+      ring (all-reduce 2S(n-1)/n, all-gather and all-to-all S(n-1)/n of the
+      result S, reduce-scatter S(n-1), over groups of n devices).
+    uncertain: why the counts are not exact, one line per cause (a loop whose
+      trip count the HLO does not give is counted once; a conditional whose
+      branches differ is counted as its costliest branch). Empty when exact.
+    overlapped_ring_bytes: kind -> the ring bytes of collectives that run
+      asynchronously with compute scheduled between their start and their
+      done (XLA's `-start`/`-done` pairs, TPU's async collective fusions).
+  """
+
+  counts: dict[str, int]
+  result_bytes: dict[str, int]
+  ring_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+  uncertain: tuple[str, ...] = ()
+  overlapped_ring_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  @property
+  def overlap_fraction(self) -> float:
+    """The share of ring bytes that overlaps compute (0 when nothing is moved)."""
+    total = self.total_ring_bytes
+    return float(sum(self.overlapped_ring_bytes.values())) / total if total else 0.0
+
+  @property
+  def exact(self) -> bool:
+    """Whether every count was determined from the program."""
+    return not self.uncertain
+
+  @property
+  def total_ring_bytes(self) -> float:
+    return float(sum(self.ring_bytes.values()))
+
+  def __getitem__(self, kind: str) -> int:
+    return self.counts.get(kind, 0)
+
+
+class _Tally:
+  """Counts, result bytes and ring bytes by kind, accumulated over a walk."""
+
+  def __init__(self):
+    self.counts = collections.Counter()
+    self.nbytes = collections.Counter()
+    self.ring = collections.Counter()
+    self.overlapped = collections.Counter()
+
+  def add(self, other: _Tally, mult: int = 1) -> None:
+    for src, dst in ((other.counts, self.counts), (other.nbytes, self.nbytes)):
+      for k, v in src.items():
+        dst[k] += mult * v
+    for src, dst in ((other.ring, self.ring), (other.overlapped, self.overlapped)):
+      for k, v in src.items():
+        dst[k] += mult * v
+
+  def key(self) -> tuple:
+    return tuple(sorted(self.counts.items())), tuple(sorted(self.nbytes.items()))
+
+
+def _parse_computations(text: str) -> tuple[dict[str, list[str]], str]:
+  """Computation name -> its instruction lines (comments dropped), and the entry's name."""
+  bodies: dict[str, list[str]] = {}
+  entry = None
+  current = None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header and not line.startswith(' '):
+      current = header.group(1)
+      bodies[current] = []
+      if line.startswith('ENTRY'):
+        entry = current
+    elif current is not None:
+      if line.strip() == '}':
+        current = None
+      else:
+        bodies[current].append(_COMMENT.sub('', line))
+  if entry is None:
+    raise ValueError('no ENTRY computation found in the HLO text')
+  return bodies, entry
+
+
+def _collective(line: str) -> tuple[str, bool, str] | None:
+  """(kind, is an async start, type) of a collective instruction, else None."""
+  m = _INSTR.match(line)
+  if m is None:
+    return None
+  type_str, tail = _split_type(m.group('rest'))
+  if _FUSED_RS.match(tail.lstrip()):
+    return 'reduce-scatter', False, type_str
+  op = _OPCODE.match(tail)
+  if op is None:
+    return None
+  name = op.group('op')
+  for kind in COLLECTIVES:
+    if name == kind:
+      return kind, False, type_str
+    if name == kind + '-start':
+      return kind, True, type_str
+  return None
+
+
+def _opcode(line: str) -> tuple[str, str]:
+  """(instruction name, opcode) of an HLO line, or ('', '')."""
+  m = _INSTR.match(line)
+  if m is None:
+    return '', ''
+  op = _OPCODE.match(_split_type(m.group('rest'))[1])
+  return m.group('name'), op.group('op') if op else ''
+
+
+def count_collectives(compiled_or_text: Any) -> CollectiveStats:
+  """Counts the collectives in a compiled program's HLO, per executed step.
+
+  Ops inside a `while` body count once per iteration (XLA's known_trip_count,
+  or a condition `i < N` with a constant N and the loop's known start and
+  step), so a scanned model is not undercounted. Asynchronous pairs count once
+  (the `-start` op, with the bytes of the results it delivers), and so does a
+  collective that the compiler copies into several fusions (one `channel_id`;
+  TPU puts one in the async start, an overlapped matmul and the done). TPU's
+  fused `all-reduce-scatter` counts as a reduce-scatter. One branch of a
+  `conditional` runs per step: branches with the same collectives count once.
+
+  Where the HLO does not determine a count (a loop with no known trip count,
+  a conditional whose branches differ), `uncertain` says so and a
+  `CollectiveCountWarning` is issued: such a loop is counted once per
+  enclosing step (a lower bound), such a conditional as its costliest branch
+  (an upper bound).
+
+  Args:
+    compiled_or_text: a `jax.stages.Compiled`, or its `as_text()`.
+
+  Returns:
+    A `CollectiveStats`.
+
+  >>> import zerojax
+  >>> stats = zerojax.count_collectives(
+  ...     'ENTRY %main (p: f32[8]) -> f32[8] {\\n'
+  ...     '  %p = f32[8]{0} parameter(0)\\n'
+  ...     '  ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add\\n'
+  ...     '}')
+  >>> stats['all-reduce'], stats.result_bytes['all-reduce'], stats.exact
+  (1, 32, True)
+  """
+  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+  bodies, entry = _parse_computations(text)
+  parsed: dict = {}  # computation -> its instructions, for trip counts
+  uncertain: list[str] = []
+  # Channels of the fused reduce-scatters counted so far.
+  seen_channels: set[str] = set()
+  partitions = _PARTITIONS.search(text)
+  default_group = int(partitions.group(1)) if partitions else 1
+
+  def count_op(
+    line: str, found, mult: int, tally: _Tally, fused: bool, overlapped: bool = False
+  ) -> None:
+    kind, is_start, type_str = found
+    # Copies of one collective: TPU's async collectives are counted at their
+    # start (their continuation fusions and dones are skipped in `visit`); its
+    # fused all-reduce-scatter appears as several fusions sharing one channel.
+    # Other ops that share a channel are distinct (a shard_map's explicit
+    # collectives all carry channel_id=1) and all count.
+    if kind == 'reduce-scatter' and (fused or ' fusion(' in line):
+      channel = _CHANNEL.search(line)
+      if channel:
+        if channel.group(1) in seen_channels:
+          return
+        seen_channels.add(channel.group(1))
+    size = _type_bytes(_result_type(kind, is_start, type_str))
+    tally.counts[kind] += mult
+    tally.nbytes[kind] += mult * size
+    ring = mult * _ring_bytes(kind, size, _group_size(_with_groups(line), default_group))
+    tally.ring[kind] += ring
+    if overlapped:
+      tally.overlapped[kind] += ring
+
+  def _with_groups(line: str) -> str:
+    """`line`, or for TPU's fused all-reduce-scatter (whose line names no
+    replica groups) the line inside its computation that does."""
+    if _GROUPS_ANY.search(line):
+      return line
+    for _, callee in _CALLS.findall(line):
+      for inner in bodies.get(callee, ()):
+        if _GROUPS_ANY.search(inner):
+          return inner
+    return line
+
+  def visit(
+    name: str,
+    mult: int,
+    stack: tuple[str, ...],
+    tally: _Tally,
+    fused: bool,
+    overlapped: bool = False,
+  ) -> None:
+    if name in stack or name not in bodies:
+      return
+    inner = stack + (name,)
+    async_overlap = _overlapping_starts(bodies[name])
+    for i, line in enumerate(bodies[name]):
+      found = _collective(line)
+      if found is not None:
+        count_op(line, found, mult, tally, fused, overlapped or i in async_overlap)
+        continue
+      instr, op = _opcode(line)
+      if op == 'while':
+        body = _BODY.search(line)
+        trip = _trip_count(line, name, bodies, parsed)
+        sub = _Tally()
+        if body:
+          visit(body.group(1), 1, inner, sub, fused)
+        if trip is None and sub.counts:
+          uncertain.append(
+            f'while loop %{instr} in %{name} has no known trip count in the HLO; the'
+            ' collectives of its body are counted once'
+          )
+        tally.add(sub, mult * (1 if trip is None else trip))
+        continue
+      if op == 'conditional':
+        branches = _BRANCHES.search(line)
+        names = (
+          [b.strip().lstrip('%') for b in branches.group(1).split(',')]
+          if branches
+          else _TRUE_FALSE.findall(line)
+        )
+        subs = []
+        for b in names:
+          subs.append(_Tally())
+          visit(b, mult, inner, subs[-1], fused)
+        if len({s.key() for s in subs}) > 1:
+          uncertain.append(
+            f'conditional %{instr} in %{name}: its {len(subs)} branches run different'
+            ' collectives and one runs per step; the costliest branch is counted'
+          )
+        if subs:
+          tally.add(max(subs, key=lambda s: (sum(s.ring.values()), sum(s.counts.values()))))
+        continue
+      if op in ('async-update', 'async-done') or instr.startswith('async-collective-done'):
+        continue  # they name the computation that the async-start already ran
+      if _ASYNC_COPY.search(line):
+        # TPU's continuation of an async collective (the matmul it overlaps):
+        # a copy of the collective its async-collective-start already counted.
+        continue
+      for _, callee in _CALLS.findall(line):
+        visit(callee, mult, inner, tally, fused or op == 'fusion', overlapped or i in async_overlap)
+
+  total = _Tally()
+  visit(entry, 1, (), total, False)
+  for reason in uncertain:
+    warnings.warn(f'count_collectives: {reason}.', CollectiveCountWarning, stacklevel=2)
+  return CollectiveStats(
+    dict(total.counts),
+    dict(total.nbytes),
+    dict(total.ring),
+    uncertain=tuple(uncertain),
+    overlapped_ring_bytes=dict(total.overlapped),
+  )
+
+
+# Instructions that do no arithmetic of their own.
+_BOOKKEEPING = frozenset(
+  {
+    'get-tuple-element',
+    'tuple',
+    'bitcast',
+    'parameter',
+    'constant',
+    'copy',
+    'copy-start',
+    'copy-done',
+    'reshape',
+  }
+)
+
+
+def _is_start(instr: str, op: str) -> bool:
+  return op.endswith('-start') and op != 'copy-start' or instr.startswith('async-collective-start')
+
+
+def _is_done(instr: str, op: str) -> bool:
+  return op.endswith('-done') and op != 'copy-done' or instr.startswith('async-collective-done')
+
+
+def _overlapping_starts(lines: list[str]) -> set[int]:
+  """Line indices of asynchronous collective starts with compute before their done.
+
+  HLO text after scheduling lists a computation's instructions in execution
+  order. A start is paired with the done that depends on it (through the
+  operands, e.g. a TPU done reads the continuation fusion that reads the
+  start); it overlaps compute when an instruction doing arithmetic (not a
+  collective, not bookkeeping) is scheduled strictly between the two.
+  """
+  parsed = []
+  for line in lines:
+    instr, op = _opcode(line)
+    rest = line.split('=', 1)[1] if '=' in line else ''
+    parsed.append((instr, op, set(_OPERANDS.findall(rest))))
+  index = {instr: i for i, (instr, _, _) in enumerate(parsed) if instr}
+  out = set()
+  for i, (instr, op, _) in enumerate(parsed):
+    if not _is_start(instr, op):
+      continue
+    for j in range(i + 1, len(parsed)):
+      done_instr, done_op, _ = parsed[j]
+      if not _is_done(done_instr, done_op) or not _depends_on(parsed, index, j, instr):
+        continue
+      between = parsed[i + 1 : j]
+      if any(
+        o not in _BOOKKEEPING
+        and not _is_start(n, o)
+        and not _is_done(n, o)
+        and o
+        and _collective(lines[i + 1 + k]) is None
+        for k, (n, o, _) in enumerate(between)
+      ):
+        out.add(i)
+      break
+  return out
+
+
+def _depends_on(parsed, index: dict[str, int], j: int, target: str) -> bool:
+  """Whether instruction j reads `target`, directly or through earlier instructions."""
+  seen, todo = set(), [j]
+  while todo:
+    k = todo.pop()
+    for name in parsed[k][2]:
+      if name == target:
+        return True
+      if name in index and name not in seen and index[name] < k:
+        seen.add(name)
+        todo.append(index[name])
+  return False
