@@ -40,6 +40,8 @@ from zerojax._src.report import StepReport as StepReport
 from zerojax._src.report import memory_stats as memory_stats
 from zerojax._src.report import step_report as step_report
 from zerojax._src.report import zero_floor_bytes as zero_floor_bytes
+from zerojax._src.search import SearchReport as SearchReport
+from zerojax._src.search import search_plans as search_plans
 from zerojax._src.tpu import local_tpu as local_tpu
 from zerojax._src.train_state import abstract_train_state as abstract_train_state
 from zerojax._src.train_state import create_train_state as create_train_state
@@ -53,6 +55,8 @@ from zerojax._src.zero_stage import zero_stage as zero_stage
 
 __all__ = [
   'value_and_grad',
+  'search_plans',
+  'SearchReport',
   'nnx_value_and_grad',
   'WeightedMean',
   'Checkpointer',

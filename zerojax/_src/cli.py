@@ -7,14 +7,12 @@ python -m zerojax estimate --params 7e9 --devices 256
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -40,64 +38,15 @@ def _log(start: float, message: str) -> None:
 
 
 def _devices(topology: str):
-  """Devices of `topology`: 'cpu:N' (faked CPU devices) or a TPU name like 'v5e:2x4'."""
-  import jax
+  """Devices of `topology` and the HBM of its chips in GiB (None for cpu:N)."""
+  from zerojax._src import tpu
 
-  if topology.startswith('cpu:'):
-    n = int(topology.split(':', 1)[1])
-    devices = jax.devices('cpu')
-    if len(devices) < n:
-      raise SystemExit(
-        f'error: --topology {topology} needs {n} CPU devices but jax has {len(devices)};'
-        ' it must be set before jax starts (python -m zerojax sets it when nothing else'
-        ' has initialised jax first).'
-      )
-    return devices[:n], None
   try:
-    from jax.experimental import topologies
-  except ImportError as e:  # pragma: no cover
-    raise SystemExit(f'error: this jax has no ahead-of-time topologies: {e}') from None
-  try:
-    with _quiet_libtpu():
-      desc = topologies.get_topology_desc(topology_name=topology, platform='tpu')
-  except Exception as e:  # libtpu missing or an unknown topology name
-    raise SystemExit(
-      f'error: cannot compile for TPU topology {topology!r}: {e}\n'
-      'Install the TPU compiler with `pip install zerojax[tpu]` (libtpu), and name a'
-      ' topology like v5e:2x4, v5e:16x16, v4:2x2x1 or v5p:2x2x1.'
-    ) from None
+    devices = tpu.topology_devices(topology)
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
   chip = topology.split(':', 1)[0]
-  return list(desc.devices), HBM_GIB.get(chip)
-
-
-# What libtpu prints to stderr when it starts on a machine without a TPU: it
-# looks for the TPU VM it runs on, which ahead-of-time compilation does not need.
-_LIBTPU_NOISE = (
-  'TPU_ACCELERATOR_TYPE',
-  'TPU_WORKER_HOSTNAMES',
-  'Logging before InitGoogle',
-  'Source Location Trace',
-  'libtpu_init_utils',
-)
-
-
-@contextlib.contextmanager
-def _quiet_libtpu():
-  """Drops libtpu's start-up complaints from stderr (C++ writes them to fd 2); keeps the rest."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile(mode='w+b') as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      yield
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      for line in captured.read().decode(errors='replace').splitlines(keepends=True):
-        if not any(noise in line for noise in _LIBTPU_NOISE):
-          sys.stderr.write(line)
+  return devices, None if chip == 'cpu' else HBM_GIB.get(chip)
 
 
 # Names of the ZeRO axes of `--mesh AxB[xC]`, one per dimension of the chip grid.
@@ -149,7 +98,92 @@ def _load_model(args) -> Any:
   )
 
 
+def _csv(kind):
+  def parse(text: str):
+    try:
+      return tuple(kind(v.strip()) for v in text.split(',') if v.strip())
+    except ValueError:
+      raise argparse.ArgumentTypeError(f'expected a comma-separated list, got {text!r}') from None
+
+  return parse
+
+
+def _on_off(text: str) -> bool:
+  if text not in ('on', 'off'):
+    raise ValueError(text)
+  return text == 'on'
+
+
+def cmd_search(args) -> int:
+  from zerojax._src import search
+
+  devices, _ = _devices(args.topology)
+  if ':' in args.model:
+    spec = _load_model(args)
+    model = lambda remat, prefetch: spec  # a custom model's layer loop is its own
+  else:
+    model = args.model
+  try:
+    target = search.make_target(
+      model,
+      args.topology,
+      devices=devices,
+      optimizer=lambda: _optimizer(args.optimizer),
+      mixed_precision=args.mixed_precision,
+      seq_len=args.seq_len,
+      compute_dtype=args.compute_dtype,
+    )
+    candidates, invalid = search.candidate_space(
+      stages=args.stages,
+      layouts=args.layouts,
+      micro_batches=args.micro_batches,
+      remat=args.remats,
+      prefetch=args.prefetch_options,
+      offload=args.offloads,
+      update_on=args.update_ons,
+      quantize=args.quantizes,
+      batch_per_chip=args.batches_per_chip,
+      grid_dims=len(target.grid),
+    )
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
+  if not candidates:
+    raise SystemExit(
+      f'error: these options leave no valid candidate: {search.why_none_valid(invalid)}.'
+    )
+  if len(candidates) > args.max_candidates:
+    raise SystemExit(
+      f'error: {len(candidates)} candidates exceed --max-candidates {args.max_candidates};'
+      ' narrow the space (e.g. --stages 3 --remats gathers) or raise the limit'
+    )
+  hbm = int(args.hbm_gib * 2**30) if args.hbm_gib else None
+  print(f'{len(candidates)} candidates ({len(invalid)} combinations not valid); compiling'
+        f' for {args.topology} ({len(devices)} chips)', flush=True)  # fmt: skip
+  report = search.run_search(
+    target, candidates, invalid=invalid, hbm_bytes=hbm, measure=args.topology.startswith('cpu:')
+  )
+  text = search.format_search(report)
+  print('\n' + text)
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(
+      args.out, f'search_{args.model.replace(":", "_")}_{args.topology.replace(":", "-")}'
+    )
+    with open(stem + '.txt', 'w') as f:
+      f.write(text + '\n')
+    with open(stem + '.json', 'w') as f:
+      json.dump(search.search_json(report), f, indent=2)
+    search.plot_search(report, stem + '.png')
+    print(f'wrote {stem}.txt, .json and .png')
+  if report.winner is None:
+    print('\n' + search.nothing_fits(report), file=sys.stderr)
+    return 3
+  return 0
+
+
 def cmd_plan(args) -> int:
+  if args.search:
+    return cmd_search(args)
   start = time.perf_counter()
   import jax
   import numpy as np
@@ -350,6 +384,33 @@ def main(argv: list[str] | None = None) -> int:
     ' (zerojax.scan_layers; one more block of parameters lives at a time)',
   )
   p.add_argument('--json', help='also write the report as JSON here')
+  s = p.add_argument_group(
+    'plan search (--search)',
+    'compile every combination of these for the topology and rank them by predicted step time',
+  )
+  s.add_argument('--search', action='store_true', help='search the space below instead of one plan')
+  s.add_argument('--stages', type=_csv(int), default=(1, 2, 3), help='ZeRO stages')
+  s.add_argument('--layouts', type=_csv(str), default=('flat', 'torus'),
+                 help='flat (one ZeRO axis), torus (one per torus dimension), hpz (torus, stage-3'
+                 ' parameters split within the last axis)')  # fmt: skip
+  s.add_argument('--micro-batches', type=_csv(int), default=(1,), help='micro-batches per step')
+  s.add_argument('--remats', type=_csv(str), default=('gathers', 'full'),
+                 help='gathers (recompute_gathers), full (jax.checkpoint), none')  # fmt: skip
+  s.add_argument('--prefetch-options', type=_csv(_on_off), default=(False, True),
+                 help='on, off: scan_layers prefetch of the next layer (stage 3)')  # fmt: skip
+  s.add_argument('--offloads', type=_csv(str), default=('none',),
+                 help='none, opt_state, opt_state+master (host memory)')  # fmt: skip
+  s.add_argument('--update-ons', type=_csv(str), default=('device',), help='device, host')
+  s.add_argument('--quantizes', type=_csv(str), default=('none',),
+                 help='ZeRO++: none, g8, g4 (gradients), w8g8, w8g4 (weights too, stage 3)')  # fmt: skip
+  s.add_argument('--batches-per-chip', type=_csv(int), default=(1,), help='sequences per chip')
+  s.add_argument('--mixed-precision', action='store_true',
+                 help='bf16 parameters and gradients, fp32 master copy in the optimizer state')  # fmt: skip
+  s.add_argument(
+    '--hbm-gib', type=float, default=None, help="device memory per chip; default the chip's"
+  )
+  s.add_argument('--max-candidates', type=int, default=64, help='refuse a larger space')
+  s.add_argument('--out', default=None, help='write the table, JSON and a plot to this folder')
   p.set_defaults(func=cmd_plan)
   e = sub.add_parser(
     'estimate', help='per-device bytes of each stage, from theory', formatter_class=shown

@@ -219,17 +219,19 @@ def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
 def _check_loss(r: Routes, loss_fn, treedef, flat_params, mb, args, meta: dict) -> None:
   """Traces one part's loss once, before the loop: refuses a loss or aux whose parts would
   not add up to the global batch's, and records what it returns in `meta`."""
-  diff, rebuild = _loss_inputs(r, flat_params)
-  closed, shapes = jax.make_jaxpr(
-    lambda d, b: _traced_loss(r, loss_fn, treedef, rebuild, d, b, args), return_shape=True
-  )(diff, mb)
-  num_batch = len(jax.tree.leaves(mb))
+
+  def one_part(flat, b):  # traced on its own: nothing of it enters the step's program
+    diff, rebuild = _loss_inputs(r, flat)
+    return _traced_loss(r, loss_fn, treedef, rebuild, diff, b, args)
+
+  closed, shapes = jax.make_jaxpr(one_part, return_shape=True)(flat_params, mb)
+  num_params, num_batch = len(flat_params), len(jax.tree.leaves(mb))
   outputs = [True] + [False] * (len(closed.jaxpr.outvars) - 1)
-  reduction.check_normalisation(closed, len(diff), num_batch, outputs)
+  reduction.check_normalisation(closed, num_params, num_batch, outputs)
   _, weight, aux = shapes
   meta['weighted'] = weight is not None
   if meta['weighted'] and reduction.depends_on_params(
-    reduction.output_deps(closed, len(diff), num_batch)[1]
+    reduction.output_deps(closed, num_params, num_batch)[1]
   ):
     raise ValueError(
       'zerojax.value_and_grad: the loss returned a zerojax.WeightedMean whose weight depends'

@@ -144,7 +144,7 @@ def decoder_loss(
   plan: plan_lib.ZeroPlan | None = None,
   gather_fn: GatherFn | None = None,
   compute_dtype=jnp.bfloat16,
-  remat: bool = True,
+  remat: bool | str = True,
   per_layer: bool = True,
   prefetch_next: bool = False,
 ) -> jax.Array:
@@ -159,8 +159,10 @@ def decoder_loss(
       scanned) -> tree that lays parameters out for use.
     compute_dtype: dtype of the matrix multiplies (parameters are cast before
       they are gathered).
-    remat: rematerialise each block in the backward pass (drop its gathered
-      parameters and activations; gather and recompute them again).
+    remat: rematerialise each block in the backward pass: True (or 'full')
+      drops its gathered parameters and activations and recomputes them;
+      'gathers' (`zerojax.recompute_gathers`) drops only the gathered
+      parameters and gathers them again; False keeps everything.
     per_layer: gather each block's parameters inside the scan; False gathers
       the whole model up front (simple, and ZeRO-3 then saves nothing at peak).
     prefetch_next: inside `zerojax.value_and_grad(per_layer=True)` with
@@ -203,7 +205,8 @@ def decoder_loss(
     )
   else:
     if remat:
-      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+      policy = gather.recompute_gathers if remat == 'gathers' else None
+      body = jax.checkpoint(body, policy=policy or jax.checkpoint_policies.nothing_saveable)
     x, _ = jax.lax.scan(body, x, params['layers'])
   x = _rms_norm(x, params['final_norm'])
   logits = (x @ cast(params['head'])).astype(jnp.float32)
@@ -248,7 +251,7 @@ def decoder_spec(
   *,
   seq_len: int | None = None,
   compute_dtype=jnp.bfloat16,
-  remat: bool = True,
+  remat: bool | str = True,
   per_layer: bool = True,
   prefetch_next: bool = False,
 ) -> ModelSpec:

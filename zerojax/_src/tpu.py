@@ -1,9 +1,13 @@
-"""Is this machine a TPU VM? Answered before jax starts, from what the machine exposes."""
+"""TPUs: is this machine a TPU VM (answered before jax starts), and the devices of a
+topology to compile for ahead of time, here or anywhere libtpu is installed."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import sys
+import tempfile
 from collections.abc import Mapping
 
 # The TPU-node runtime (TPU chips behind a gRPC address) that Colab retired:
@@ -59,3 +63,69 @@ def _entries(folder: str, keep) -> list[str]:
     return sorted(name for name in os.listdir(folder) if keep(name))
   except OSError:  # no such folder, or not readable: no chips there
     return []
+
+
+def topology_devices(topology: str) -> list:
+  """The devices of `topology`: 'cpu:N' (faked CPU devices) or a TPU name like 'v5e:2x4'.
+
+  TPU devices come from `jax.experimental.topologies` (libtpu compiles for them
+  ahead of time; no TPU is needed).
+
+  Raises:
+    ValueError: too few CPU devices, or a TPU topology libtpu cannot describe
+      (naming the install and the form of the name).
+  """
+  import jax
+
+  if topology.startswith('cpu:'):
+    n = int(topology.split(':', 1)[1])
+    devices = jax.devices('cpu')
+    if len(devices) < n:
+      raise ValueError(
+        f'--topology {topology} needs {n} CPU devices but jax has {len(devices)};'
+        ' it must be set before jax starts (python -m zerojax sets it when nothing else'
+        ' has initialised jax first).'
+      )
+    return devices[:n]
+  from jax.experimental import topologies
+
+  try:
+    with quiet_libtpu():
+      desc = topologies.get_topology_desc(topology_name=topology, platform='tpu')
+  except Exception as e:  # libtpu missing or an unknown topology name
+    raise ValueError(
+      f'cannot compile for TPU topology {topology!r}: {e}\n'
+      'Install the TPU compiler with `pip install zerojax[tpu]` (libtpu), and name a'
+      ' topology like v5e:2x4, v5e:16x16, v4:2x2x1 or v5p:2x2x1.'
+    ) from None
+  return list(desc.devices)
+
+
+# What libtpu prints to stderr when it starts on a machine without a TPU: it
+# looks for the TPU VM it runs on, which ahead-of-time compilation does not need.
+_LIBTPU_NOISE = (
+  'TPU_ACCELERATOR_TYPE',
+  'TPU_WORKER_HOSTNAMES',
+  'Logging before InitGoogle',
+  'Source Location Trace',
+  'libtpu_init_utils',
+)
+
+
+@contextlib.contextmanager
+def quiet_libtpu():
+  """Drops libtpu's start-up complaints from stderr (C++ writes them to fd 2); keeps the rest."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode='w+b') as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      for line in captured.read().decode(errors='replace').splitlines(keepends=True):
+        if not any(noise in line for noise in _LIBTPU_NOISE):
+          sys.stderr.write(line)

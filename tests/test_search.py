@@ -1,0 +1,165 @@
+"""Plan search: the candidate space, the roofline, and searches compiled for cpu:8 and a TPU slice."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import optax
+import pytest
+
+import zerojax
+from zerojax._src import search
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_candidate_space_keeps_valid_combinations_and_says_why_not():
+  valid, invalid = search.candidate_space(
+    stages=(1, 3), layouts=('flat', 'hpz'), prefetch=(False, True), remat=('full',)
+  )
+  assert search.Candidate(3, 'hpz') in valid
+  assert search.Candidate(3, 'flat', prefetch=True) in valid
+  reasons = {c.label(): why for c, why in invalid}
+  assert reasons['s1 flat b1 remat:full prefetch'] == 'prefetch is for stage 3 with remat'
+  assert reasons['s1 hpz b1 remat:full'] == 'hpz splits stage-3 parameters'
+  assert reasons['s3 hpz b1 remat:full prefetch'] == 'hpz runs without per-layer gathers'
+  assert len(valid) + len(invalid) == 2 * 2 * 2
+  # A one-dimensional topology has no torus layouts.
+  valid, invalid = search.candidate_space(stages=(3,), layouts=('torus',), grid_dims=1)
+  assert valid == [] and {why for _, why in invalid} == {'the topology has one dimension'}
+
+
+def test_candidate_space_names_an_unknown_value():
+  with pytest.raises(ValueError) as err:
+    search.candidate_space(offload=('gpu',))
+  assert str(err.value) == (
+    "`offload`: unknown ['gpu']; choose from ['none', 'opt_state', 'opt_state+master']."
+  )
+
+
+def test_roofline_prediction_is_the_stated_formula():
+  chip = search.CHIPS['v5e']
+  r = search.Result(search.Candidate(3), 'fits', ring_bytes=4e9, overlapped_bytes=1e9)
+  r.flops, r.bytes_accessed = 197e12 * 0.5, 819e9 * 0.1  # 0.5 s of compute, 0.1 s of HBM
+  parts = search.predict(chip, r, host_transfer_bytes=64e9)
+  comm = 4e9 / (400e9 / 2)  # one torus axis: half of v5e's 400 GB/s
+  assert parts['compute'] == pytest.approx(0.5)
+  assert parts['collectives'] == pytest.approx(comm)
+  assert parts['exposed'] == pytest.approx(comm * 0.75)
+  assert parts['host'] == pytest.approx(64e9 / 32e9)
+  assert parts['step'] == pytest.approx(0.5 + comm * 0.75 + 2.0)
+  # Offloaded state streamed through the device crosses the link twice; updated on the host,
+  # the gradients go down and the updates come up.
+  c = search.Candidate(3, offload='opt_state', update_on='device')
+  assert search.host_transfer_bytes(c, host_bytes=10, param_bytes=3) == 20
+  c = search.Candidate(3, offload='opt_state', update_on='host')
+  assert search.host_transfer_bytes(c, host_bytes=10, param_bytes=3) == 6
+
+
+@pytest.mark.slow
+def test_search_on_the_cpu_mesh_compiles_ranks_and_measures(tmp_path):
+  report = zerojax.search_plans(
+    'tiny',
+    'cpu:8',
+    optimizer=lambda: optax.adamw(1e-3),
+    progress=False,
+    stages=(2, 3),
+    layouts=('flat',),
+    remat=('gathers',),
+    prefetch=(False,),
+  )
+  assert [r.candidate.stage for r in report.results] == [2, 3]
+  for r in report.results:
+    assert r.fits and r.peak_bytes > 0 and r.flops > 0
+    assert r.ring_bytes >= r.floor_bytes * 0.99  # never below ZeRO's floor
+    assert 0 < r.measured_seconds and math.isfinite(r.step_seconds)
+  ranked = report.ranked
+  assert ranked[0].step_seconds <= ranked[1].step_seconds
+  assert report.winner is ranked[0]
+  code = search.winner_code(report)
+  assert f'stage={report.winner.candidate.stage}' in code and 'zerojax.value_and_grad' in code
+  out = search.search_json(report)
+  assert out['roofline']['name'] == 'cpu' and len(out['results']) == 2
+  assert out['results'][0]['measured_seconds'] > 0
+  search.plot_search(report, str(tmp_path / 'search.png'))
+  assert (tmp_path / 'search.png').stat().st_size > 1000
+  text = search.format_search(report)
+  assert 'pred/meas' in text and 'winner (predicted, not measured):' in text
+
+
+@pytest.mark.slow
+def test_nothing_fits_says_what_would(tmp_path):
+  report = zerojax.search_plans(
+    'tiny', 'cpu:8', progress=False, hbm_bytes=1024, stages=(3,), layouts=('flat',),
+    remat=('gathers',), prefetch=(False,),
+  )  # fmt: skip
+  assert report.winner is None
+  assert report.results[0].status == 'pruned: states alone exceed HBM'
+  message = search.nothing_fits(report)
+  assert message.startswith('no candidate fits on cpu:8 (8 chips).')
+  assert 'Try --offloads opt_state,opt_state+master with --mixed-precision' in message
+
+
+def _cli(*args, timeout=600):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  return subprocess.run(
+    [sys.executable, '-m', 'zerojax', 'plan', *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=ROOT,
+    timeout=timeout,
+  )
+
+
+@pytest.mark.parametrize(
+  'args, message',
+  [
+    (
+      ['--topology', 'cpu:8', '--offloads', 'none', '--update-ons', 'host'],
+      "error: these options leave no valid candidate: update_on='host' needs an offload"
+      ' (every combination).',
+    ),
+    (
+      ['--topology', 'cpu:8', '--quantizes', 'int3'],
+      "error: `quantize`: unknown ['int3']; choose from ['none', 'g8', 'g4', 'w8g8', 'w8g4'].",
+    ),
+    (
+      ['--topology', 'cpu:8', '--stages', '1,2,3', '--max-candidates', '2'],
+      'error: 8 candidates exceed --max-candidates 2;',
+    ),
+    (
+      ['--topology', 'cpu:8', '--model', 'llama9'],
+      "error: `model`='llama9' is not a preset;",
+    ),
+  ],
+)
+def test_search_cli_names_the_bad_option(args, message):
+  proc = _cli('--search', *args)
+  assert proc.returncode != 0
+  assert message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_search_for_a_tpu_slice_writes_table_json_and_plot(tmp_path):
+  pytest.importorskip('libtpu')
+  proc = _cli(
+    '--search', '--model', 'tiny', '--topology', 'v5e:2x4', '--stages', '2,3',
+    '--layouts', 'flat,torus', '--remats', 'gathers', '--prefetch-options', 'off',
+    '--out', str(tmp_path),
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  stem = tmp_path / 'search_tiny_v5e-2x4'
+  data = json.loads(stem.with_suffix('.json').read_text())
+  assert data['roofline']['name'] == 'v5e' and data['num_devices'] == 8
+  assert [r['candidate']['layout'] for r in data['results']].count('torus') == 2
+  for r in data['results']:
+    assert r['fits'] and r['flops'] > 0 and r['predicted_seconds']['step'] > 0
+  steps = [r['predicted_seconds']['step'] for r in data['results']]
+  assert steps == sorted(steps)
+  assert 'winner (predicted, not measured):' in stem.with_suffix('.txt').read_text()
+  assert stem.with_suffix('.png').stat().st_size > 1000
