@@ -62,7 +62,8 @@ def test_readme_planner_commands_reproduce_the_committed_results():
   `benchmarks/results/plan_llama2-70b_v5e-16x16.txt` (quoted by the README) says."""
   pytest.importorskip('libtpu', reason='needs the tpu extra')
   commands = [c for c in zerojax_commands(README.read_text()) if ' inspect ' not in c]
-  assert [c.split()[3] for c in commands] == ['estimate', 'plan']
+  assert [c.split()[3] for c in commands] == ['estimate', 'plan', 'plan']
+  assert '--search' in commands[2]
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
   committed = (README.parent / 'benchmarks/results/plan_llama2-70b_v5e-16x16.txt').read_text()
   for command in commands:
@@ -75,7 +76,9 @@ def test_readme_planner_commands_reproduce_the_committed_results():
       cwd=README.parent,
     )
     assert proc.returncode == 0, f'{command}\n{proc.stdout}\n{proc.stderr}'
-    if ' plan ' in command:
+    if ' --search ' in command:
+      assert 'winner (predicted, not measured):' in proc.stdout
+    elif ' plan ' in command:
       # The compiled program is deterministic: the report is the committed one,
       # less the timings of its log lines.
       untimed = lambda text: [s for s in text.splitlines() if not s.startswith('[')]

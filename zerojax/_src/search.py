@@ -473,6 +473,7 @@ class SearchReport:
   results: list[Result]
   invalid: list[tuple[Candidate, str]]
   seconds: float
+  hbm_bytes: int | None = None  # the device memory each candidate was held to
 
   @property
   def ranked(self) -> list[Result]:
@@ -540,7 +541,7 @@ def run_search(
       results.append(r)
       bar.console.print(f'  {c.label():<52} {r.status}')
       bar.advance(task)
-  return SearchReport(target, results, list(invalid), time.perf_counter() - start)
+  return SearchReport(target, results, list(invalid), time.perf_counter() - start, hbm)
 
 
 # -- reporting ----------------------------------------------------------------------------
@@ -698,7 +699,7 @@ def plot_search(report: SearchReport, path: str) -> None:
 def nothing_fits(report: SearchReport) -> str:
   """What to do when no candidate fits: the closest one, and the slice the states need."""
   t = report.target
-  hbm = t.chip.hbm_bytes if t.chip is not None else 0
+  hbm = report.hbm_bytes or 0
   compiled = [r for r in report.results if r.peak_bytes]
   lines = [f'no candidate fits on {t.topology} ({len(t.devices)} chips).']
   if compiled:
