@@ -74,6 +74,67 @@ def _json(name):
   return json.loads((ROOT / 'benchmarks' / 'results' / name).read_text())
 
 
+def _search_figures():
+  """The README's sentences about the committed plan searches."""
+  import re
+
+  gib = 2**30
+  seven = _json('search_llama2-7b_v5e-2x4.json')
+  win7 = seven['results'][0]
+  refused7 = min(
+    float(m.group(1))
+    for r in seven['results']
+    if (m := re.search(r'need[s]? ([\d.]+)G', r['status']))
+  )
+  big = _json('search_llama2-70b_v5e-16x16.json')
+  win70 = big['results'][0]
+  p70 = win70['predicted_seconds']
+  small = _json('search_llama2-70b_v5e-4x8.json')
+  assert not any(r['fits'] for r in small['results'])
+  closest = min(
+    (
+      (float(m.group(1)), r)
+      for r in small['results']
+      if (m := re.search(r'need[s]? ([\d.]+)G', r['status']))
+    ),
+    key=lambda pair: pair[0],
+  )
+  slice64 = _json('search_llama2-70b_v5e-8x8.json')
+  win64 = slice64['results'][0]
+  return [
+    (
+      'README.md',
+      f'{len(seven["results"])} candidates in {seven["search_seconds"] / 60:.1f} minutes',
+    ),
+    ('README.md', f'(at best {refused7:.2f}G needed of the 15.75G usable)'),
+    (
+      'README.md',
+      f'{win7["peak_bytes"] / gib:.2f} GiB peak, {win7["ring_bytes"] / win7["floor_bytes"]:.2f}×'
+      f' the floor, predicted {win7["predicted_seconds"]["step"]:.2f} s per step',
+    ),
+    (
+      'README.md',
+      f'stage 3 over the torus axes, {win70["ring_bytes"] / win70["floor_bytes"]:.3f}× the floor,'
+      f' {win70["peak_bytes"] / gib:.2f} GiB peak,'
+      f' {100 * win70["overlapped_ring_bytes"] / win70["ring_bytes"]:.0f}% of the ring bytes'
+      f' overlapped; predicted {p70["step"]:.2f} s per step, of which {p70["compute"]:.2f} s is'
+      f' compute at peak ({win70["flops"] / 1e12:,.0f} TFLOP per chip)',
+    ),
+    ('README.md', f'of {len(small["results"])} candidates'),
+    (
+      'README.md',
+      f'needs {closest[0]:.2f}G of temporaries beside'
+      f' {closest[1]["theory_state_bytes"] / gib:.2f} GiB of bf16 parameter shards',
+    ),
+    (
+      'README.md',
+      f'fits at {win64["peak_bytes"] / gib:.2f} GiB peak with {win64["host_bytes"] / gib:.2f} GiB'
+      f' of optimizer state per chip in host memory (of 64 GiB), predicted'
+      f' {win64["predicted_seconds"]["step"]:.2f} s per step',
+    ),
+  ]
+
+
 def _figures():
   """(document, the sentence as the document must print it) from committed results."""
   plan = _json('plan_llama2-70b_v5e-16x16.json')
@@ -107,7 +168,7 @@ def _figures():
     cpu['ratios'][f'zerojax-3 value_and_grad {f} time vs docs-shard_map (paired median)']
     for f in ('int8', 'int4')
   )
-  return [
+  return _search_figures() + [
     (
       'README.md',
       f'held-out loss {held[1]:.4f} with int8 weights and gradients and {held[2]:.4f} with int4'

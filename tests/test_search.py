@@ -128,7 +128,7 @@ def _cli(*args, timeout=600):
     ),
     (
       ['--topology', 'cpu:8', '--stages', '1,2,3', '--max-candidates', '2'],
-      'error: 8 candidates exceed --max-candidates 2;',
+      'error: 7 candidates exceed --max-candidates 2;',
     ),
     (
       ['--topology', 'cpu:8', '--model', 'llama9'],
@@ -163,3 +163,29 @@ def test_search_for_a_tpu_slice_writes_table_json_and_plot(tmp_path):
   assert steps == sorted(steps)
   assert 'winner (predicted, not measured):' in stem.with_suffix('.txt').read_text()
   assert stem.with_suffix('.png').stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+@pytest.mark.parametrize('topology, chip', [('v5p:2x2x1', 'v5p'), ('v6e:2x2', 'v6e')])
+def test_search_knows_each_tpu_generation(topology, chip):
+  pytest.importorskip('libtpu')
+  report = zerojax.search_plans(
+    'tiny', topology, progress=False, stages=(3,), layouts=('flat',), remat=('full',),
+    prefetch=(False,),
+  )  # fmt: skip
+  assert report.target.chip is search.CHIPS[chip]
+  (r,) = report.results
+  assert r.fits and r.peak_bytes < search.CHIPS[chip].hbm_bytes
+  assert r.predicted['compute'] == pytest.approx(r.flops / search.CHIPS[chip].peak_flops)
+  assert r.predicted['step'] > 0
+
+
+def test_a_topology_without_roofline_constants_is_named():
+  with pytest.raises(ValueError) as err:
+    search.make_target('tiny', 'v4:2x2x1', devices=[], optimizer=optax.sgd)
+  assert str(err.value) == (
+    "`topology`='v4:2x2x1': no roofline constants for 'v4'; the search knows"
+    " ['v5e', 'v5p', 'v6e'] and cpu:N."
+  )

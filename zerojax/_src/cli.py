@@ -121,6 +121,13 @@ def cmd_search(args) -> int:
   if ':' in args.model:
     spec = _load_model(args)
     model = lambda remat, prefetch: spec  # a custom model's layer loop is its own
+    if len(args.remats) > 1 or True in args.prefetch_options:
+      print(
+        f'note: --model {args.model} runs its own layer loop: --remats and'
+        ' --prefetch-options are not searched for it',
+        file=sys.stderr,
+      )
+    args.remats, args.prefetch_options = args.remats[:1], (False,)
   else:
     model = args.model
   try:

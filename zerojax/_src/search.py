@@ -4,13 +4,15 @@ Every candidate (stage, mesh layout, micro-batches, rematerialisation, prefetch,
 offload, quantization, batch per chip) is first checked against theory (its
 model states at rest against HBM, its offloaded state against host memory),
 and the survivors are compiled ahead of time for the real topology. Each
-compiled program gives its own peak memory, collectives (ring bytes against
-the ZeRO floor, bytes overlapped with compute) and FLOPs (XLA's cost
-analysis); a roofline (`CHIPS`) turns those into a *predicted* step time. The
+compiled program gives its own peak memory and collectives (ring bytes against
+the ZeRO floor, bytes overlapped with compute); its FLOPs are counted on the
+traced step with every loop iteration (XLA's cost analysis, also reported,
+counts a loop body once); a roofline (`CHIPS`) turns those into a *predicted*
+step time. The
 ranking is by predicted time among the candidates that fit.
 
-Predicted is not measured: the roofline counts compute at peak FLOPs (or HBM
-bandwidth, whichever binds), collectives at the ICI bandwidth one torus axis
+Predicted is not measured: the roofline counts compute at peak FLOPs,
+collectives at the ICI bandwidth one torus axis
 gets, less what the compiler overlaps with compute, and host transfers at the
 host link's bandwidth. On `cpu:N` the constants are measured on this machine
 and the prediction is checked against the step's measured time.
@@ -138,6 +140,8 @@ class Candidate:
       (self.batch_per_chip % self.micro_batches, 'micro_batches does not divide batch_per_chip'),
       (self.prefetch and (self.stage != 3 or self.remat == 'none'),
        'prefetch is for stage 3 with remat'),
+      (self.prefetch and self.remat == 'gathers',
+       "prefetch recomputes each layer itself (scan_layers): remat='full' stands for it"),
       (self.layout == 'hpz' and self.stage != 3, 'hpz splits stage-3 parameters'),
       (self.layout == 'hpz' and (self.prefetch or self.quantize != 'none'),
        'hpz runs without per-layer gathers'),
@@ -165,7 +169,8 @@ class Result:
   floor_bytes: float = 0.0
   overlapped_bytes: float = 0.0
   collective_count: int = 0
-  flops: float = 0.0
+  flops: float = 0.0  # traced, loops counted per iteration (`traced_flops`)
+  cost_analysis_flops: float = 0.0  # XLA's, loop bodies counted once
   bytes_accessed: float = 0.0
   predicted: dict = dataclasses.field(default_factory=dict)  # seconds, by part
   compile_seconds: float = 0.0
@@ -186,12 +191,13 @@ class Result:
 def predict(chip: Chip, r: Result, host_transfer_bytes: float) -> dict[str, float]:
   """Predicted seconds per step: compute, collectives (exposed part), host transfers.
 
-  compute = max(FLOPs / peak, HBM bytes / bandwidth); collectives = ring bytes /
+  compute = FLOPs / peak (HBM traffic is not modelled: XLA's byte count, like its
+  FLOP count, sees each loop body once); collectives = ring bytes /
   one axis's ICI bandwidth (plus a latency per collective where one is known),
   of which the overlapped share hides under compute;
   host = offloaded bytes moved / host link bandwidth.
   """
-  compute = max(r.flops / chip.peak_flops, r.bytes_accessed / chip.hbm_bandwidth)
+  compute = r.flops / chip.peak_flops
   comm = r.ring_bytes / chip.axis_bandwidth + r.collective_count * chip.collective_latency
   share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
   exposed = comm * (1 - share)
@@ -348,7 +354,7 @@ def zero_options(c: Candidate, names: tuple[str, ...]) -> dict[str, Any]:
 
 
 def lower_candidate(target: Target, c: Candidate):
-  """(lowered step, plan, abstract state, batch, the floor's unit in bytes) of a candidate."""
+  """(traced step, plan, abstract state, batch, the floor's unit in bytes) of a candidate."""
   from jax.sharding import NamedSharding, PartitionSpec
 
   from zerojax._src import grad as grad_lib
@@ -384,8 +390,46 @@ def lower_candidate(target: Target, c: Candidate):
     unit = jnp.dtype(target.compute_dtype).itemsize
   else:
     unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
-  lowered = jax.jit(train_step, donate_argnums=0).lower(state, batch)
-  return lowered, plan, state, batch, unit
+  traced = jax.jit(train_step, donate_argnums=0).trace(state, batch)
+  return traced, plan, state, batch, unit
+
+
+def traced_flops(jaxpr: Any) -> float:
+  """Matmul and convolution FLOPs of a traced step, per device, loops counted per iteration.
+
+  XLA's `cost_analysis()` counts a `while` body once, so a scanned model's FLOPs
+  come out about one layer's worth; this walks the jaxpr instead: a scan's body
+  counts `length` times, rematerialised code as often as it runs. Inside
+  `shard_map` shapes are per device, which is where `value_and_grad` runs the
+  model; operations outside it count at their global size.
+
+  Raises:
+    ValueError: a `while` loop with a matmul inside (its trip count is not in the
+      jaxpr, and it is not guessed).
+  """
+  total = 0.0
+  for eqn in getattr(jaxpr, 'jaxpr', jaxpr).eqns:
+    name = eqn.primitive.name
+    if name == 'dot_general':
+      (lhs_contract, _), _ = eqn.params['dimension_numbers']
+      lhs = eqn.invars[0].aval.shape
+      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+    elif name == 'conv_general_dilated':
+      rhs = eqn.invars[1].aval.shape  # kernel: out features, in features / groups, window...
+      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs[1:])
+    elif name == 'scan':
+      total += eqn.params['length'] * traced_flops(eqn.params['jaxpr'])
+    elif name == 'while':
+      if traced_flops(eqn.params['body_jaxpr']):
+        raise ValueError('a while loop with matmuls: its trip count is not in the jaxpr')
+    elif name == 'cond':
+      total += max(traced_flops(b) for b in eqn.params['branches'])
+    else:
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
+            total += traced_flops(sub)
+  return total
 
 
 def _cost(compiled) -> tuple[float, float]:
@@ -412,6 +456,9 @@ def _oom_summary(message: str) -> str:
   )
   if found:
     return f'{found.group(1).strip()} need {found.group(2)} of {found.group(3)} (compiler)'
+  found = re.search(r'Used ([\d.]+\w?) of ([\d.]+\w?) hbm', message)
+  if found:
+    return f'needs {found.group(1)} of {found.group(2)} (compiler)'
   return message.splitlines()[0][:120]
 
 
@@ -421,7 +468,7 @@ def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
 
   start = time.perf_counter()
   try:
-    lowered, plan, state, _, unit = lower_candidate(target, c)
+    traced, plan, state, batch, unit = lower_candidate(target, c)
   except (ValueError, TypeError) as e:  # e.g. a leaf that cannot be split this way
     return Result(c, f'failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}')
   sizes = plan.bytes_per_device()
@@ -436,7 +483,7 @@ def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
     result.status = 'pruned: offloaded state exceeds host memory'
     return result
   try:
-    compiled = lowered.compile()
+    compiled = traced.lower().compile()
   except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses what cannot fit
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise
@@ -450,7 +497,8 @@ def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
   result.overlapped_bytes = sum(report.collectives.overlapped_ring_bytes.values())
   result.collective_count = sum(report.collectives.counts.values())
   result.floor_bytes = report.floor_bytes
-  result.flops, result.bytes_accessed = _cost(compiled)
+  result.cost_analysis_flops, result.bytes_accessed = _cost(compiled)
+  result.flops = traced_flops(traced.jaxpr)
   if hbm_bytes is not None and result.peak_bytes > hbm_bytes:
     result.status = 'over HBM'
   if chip is not None:
@@ -458,7 +506,7 @@ def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
     moved = host_transfer_bytes(c, result.host_bytes, param_bytes)
     result.predicted = predict(chip, result, moved)
   result._compiled = compiled  # kept for a measured run on cpu:N
-  result._state, result._plan = state, plan
+  result._state, result._batch = state, batch
   return result
 
 
@@ -488,8 +536,9 @@ class SearchReport:
 
 def _measure_cpu(result: Result, target: Target, steps: int = 5) -> float:
   """Median seconds of the compiled step on the faked CPU devices, after one warm-up step."""
+  del target
   state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), result._state)
-  _, _, _, batch, _ = lower_candidate(target, result.candidate)
+  batch = result._batch
   tokens = jnp.zeros(batch.shape, batch.dtype, device=batch.sharding)
   times = []
   for i in range(steps + 1):
@@ -532,14 +581,14 @@ def run_search(
   with Progress(disable=not progress, transient=False) as bar:
     task = bar.add_task('compiling candidates', total=len(candidates))
     for c in candidates:
-      bar.update(task, description=f'{c.label():<48}')
+      bar.update(task, description=f'{c.label():<60}')
       r = evaluate(target, c, hbm_bytes=hbm)
       if measure and r.fits:
         r.measured_seconds = _measure_cpu(r, target)
-      for attr in ('_compiled', '_state', '_plan'):  # free the compiled program
+      for attr in ('_compiled', '_state', '_batch'):  # free the compiled program
         r.__dict__.pop(attr, None)
       results.append(r)
-      bar.console.print(f'  {c.label():<52} {r.status}')
+      bar.console.print(f'  {c.label():<60} {r.status}', soft_wrap=True)
       bar.advance(task)
   return SearchReport(target, results, list(invalid), time.perf_counter() - start, hbm)
 
@@ -603,18 +652,15 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
   if chip is not None:
     lines.append(f'roofline ({chip.name}): {chip.source}')
   measured = any(r.measured_seconds for r in report.results)
-  head = (
-    f'{"#":>3} {"candidate":<52} {"status":<14} {"peak GiB":>8} {"ring/floor":>10} {"overlap":>7}'
-  )
+  head = f'{"#":>3} {"candidate":<60} {"peak GiB":>8} {"ring/floor":>10} {"overlap":>7}'
   head += f' {"TFLOP/chip":>10} {"predicted s":>11}' + (
     f' {"measured s":>10} {"pred/meas":>9}' if measured else ''
   )
   lines += ['', head]
-  for i, r in enumerate(report.ranked[:limit], 1):
-    status = r.status if len(r.status) <= 14 else r.status[:13] + '…'
+  for i, r in enumerate([r for r in report.ranked if r.fits][:limit], 1):
     ratio = r.ring_bytes / r.floor_bytes if r.floor_bytes else float('nan')
     share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
-    row = f'{i:>3} {r.candidate.label():<52} {status:<14} {_gib(r.peak_bytes):>8} {ratio:>10.3f}'
+    row = f'{i:>3} {r.candidate.label():<60} {_gib(r.peak_bytes):>8} {ratio:>10.3f}'
     row += f' {share:>7.0%} {r.flops / 1e12:>10.2f} {r.step_seconds:>11.4f}'
     if measured:
       m = r.measured_seconds
@@ -623,7 +669,7 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
   not_fitting = [r for r in report.results if not r.fits]
   if not_fitting:
     lines += ['', 'why the others do not run:']
-    lines += [f'  {r.candidate.label():<52} {r.status}' for r in not_fitting[:limit]]
+    lines += [f'  {r.candidate.label():<60} {r.status}' for r in not_fitting]
   lines += ['', 'winner (predicted, not measured):' if report.winner else 'no candidate fits']
   lines += ['  ' + line for line in winner_code(report).splitlines()]
   return '\n'.join(lines)
@@ -647,6 +693,7 @@ def search_json(report: SearchReport) -> dict:
         'floor_bytes': r.floor_bytes,
         'overlapped_ring_bytes': r.overlapped_bytes,
         'flops': r.flops,
+        'cost_analysis_flops': r.cost_analysis_flops,
         'bytes_accessed': r.bytes_accessed,
         'predicted_seconds': r.predicted,
         'measured_seconds': r.measured_seconds,
@@ -696,6 +743,14 @@ def plot_search(report: SearchReport, path: str) -> None:
   plt.close(fig)
 
 
+def _gigabytes(status: str) -> float | None:
+  """The first 'NN.NNG' figure of an out-of-memory status, or None."""
+  import re
+
+  found = re.search(r'need[s]? ([\d.]+)G', status)
+  return float(found.group(1)) if found else None
+
+
 def nothing_fits(report: SearchReport) -> str:
   """What to do when no candidate fits: the closest one, and the slice the states need."""
   t = report.target
@@ -705,6 +760,13 @@ def nothing_fits(report: SearchReport) -> str:
   if compiled:
     best = min(compiled, key=lambda r: r.peak_bytes)
     lines.append(f'closest: {best.candidate.label()} at {_gib(best.peak_bytes)} GiB peak per chip.')
+  refused = [(_gigabytes(r.status), r) for r in report.results if _gigabytes(r.status)]
+  if refused:
+    need, best = min(refused, key=lambda x: x[0])
+    lines.append(
+      f'closest the compiler refused: {best.candidate.label()}: {best.status}, beside'
+      f' {_gib(best.theory_bytes)} GiB of model states at rest per chip.'
+    )
   states = [r.theory_bytes for r in report.results if r.theory_bytes]
   if states and hbm:
     need = min(states) * len(t.devices)
