@@ -491,7 +491,11 @@ def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
     result.status = 'over HBM: ' + _oom_summary(str(e))
     return result
   result.compile_seconds = time.perf_counter() - start
-  report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit)
+  try:
+    report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit)
+  except jax.errors.JaxRuntimeError as e:  # the compiled HLO could not be printed
+    result.status = f'failed: its compiled HLO cannot be read here ({str(e).splitlines()[0][:100]})'
+    return result
   result.peak_bytes = report.memory.peak
   result.ring_bytes = report.collectives.total_ring_bytes
   result.overlapped_bytes = sum(report.collectives.overlapped_ring_bytes.values())
