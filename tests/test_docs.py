@@ -99,9 +99,13 @@ def _search_figures():
     ),
     key=lambda pair: pair[0],
   )
+  cpu = _json('search_tiny_cpu-8.json')
+  ratios = [r['predicted_seconds']['step'] / r['measured_seconds'] for r in cpu['results']]
   slice64 = _json('search_llama2-70b_v5e-8x8.json')
   win64 = slice64['results'][0]
   return [
+    ('README.md', f'{len(cpu["results"])} candidates): predicted / measured step time'),
+    ('README.md', f'step time {min(ratios):.2f}–{max(ratios):.2f}.'),
     (
       'README.md',
       f'{len(seven["results"])} candidates in {seven["search_seconds"] / 60:.1f} minutes',
