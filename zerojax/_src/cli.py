@@ -180,8 +180,11 @@ def cmd_search(args) -> int:
       f.write(text + '\n')
     with open(stem + '.json', 'w') as f:
       json.dump(search.search_json(report), f, indent=2)
-    search.plot_search(report, stem + '.png')
-    print(f'wrote {stem}.txt, .json and .png')
+    try:
+      search.plot_search(report, stem + '.png')
+      print(f'wrote {stem}.txt, .json and .png')
+    except ImportError:
+      print(f'wrote {stem}.txt and .json (no plot: pip install matplotlib, or zerojax[examples])')
   if report.winner is None:
     print('\n' + search.nothing_fits(report), file=sys.stderr)
     return 3
