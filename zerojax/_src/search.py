@@ -538,9 +538,8 @@ class SearchReport:
     return best[0] if best and best[0].fits else None
 
 
-def _measure_cpu(result: Result, target: Target, steps: int = 5) -> float:
+def _measure_cpu(result: Result, steps: int = 5) -> float:
   """Median seconds of the compiled step on the faked CPU devices, after one warm-up step."""
-  del target
   state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), result._state)
   batch = result._batch
   tokens = jnp.zeros(batch.shape, batch.dtype, device=batch.sharding)
@@ -588,7 +587,7 @@ def run_search(
       bar.update(task, description=f'{c.label():<60}')
       r = evaluate(target, c, hbm_bytes=hbm)
       if measure and r.fits:
-        r.measured_seconds = _measure_cpu(r, target)
+        r.measured_seconds = _measure_cpu(r)
       for attr in ('_compiled', '_state', '_batch'):  # free the compiled program
         r.__dict__.pop(attr, None)
       results.append(r)
