@@ -72,6 +72,14 @@ def recompute_gathers(prim, *args, **params) -> bool:
   return prim.name not in _GATHER_PRIMITIVES
 
 
+def sub_jaxprs(eqn: Any):
+  """The jaxprs (open or closed) among an equation's parameters: bodies, branches, calls."""
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
+        yield sub
+
+
 def _gathers(jaxpr: Any) -> bool:
   """Whether a (closed) jaxpr is a gather: it runs an all_gather, and no loop
   (a `custom_vjp` layer loop such as `scan_layers` computes, it does not gather)."""
@@ -82,10 +90,8 @@ def _gathers(jaxpr: Any) -> bool:
     if name in ('scan', 'while'):
       return False
     found = found or name == 'all_gather'
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
-          found = found or _gathers(sub)
+    for sub in sub_jaxprs(eqn):
+      found = found or _gathers(sub)
   return found
 
 
@@ -97,11 +103,9 @@ def count_gathers(jaxpr: Any, in_loop: bool = False) -> tuple[int, int]:
     if name == 'all_gather':
       inside, outside = (inside + 1, outside) if in_loop else (inside, outside + 1)
     loop = in_loop or name in ('scan', 'while')
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
-          o, i = count_gathers(sub, loop)
-          outside, inside = outside + o, inside + i
+    for sub in sub_jaxprs(eqn):
+      o, i = count_gathers(sub, loop)
+      outside, inside = outside + o, inside + i
   return outside, inside
 
 

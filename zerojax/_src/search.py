@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax._src import gather as gather_lib
+
 GiB = 2**30
 
 
@@ -425,10 +427,7 @@ def traced_flops(jaxpr: Any) -> float:
     elif name == 'cond':
       total += max(traced_flops(b) for b in eqn.params['branches'])
     else:
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-          if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
-            total += traced_flops(sub)
+      total += sum(traced_flops(sub) for sub in gather_lib.sub_jaxprs(eqn))
   return total
 
 
