@@ -1,5 +1,9 @@
 """`zerojax.scan_layers`: the layer loop that gathers layer i+1 while layer i computes."""
 
+import functools
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +13,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'benchmarks'))
+import hlo_ops  # noqa: E402
 
 D = 256
 
@@ -34,9 +41,9 @@ def _layer(h, layer, gain):
   return h + jnp.tanh(h @ layer['w'] + layer['b']) * gain
 
 
-def _loss_scan(p, x):
+def _loss_scan(p, x, remat='gathers'):
   gain = zerojax.gather_leaves(p['gain'])
-  h = zerojax.scan_layers(lambda h, layer: _layer(h, layer, gain), x, p['layers'])
+  h = zerojax.scan_layers(lambda h, layer: _layer(h, layer, gain), x, p['layers'], remat=remat)
   return jnp.mean((h @ zerojax.gather_leaves(p['head'])) ** 2)
 
 
@@ -47,23 +54,28 @@ def _loss_plain(p, x):
   return jnp.mean((h @ p['head']) ** 2)
 
 
-def _run(mesh, layers, quantize=None, stage=3):
+def _run(mesh, layers, quantize=None, stage=3, remat='gathers'):
   params = _params(layers)
   tx = zerojax.zero_stage(
     optax.adam(1e-3), stage, mesh=mesh, replicate_below_bytes=512, quantize=quantize
   )
   plan = zerojax.plan_for(tx, params)
   x = jax.device_put(jax.random.normal(jax.random.key(1), (64, D)), NamedSharding(mesh, P('data')))
-  fn = jax.jit(zerojax.value_and_grad(_loss_scan, tx, per_layer=True))
+  loss = functools.partial(_loss_scan, remat=remat)
+  fn = jax.jit(zerojax.value_and_grad(loss, tx, per_layer=True))
   placed = jax.device_put(params, plan.params)
   return fn, placed, x, params
 
 
-@pytest.mark.parametrize('layers, stage', [(1, 3), (2, 3), (5, 3), (3, 2)])
-def test_scan_layers_equals_the_plain_gradient(mesh, layers, stage):
+@pytest.mark.parametrize(
+  'layers, stage, remat',
+  [(1, 3, 'gathers'), (2, 3, 'gathers'), (5, 3, 'gathers'), (3, 2, 'gathers'), (1, 3, 'full'),
+   (5, 3, 'full'), (3, 2, 'full')],
+)  # fmt: skip
+def test_scan_layers_equals_the_plain_gradient(mesh, layers, stage, remat):
   # At stage 2 the layers are whole on every device: nothing is gathered, and
   # each layer's gradient is still reduce-scattered into its shard.
-  fn, placed, x, params = _run(mesh, layers, stage=stage)
+  fn, placed, x, params = _run(mesh, layers, stage=stage, remat=remat)
   loss, grads = fn(placed, x)
   want_loss, want = jax.value_and_grad(_loss_plain)(params, np.asarray(x))
   np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
@@ -79,22 +91,38 @@ def test_scan_layers_equals_the_plain_gradient(mesh, layers, stage):
     assert grads['layers']['w'].sharding.spec == P(None, 'data', None)
 
 
-def test_each_layer_is_gathered_twice_and_reduce_scattered_once(mesh):
+@pytest.mark.parametrize('remat', ['gathers', 'full'])
+def test_each_layer_is_gathered_again_and_reduce_scattered_once(mesh, remat):
   layers = 5
-  fn, placed, x, _ = _run(mesh, layers)
+  fn, placed, x, _ = _run(mesh, layers, remat=remat)
   stats = zerojax.count_collectives(fn.lower(placed, x).compile())
-  # w and b per layer, forward and backward; gain and head once each.
-  assert stats['all-gather'] == 2 * 2 * layers + 2
+  # Forward: w and b per layer; gain and head once each. Backward: with the
+  # activations kept, only w is needed again (h @ w's input gradient), so b's
+  # gather is dead code; recomputing the layer needs both again.
+  backward = layers if remat == 'gathers' else 2 * layers
+  assert stats['all-gather'] == 2 * layers + backward + 2
   assert stats['reduce-scatter'] == 2 * layers + 2
   assert stats.result_bytes.get('all-reduce', 0) <= 8  # the loss only
 
 
-def test_only_layer_inputs_are_kept_for_the_backward_pass(mesh):
+@pytest.mark.parametrize('remat, per_layer', [('gathers', 3), ('full', 4)])
+def test_the_forward_runs_again_only_with_remat_full(mesh, remat, per_layer):
+  # Per layer: one matmul forward and two backward (input and weight
+  # gradients); remat='full' runs the forward one more time. The head adds
+  # three; the first layer's input gradient is dead (the input is data).
+  layers = 5
+  fn, placed, x, _ = _run(mesh, layers, remat=remat)
+  matmuls = hlo_ops.matmuls(fn.lower(placed, x).compile())
+  assert matmuls == per_layer * layers + 3 - 1
+
+
+@pytest.mark.parametrize('remat', ['gathers', 'full'])
+def test_gathered_parameters_are_not_kept_for_the_backward_pass(mesh, remat):
   # Temporaries grow by far less than a layer's gathered parameters per layer:
   # the prefetched parameters are not kept per layer.
   temps = {}
   for layers in (4, 12):
-    fn, placed, x, _ = _run(mesh, layers)
+    fn, placed, x, _ = _run(mesh, layers, remat=remat)
     temps[layers] = zerojax.memory_stats(fn.lower(placed, x).compile()).temp
   per_layer = (temps[12] - temps[4]) / 8
   assert per_layer < D * D * 4 / 4, temps

@@ -89,7 +89,7 @@ def _gathers(jaxpr: Any) -> bool:
     name = eqn.primitive.name
     if name in ('scan', 'while'):
       return False
-    found = found or name == 'all_gather'
+    found = found or name == 'all_gather' or name == 'name' and eqn.params['name'] == GATHERED
     for sub in sub_jaxprs(eqn):
       found = found or _gathers(sub)
   return found
@@ -217,7 +217,9 @@ def _whole_with_scattered_grad(shard, whole, dim, axes, dtype, quantize=None):
   """`whole` (cast to `dtype`), whose gradient goes to `shard`, reduce-scattered
   (ZeRO++ qgZ with `quantize`)."""
   del shard
-  return whole if dtype is None else whole.astype(dtype)
+  # Named like a gather, so `recompute_gathers` takes it again from `whole` in
+  # the backward pass instead of keeping a copy of every layer.
+  return checkpoint_name(whole if dtype is None else whole.astype(dtype), GATHERED)
 
 
 def _whole_fwd(shard, whole, dim, axes, dtype, quantize):

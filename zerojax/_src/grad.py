@@ -289,13 +289,27 @@ def _reduce_micro(r: Routes, route: LeafRoute, g: jax.Array) -> jax.Array:
   return g
 
 
+def _psum_by_layer(x: jax.Array, axes: Any) -> jax.Array:
+  """All-reduces a stacked leaf (3 or more dimensions) one leading index at a time,
+  each result written back in place: a whole-leaf all-reduce would hold a second
+  buffer of the leaf's size (XLA gives a collective its own output)."""
+  if x.ndim < 3 or x.shape[0] < 2:
+    return jax.lax.psum(x, axes)
+
+  def one(i, x):
+    layer = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(x, jax.lax.psum(layer, axes), i, 0)
+
+  return jax.lax.fori_loop(0, x.shape[0], one, x)
+
+
 def _reduce_final(r: Routes, route: LeafRoute, acc: jax.Array) -> jax.Array:
   """After the loop: stage 1 reduce-scatters its full buffer; whole leaves are all-reduced."""
   if route.scatter is not None and r.stage >= 2:
     return acc
   if route.scatter is not None and r.stage == 1:
     return _reduce_scatter(route, acc, r.axes)
-  return jax.lax.psum(acc, _axis_arg(r.axes))
+  return _psum_by_layer(acc, _axis_arg(r.axes))
 
 
 def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, scale):
@@ -314,9 +328,15 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
 
   mb0 = jax.tree.map(lambda x: x[0], micro)
   _check_loss(r, loss_fn, treedef, flat_params, mb0, reduction.fold_keys(args, first), meta)
-  acc0 = [jnp.zeros(route.acc_shape, route.acc_dtype) for route in r.leaves]
   sums0 = jnp.zeros((2,) if meta['weighted'] else (), jnp.float32)
-  (acc, sums), auxes = jax.lax.scan(body, (acc0, sums0), (jnp.arange(m), micro))
+  if m == 1:
+    # No loop and no accumulator: the gradient goes straight to its reduction,
+    # so no second gradient-sized buffer is live.
+    (acc, sums), aux = body(([0] * len(r.leaves), sums0), (0, mb0))
+    auxes = jax.tree.map(lambda x: x[None], aux)
+  else:
+    acc0 = [jnp.zeros(route.acc_shape, route.acc_dtype) for route in r.leaves]
+    (acc, sums), auxes = jax.lax.scan(body, (acc0, sums0), (jnp.arange(m), micro))
   # The global normaliser: the parts' summed weights (one all-reduce with the
   # loss), or for a plain mean the number of parts. A loss scale stays in the
   # gradients: `mixed_precision` divides it out, once.

@@ -11,9 +11,11 @@ i's gradient.
 Through autodiff a prefetched gather would be a loop carry, and `scan` keeps
 every carry for the backward pass (each layer's whole parameters: ZeRO-3's
 saving gone). So the loop has its own gradient (`jax.custom_vjp`): the forward
-pass keeps each layer's input only; the backward pass gathers the layers again
-(prefetching), recomputes each layer's forward (as a full `jax.checkpoint`
-would) and reduce-scatters each layer's parameter gradient into its shard.
+pass keeps each layer's activations, not its gathered parameters (as
+`jax.checkpoint(policy=zerojax.recompute_gathers)` does; with `remat='full'`
+only each layer's input, recomputing the layer as a plain `jax.checkpoint`
+would); the backward pass gathers the layers again (prefetching) and
+reduce-scatters each layer's parameter gradient into its shard.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 
 from zerojax._src import gather as gather_lib
 from zerojax._src import quantize as quantize_lib
+from zerojax._src import reduction
 
 
 def scan_layers(
@@ -37,6 +40,7 @@ def scan_layers(
   prefetch: bool = True,
   mesh: Any = None,
   axis: Any = 'data',
+  remat: str = 'gathers',
 ) -> Any:
   """Runs `body(carry, layer)` over stacked layer parameters; returns the last carry.
 
@@ -44,15 +48,15 @@ def scan_layers(
   holds `zerojax.ShardedLeaf`s stacked along a leading layer axis; each step
   hands `body` its layer's parameters gathered (cast to `dtype` first), and
   with `prefetch` the next layer's gather is issued before the current layer
-  runs, in the forward and the backward pass. The backward pass recomputes
-  each layer's forward, as `jax.checkpoint` with no policy does (activations
-  inside a layer are not kept), and gathers the parameters again; each layer's
-  gradient is reduce-scattered into its shard (ZeRO++ quantized, if the plan
-  says so). Leaves that are not ShardedLeafs are used whole, as stacked.
+  runs, in the forward and the backward pass. The backward pass gathers the
+  parameters again; each layer's gradient is reduce-scattered into its shard
+  (ZeRO++ quantized, if the plan says so). Leaves that are not ShardedLeafs
+  are used whole, as stacked. One more layer's gathered parameters are live
+  than without prefetching: the price of the overlap.
 
   Anywhere else (`prefetch=False`, or parameters that are not ShardedLeafs) it
-  is `jax.lax.scan` over `jax.checkpoint(body)` with each layer gathered by
-  `gather_leaves`.
+  is `jax.lax.scan` over `jax.checkpoint(body, policy=...)` (the `remat`
+  policy) with each layer gathered by `gather_leaves`.
 
   Args:
     body: `(carry, layer) -> carry`, the same pytree structure in and out.
@@ -62,10 +66,17 @@ def scan_layers(
     dtype: compute dtype the parameters are cast to before they are gathered.
     prefetch: issue layer i+1's gather before layer i runs.
     mesh, axis: for the plain scan outside `value_and_grad` (see `gather_leaves`).
+    remat: what the backward pass computes again. 'gathers' (default): only
+      the gathers; each layer's activations are kept, as under
+      `zerojax.recompute_gathers` (no forward matmul runs twice). 'full': the
+      whole layer, from its input (the least memory: a layer's activations
+      live only while it runs).
 
   Returns:
     The carry after the last layer.
   """
+  if remat not in ('gathers', 'full'):
+    raise ValueError(f"scan_layers: remat must be 'gathers' or 'full', got {remat!r}.")
   leaves, treedef = jax.tree.flatten(layers, is_leaf=gather_lib.is_sharded_leaf)
   sharded = [gather_lib.is_sharded_leaf(x) for x in leaves]
   if not prefetch or not any(sharded):
@@ -75,7 +86,8 @@ def scan_layers(
       gathered = layers_lib.gather_leaves(layer, mesh=mesh, axis=axis, dtype=dtype)
       return body(carry, gathered), None
 
-    return jax.lax.scan(jax.checkpoint(plain), init, layers)[0]
+    policy = gather_lib.recompute_gathers if remat == 'gathers' else None
+    return jax.lax.scan(jax.checkpoint(plain, policy=policy), init, layers)[0]
   stacked = [x.shard if s else x for x, s in zip(leaves, sharded)]
   # Stage 2: the whole parameters each device holds already (the "gather"
   # moves nothing; only gradients are reduce-scattered), sliced like the shards.
@@ -96,7 +108,7 @@ def scan_layers(
     init,
     layer_of(stacked, wholes, 0),
   )
-  return _prefetched(step, count, meta, layer_of)(init, stacked, wholes, tuple(consts))
+  return _prefetched(step, count, meta, layer_of, remat)(init, stacked, wholes, tuple(consts))
 
 
 def _layer_of(meta: tuple, dtype: Any):
@@ -120,37 +132,88 @@ def _scatter(grad: jax.Array, meta: Any, like: jax.Array) -> jax.Array:
   return quantize_lib.reduce_scatter(grad, meta.axes, dim, meta.quantize).astype(like.dtype)
 
 
-def _prefetched(step, count: int, meta: tuple, layer_of):
-  """The loop with its own gradient; see the module docstring."""
+class _Residuals:
+  """What the loop keeps of each layer for its backward pass, decided once per trace.
 
-  def forward(init, stacked, wholes, consts):
+  `jax.vjp(step, x, w, *consts)` keeps what the layer's backward needs: its
+  activations, its input, and values of the parameters (the gathered `w`
+  itself, casts or reshapes of it). With `remat='gathers'` those that depend
+  on the layer's input are kept per layer, stacked by the forward loop; those
+  computed from the parameters and constants alone are not (they would be a
+  copy of every layer's gathered parameters) and are taken again in the
+  backward pass from the re-gathered parameters. With `remat='full'` only the
+  layer's input is kept and the backward pass runs the layer's forward again.
+  """
+
+  def __init__(self, step, remat: str):
+    self.step, self.remat = step, remat
+    self.keep: list[bool] | None = None
+
+  def split(self, x, w, consts) -> tuple[Any, list]:
+    """The layer's output and what is kept for its backward pass."""
+    if self.remat == 'full':
+      return self.step(x, w, *consts), jax.tree.leaves(x)
+    y, pullback = jax.vjp(self.step, x, w, *consts)
+    if self.keep is None:
+      closed = jax.make_jaxpr(lambda x, w, c: jax.tree.leaves(jax.vjp(self.step, x, w, *c)[1]))(
+        x, w, consts
+      )
+      num_x, num_w = len(jax.tree.leaves(x)), len(jax.tree.leaves(w))
+      deps = reduction.output_deps(closed, num_x, num_w)
+      self.keep = [reduction.depends_on_params(d) for d in deps]  # "params" here: the input
+    return y, [r for r, k in zip(jax.tree.leaves(pullback), self.keep) if k]
+
+  def pullback(self, kept: list, w, consts, like_x):
+    """The layer's pullback from what was kept and its re-gathered parameters."""
+    if self.remat == 'full':
+      x = jax.tree.unflatten(jax.tree.structure(like_x), kept)
+      return jax.vjp(self.step, x, w, *consts)[1]
+    # Traced on a stand-in input: only the residuals of `w` and `consts` are
+    # used from it; XLA drops the rest of this forward as dead code.
+    _, fresh = jax.vjp(self.step, jax.tree.map(jnp.zeros_like, like_x), w, *consts)
+    leaves, treedef = jax.tree.flatten(fresh)
+    kept = iter(kept)
+    return treedef.unflatten([next(kept) if k else r for r, k in zip(leaves, self.keep)])
+
+
+def _prefetched(step, count: int, meta: tuple, layer_of, remat: str):
+  """The loop with its own gradient; see the module docstring."""
+  residuals = _Residuals(step, remat)
+
+  def forward(init, stacked, wholes, consts, keep: bool):
     # Layers 0..count-2 run in the loop, each issuing its successor's gather
     # first; the last runs after it, on the parameters the loop carried out.
+    def layer(x, w):
+      if keep:
+        return residuals.split(x, w, consts)
+      return step(x, w, *consts), []
+
     def one(c, i):
       x, w = c
       following = layer_of(stacked, wholes, i + 1)
-      return (step(x, w, *consts), following), x
+      y, kept = layer(x, w)
+      return (y, following), kept
 
     first = layer_of(stacked, wholes, 0)
-    (x, w), inputs = jax.lax.scan(one, (init, first), jnp.arange(count - 1))
-    return step(x, w, *consts), (inputs, x)
+    (x, w), kept = jax.lax.scan(one, (init, first), jnp.arange(count - 1))
+    y, last = layer(x, w)
+    return y, (kept, last)
 
   @jax.custom_vjp
   def run(init, stacked, wholes, consts):
-    return forward(init, stacked, wholes, consts)[0]
+    return forward(init, stacked, wholes, consts, keep=False)[0]
 
   def fwd(init, stacked, wholes, consts):
-    out, (inputs, last_input) = forward(init, stacked, wholes, consts)
-    # Kept for the backward pass: each layer's input and the shards, not the
-    # gathered parameters.
-    return out, (inputs, last_input, stacked, wholes, consts)
+    out, (kept, last) = forward(init, stacked, wholes, consts, keep=True)
+    # Kept for the backward pass: each layer's residuals that depend on its
+    # input (activations), and the shards; not the gathered parameters.
+    return out, (kept, last, init, stacked, wholes, consts)
 
   def bwd(res, g):
-    inputs, last_input, stacked, wholes, consts = res
+    kept, last_kept, like_x, stacked, wholes, consts = res
 
-    def grad_of(x, w, g, g_consts):
-      _, vjp = jax.vjp(step, x, w, *consts)
-      g_x, g_w, *g_c = vjp(g)
+    def grad_of(kept_i, w, g, g_consts):
+      g_x, g_w, *g_c = residuals.pullback(kept_i, w, consts, like_x)(g)
       return g_x, g_w, jax.tree.map(jnp.add, g_consts, tuple(g_c))
 
     def scatter(g_w, i):
@@ -163,25 +226,25 @@ def _prefetched(step, count: int, meta: tuple, layer_of):
     # The last layer, with layer count-2's gather issued first.
     w = layer_of(stacked, wholes, count - 1)
     previous = layer_of(stacked, wholes, count - 2) if count > 1 else None
-    g, g_w, g_consts = grad_of(last_input, w, g, g_consts)
+    g, g_w, g_consts = grad_of(last_kept, w, g, g_consts)
     last = scatter(g_w, count - 1)
     if count == 1:
       return g, [c[None] for c in last], None, g_consts
+
+    take = lambda i: [jax.lax.dynamic_index_in_dim(r, i, 0, keepdims=False) for r in kept]
 
     def one(c, i):
       # Layer i (count-2 down to 1), its parameters gathered by the previous
       # iteration; layer i-1's gather is issued first.
       g, w, g_consts = c
       following = layer_of(stacked, wholes, i - 1)
-      x = jax.lax.dynamic_index_in_dim(inputs, i, 0, keepdims=False)
-      g, g_w, g_consts = grad_of(x, w, g, g_consts)
+      g, g_w, g_consts = grad_of(take(i), w, g, g_consts)
       return (g, following, g_consts), scatter(g_w, i)
 
     (g, w, g_consts), middle = jax.lax.scan(
       one, (g, previous, g_consts), jnp.arange(1, count - 1), reverse=True
     )
-    x = jax.lax.dynamic_index_in_dim(inputs, 0, 0, keepdims=False)
-    g, g_w, g_consts = grad_of(x, w, g, g_consts)
+    g, g_w, g_consts = grad_of(take(0), w, g, g_consts)
     first = scatter(g_w, 0)
     grads = [jnp.concatenate([a[None], b, c[None]], axis=0) for a, b, c in zip(first, middle, last)]
     return g, grads, None, g_consts  # the stage-2 wholes are constants

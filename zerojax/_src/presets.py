@@ -201,7 +201,11 @@ def decoder_loss(
     # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
     # loop, with layer i+1's gather issued while layer i computes.
     x = prefetch.scan_layers(
-      lambda x, layer: _block(cfg, x, cast(layer)), x, params['layers'], dtype=compute_dtype
+      lambda x, layer: _block(cfg, x, cast(layer)),
+      x,
+      params['layers'],
+      dtype=compute_dtype,
+      remat='gathers' if remat == 'gathers' else 'full',
     )
   else:
     if remat:

@@ -142,8 +142,6 @@ class Candidate:
       (self.batch_per_chip % self.micro_batches, 'micro_batches does not divide batch_per_chip'),
       (self.prefetch and (self.stage != 3 or self.remat == 'none'),
        'prefetch is for stage 3 with remat'),
-      (self.prefetch and self.remat == 'gathers',
-       "prefetch recomputes each layer itself (scan_layers): remat='full' stands for it"),
       (self.layout == 'hpz' and self.stage != 3, 'hpz splits stage-3 parameters'),
       (self.layout == 'hpz' and (self.prefetch or self.quantize != 'none'),
        'hpz runs without per-layer gathers'),
@@ -625,7 +623,12 @@ def winner_code(report: SearchReport) -> str:
     'full': 'a full jax.checkpoint',
     'none': 'no rematerialisation',
   }[c.remat]
-  loop = 'zerojax.scan_layers (prefetch)' if c.prefetch else f'a scanned layer loop with {remat}'
+  scan_remat = "remat='gathers'" if c.remat == 'gathers' else "remat='full'"
+  loop = (
+    f'zerojax.scan_layers({scan_remat}, prefetch)'
+    if c.prefetch
+    else f'a scanned layer loop with {remat}'
+  )
   return '\n'.join(
     [
       mesh,
