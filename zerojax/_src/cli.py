@@ -95,6 +95,7 @@ def _load_model(args) -> Any:
     remat=not args.no_remat,
     per_layer=not args.gather_all,
     prefetch_next=args.prefetch,
+    attention_chunk=args.attention_chunk,
   )
 
 
@@ -392,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     action='store_true',
     help="with zerojax gradients, gather block i+1's parameters while block i computes"
     ' (zerojax.scan_layers; one more block of parameters lives at a time)',
+  )
+  p.add_argument(
+    '--attention-chunk',
+    type=int,
+    default=None,
+    help='presets: compute attention this many queries at a time, one chunk of scores live at'
+    ' a time (memory-efficient, the same arithmetic); default: all queries at once',
   )
   p.add_argument('--json', help='also write the report as JSON here')
   s = p.add_argument_group(

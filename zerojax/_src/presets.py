@@ -107,13 +107,42 @@ def _rms_norm(x, scale):
   return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def _block(cfg: DecoderConfig, x, p):
+def chunked_attention(q, k, v, chunk: int):
+  """Causal attention computed `chunk` queries at a time, each chunk rematerialised.
+
+  The same arithmetic as `jax.nn.dot_product_attention(q, k, v, is_causal=True)`
+  (every chunk scores against all keys, masked), but only one chunk's scores
+  (batch, heads, chunk, keys) are live at a time, forward and backward: a
+  memory-efficient formulation in plain JAX, as flash attention kernels are in
+  fused form.
+  """
+  b, t, h, d = q.shape
+  if t % chunk:
+    raise ValueError(f'attention_chunk={chunk} does not divide the sequence length {t}.')
+  keys = jnp.arange(k.shape[1])
+
+  @jax.checkpoint
+  def one(args):
+    i, qi = args
+    rows = i * chunk + jnp.arange(chunk)
+    mask = (rows[:, None] >= keys[None, :])[None, None]
+    return jax.nn.dot_product_attention(qi, k, v, mask=mask)
+
+  chunks = q.reshape(b, t // chunk, chunk, h, d).swapaxes(0, 1)
+  out = jax.lax.map(one, (jnp.arange(t // chunk), chunks))
+  return out.swapaxes(0, 1).reshape(b, t, h, d)
+
+
+def _block(cfg: DecoderConfig, x, p, attention_chunk: int | None = None):
   b, t, _ = x.shape
   h = _rms_norm(x, p['attn_norm'])
   q = (h @ p['wq']).reshape(b, t, cfg.n_heads, cfg.head_dim)
   k = (h @ p['wk']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
   v = (h @ p['wv']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-  attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  if attention_chunk and attention_chunk < t:
+    attn = chunked_attention(q, k, v, attention_chunk)
+  else:
+    attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
   x = x + attn.reshape(b, t, cfg.d_model) @ p['wo']
   h = _rms_norm(x, p['mlp_norm'])
   if cfg.gated:
@@ -147,6 +176,7 @@ def decoder_loss(
   remat: bool | str = True,
   per_layer: bool = True,
   prefetch_next: bool = False,
+  attention_chunk: int | None = None,
 ) -> jax.Array:
   """Next-token cross-entropy of `tokens` (batch, seq + 1).
 
@@ -169,6 +199,8 @@ def decoder_loss(
       `remat`, run the blocks through `zerojax.scan_layers`: block i+1's
       parameters are gathered while block i computes (one more block's
       parameters live at a time).
+    attention_chunk: compute attention this many queries at a time
+      (`chunked_attention`; one chunk's scores live at a time); None: at once.
   """
   if plan is not None:
     gather_fn = plan_gather(plan, compute_dtype)
@@ -190,7 +222,7 @@ def decoder_loss(
   def body(x, layer):
     if gather_fn is not None:
       layer = gather_fn(layer, 'layers', True)
-    return _block(cfg, x, cast(layer)), None
+    return _block(cfg, x, cast(layer), attention_chunk), None
 
   if (
     prefetch_next
@@ -201,7 +233,7 @@ def decoder_loss(
     # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
     # loop, with layer i+1's gather issued while layer i computes.
     x = prefetch.scan_layers(
-      lambda x, layer: _block(cfg, x, cast(layer)),
+      lambda x, layer: _block(cfg, x, cast(layer), attention_chunk),
       x,
       params['layers'],
       dtype=compute_dtype,
@@ -258,6 +290,7 @@ def decoder_spec(
   remat: bool | str = True,
   per_layer: bool = True,
   prefetch_next: bool = False,
+  attention_chunk: int | None = None,
 ) -> ModelSpec:
   """A `ModelSpec` for a preset in `PRESETS`.
 
@@ -275,6 +308,7 @@ def decoder_spec(
     remat=remat,
     per_layer=per_layer,
     prefetch_next=prefetch_next,
+    attention_chunk=attention_chunk,
   )
   return ModelSpec(
     name=name,
