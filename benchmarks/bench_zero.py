@@ -54,10 +54,14 @@ def zerojax_step(mesh, tx, stage: int, path: str, quantize=None):
 
   path 'value_and_grad': `zerojax.value_and_grad` (at stages 2-3 with
   per_layer=True: each layer's gradient is reduce-scattered as the backward pass
-  reaches it; at stage 3 each layer gathers its own shard and
-  `zerojax.recompute_gathers` remats only the gathers). path 'jax.grad': the user's own `jax.grad` and the wrapped optimizer,
-  with the same per-layer gathers at stage 3 (the compiler places the collectives).
-  `quantize`: ZeRO++ quantized collectives (a `zerojax.Quantize`), with 'value_and_grad'.
+  reaches it; each layer "gathers" its own and `zerojax.recompute_gathers`
+  remats only the gathers). path 'jax.grad': the user's own `jax.grad` and the
+  wrapped optimizer, with the same per-layer gathers at stage 3 (the compiler
+  places the collectives). path 'scan_layers' (stage 3): `zerojax.scan_layers`,
+  layer i+1 gathered while layer i computes. path 'full-remat' (stage 3):
+  'value_and_grad' with each layer fully rematerialised (`jax.checkpoint` saving
+  nothing), the remat policy of the MaxText-shaped baseline. `quantize`: ZeRO++ quantized
+  collectives (a `zerojax.Quantize`), with 'value_and_grad'.
   """
   ztx = zerojax.zero_stage(tx, stage, mesh=mesh, quantize=quantize)
   gather, policy = (lambda w: w), None
@@ -65,16 +69,21 @@ def zerojax_step(mesh, tx, stage: int, path: str, quantize=None):
     # Each layer gathers its own; at stage 2 the gather moves nothing and marks
     # where value_and_grad reduce-scatters that layer's gradient.
     gather = lambda w: zerojax.gather_leaves(w, mesh=mesh)
-  if stage == 3:
     policy = zerojax.recompute_gathers
+  if path == 'full-remat':
+    policy = jax.checkpoint_policies.nothing_saveable
 
   def loss_fn(params, batch):
-    return recipes.mse(recipes.forward(params, batch['x'], gather, policy), batch['y'])
+    if path == 'scan_layers':
+      h = zerojax.scan_layers(recipes.layer, batch['x'], params['w'], mesh=mesh)
+    else:
+      h = recipes.forward(params, batch['x'], gather, policy)
+    return recipes.mse(h, batch['y'])
 
-  if path == 'value_and_grad':
-    grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=stage >= 2)
-  else:
+  if path == 'jax.grad':
     grad_fn = jax.value_and_grad(loss_fn)
+  else:
+    grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=stage >= 2)
 
   def step(params, opt_state, x, y):
     loss, grads = grad_fn(params, {'x': x, 'y': y})
@@ -93,6 +102,7 @@ def recipe_step(mesh, tx, name: str):
     'replicated': recipes.replicated_step,
     'docs-gspmd': recipes.gspmd_step,
     'docs-shard_map': recipes.shard_map_step,
+    'maxtext-shaped': recipes.maxtext_shaped_step,
   }[name]
   step, sharding = build(mesh, tx)
   return step, lambda params: recipes.place(params, tx, sharding)
@@ -103,14 +113,18 @@ CONFIGS = [
   ('replicated', 0),
   ('docs-gspmd', 3),
   ('docs-shard_map', 3),
+  ('maxtext-shaped', 3),
   ('zerojax-3 value_and_grad', 3),
   ('zerojax-3 value_and_grad int8', 3),
   ('zerojax-3 value_and_grad int4', 3),
   ('zerojax-3 jax.grad', 3),
+  ('zerojax-3 scan_layers', 3),
+  ('zerojax-3 full-remat', 3),
   ('zerojax-2 value_and_grad', 2),
   ('zerojax-2 jax.grad', 2),
   ('zerojax-1 value_and_grad', 1),
   ('zerojax-1 jax.grad', 1),
+  ('zerojax-0 value_and_grad', 0),
 ]
 
 
@@ -233,6 +247,18 @@ def main(argv=None) -> int:
     ratios[f'{q} peak vs {better["peak"]}'] = (
       results[q]['peak_bytes'] / results[better['peak']]['peak_bytes']
     )
+  # Every documented path (full precision) against the shard_map recipe and the
+  # MaxText-shaped layout: paired step-time ratios, temporaries, peak, traffic.
+  paths = {}
+  for name in results:
+    if not name.startswith('zerojax') or name.endswith(('int8', 'int4')):
+      continue
+    row = {}
+    for base in ('docs-shard_map', 'maxtext-shaped'):
+      row[f'time vs {base} (paired median)'] = paired(name, base)
+      for key, label in (('temp_bytes', 'temp'), ('peak_bytes', 'peak'), ('ring_bytes', 'ring')):
+        row[f'{label} vs {base}'] = results[name][key] / results[base][key]
+    paths[name] = row
   machine = {
     'platform': platform.platform(),
     'processor': platform.processor() or platform.machine(),
@@ -251,6 +277,7 @@ def main(argv=None) -> int:
     'machine': machine,
     'results': results,
     'ratios': ratios,
+    'paths': paths,
   }
   os.makedirs(args.out, exist_ok=True)
   tag = 'cpu8' if not args.real_devices else jax.devices()[0].platform
@@ -280,6 +307,11 @@ def main(argv=None) -> int:
     )
   lines += ['', '| ratio | value |', '|---|---|']
   lines += [f'| {k} | {v:.3f} |' for k, v in ratios.items()]
+  columns = list(next(iter(paths.values())))
+  lines += ['', '| documented path | ' + ' | '.join(columns) + ' |']
+  lines += ['|---' * (len(columns) + 1) + '|']
+  for name, row in paths.items():
+    lines.append(f'| {name} | ' + ' | '.join(f'{row[c]:.3f}' for c in columns) + ' |')
   table = '\n'.join(lines)
   with open(os.path.join(args.out, f'bench_{tag}.md'), 'w') as f:
     f.write(table + '\n')
@@ -292,7 +324,11 @@ def main(argv=None) -> int:
 
   names = list(results)
   colors = [
-    'gray' if k == 'replicated' else 'tab:orange' if k.startswith('docs') else 'tab:blue'
+    'gray'
+    if k == 'replicated'
+    else 'tab:orange'
+    if k.startswith(('docs', 'maxtext'))
+    else 'tab:blue'
     for k in names
   ]
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -305,7 +341,9 @@ def main(argv=None) -> int:
     ax.set_title(title)
     ax.tick_params(axis='x', rotation=70)
   axes[2].axhline(1.0, color='black', linewidth=0.8)
-  fig.suptitle(f'zerojax (blue) vs JAX docs FSDP recipes (orange), {machine["devices"]}')
+  fig.suptitle(
+    f'zerojax (blue) vs JAX docs FSDP recipes and MaxText-shaped FSDP (orange), {machine["devices"]}'
+  )
   fig.tight_layout()
   fig.savefig(os.path.join(args.out, f'bench_{tag}.png'), dpi=100)
   return 0

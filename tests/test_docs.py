@@ -149,6 +149,10 @@ def _figures():
   pre = _json('plan_llama2-70b_v5e-16x16_prefetch.json')
   pre_ring = sum(pre['collectives']['ring_bytes'].values())
   pre_overlap = sum(pre['collectives']['overlapped_ring_bytes'].values()) / pre_ring
+  chunked = _json('plan_llama2-70b_v5e-16x16_chunked.json')
+  ch_ring = sum(chunked['collectives']['ring_bytes'].values())
+  ch_gathered = chunked['collectives']['ring_bytes']['all-gather']
+  ch_over = chunked['collectives']['overlapped_ring_bytes']
   flat = _json('plan_llama2-70b_v5e-16x16_flat.json')
   flat_ratio = sum(flat['collectives']['ring_bytes'].values()) / flat['zero_floor_bytes']
   offload = {
@@ -192,6 +196,16 @@ def _figures():
       'README.md',
       f'{100 * pre_overlap:.0f}% of the bytes then overlap compute, for'
       f' {pre["memory"]["peak"] / 2**30:.2f} GiB per chip',
+    ),
+    (
+      'README.md',
+      f'the step then needs {chunked["memory"]["peak"] / 2**30:.2f} GiB per chip at'
+      f' {ch_ring / chunked["zero_floor_bytes"]:.3f}× the floor',
+    ),
+    (
+      'README.md',
+      f'{100 * sum(ch_over.values()) / ch_ring:.0f}% of the bytes overlap compute'
+      f' ({100 * ch_over["all-gather"] / ch_gathered:.0f}% of the gathered ones)',
     ),
     ('docs/design.md', f'the 70B step moves {ratio:.3f}× the floor'),
     ('docs/design.md', f'and needs {peak:.2f} GiB per chip'),
