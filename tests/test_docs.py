@@ -176,7 +176,42 @@ def _figures():
     cpu['ratios'][f'zerojax-3 value_and_grad {f} time vs docs-shard_map (paired median)']
     for f in ('int8', 'int4')
   )
-  return _search_figures() + [
+  paths = cpu['paths']
+  full, vag = paths['zerojax-3 full-remat'], paths['zerojax-3 value_and_grad']
+  row = lambda name: (
+    f'| {paths[name]["time vs docs-shard_map (paired median)"]:.2f}× recipe'
+    f' | {paths[name]["temp vs docs-shard_map"]:.2f}× recipe |'
+  )
+  path_rows = [
+    ('README.md', row(name))
+    for name in ('zerojax-3 value_and_grad', 'zerojax-3 full-remat', 'zerojax-3 jax.grad')
+    + ('zerojax-3 scan_layers',)
+  ]
+  s2 = paths['zerojax-2 value_and_grad']
+  path_rows = _search_figures() + path_rows
+  return path_rows + [
+    (
+      'README.md',
+      f'takes {full["time vs maxtext-shaped (paired median)"]:.2f}× its step time (paired median),'
+      f' {full["peak vs maxtext-shaped"]:.2f}× its peak and {full["ring vs maxtext-shaped"]:.2f}×'
+      ' its traffic',
+    ),
+    (
+      'README.md',
+      f'{vag["time vs maxtext-shaped (paired median)"]:.2f}× the time and'
+      f' {vag["ring vs maxtext-shaped"]:.2f}× the traffic for {vag["peak vs maxtext-shaped"]:.2f}×'
+      ' its peak',
+    ),
+    (
+      'README.md',
+      f'| {s2["ring vs docs-shard_map"]:.2f}× the stage-3 traffic |'
+      f' {cpu["results"]["zerojax-2 value_and_grad"]["temp_bytes"] / mib:.2f} MiB |',
+    ),
+    (
+      'README.md',
+      f'{cpu["results"]["zerojax-3 value_and_grad"]["matmuls"]} matmuls against'
+      f' {cpu["results"]["maxtext-shaped"]["matmuls"]})',
+    ),
     (
       'README.md',
       f'held-out loss {held[1]:.4f} with int8 weights and gradients and {held[2]:.4f} with int4'
