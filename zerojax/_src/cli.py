@@ -78,6 +78,11 @@ def _load_model(args) -> Any:
   from zerojax._src import presets
 
   if ':' in args.model:
+    if getattr(args, 'attention_chunk', None):
+      raise SystemExit(
+        f'error: --attention-chunk is for the presets; --model {args.model} computes its own'
+        ' attention (use zerojax._src.presets.chunked_attention there, or leave it out).'
+      )
     module_name, attr = args.model.split(':', 1)
     spec = getattr(importlib.import_module(module_name), attr)()
     if not isinstance(spec, presets.ModelSpec):
