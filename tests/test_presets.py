@@ -35,8 +35,10 @@ def test_chunked_attention_holds_one_chunk_of_scores():
   # without chunks; a quarter of it with four chunks, and less than half.
   q, k, v = _qkv(t=512, heads=8, kv_heads=8, d=16)
   temp = lambda f: (
-    jax.jit(jax.grad(lambda q: jnp.sum(f(q, k, v)))).lower(q).compile().memory_analysis()
-  ).temp_size_in_bytes
+    (
+      jax.jit(jax.grad(lambda q: jnp.sum(f(q, k, v)))).lower(q).compile().memory_analysis()
+    ).temp_size_in_bytes
+  )
   whole = temp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
   chunked = temp(lambda q, k, v: presets.chunked_attention(q, k, v, 128))
   scores = 2 * 8 * 512 * 512 * 4
@@ -56,9 +58,7 @@ def test_decoder_loss_with_chunked_attention_equals_the_plain_loss():
   params = presets.init_decoder(cfg, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (2, cfg.seq_len + 1), 0, cfg.vocab)
   plain = presets.decoder_loss(params, tokens, cfg, compute_dtype=jnp.float32)
-  chunked = presets.decoder_loss(
-    params, tokens, cfg, compute_dtype=jnp.float32, attention_chunk=16
-  )
+  chunked = presets.decoder_loss(params, tokens, cfg, compute_dtype=jnp.float32, attention_chunk=16)
   np.testing.assert_allclose(float(chunked), float(plain), rtol=1e-5)
 
 
