@@ -130,7 +130,7 @@ def _cli(*args, timeout=600):
     ),
     (
       ['--topology', 'cpu:8', '--stages', '1,2,3', '--max-candidates', '2'],
-      'error: 7 candidates exceed --max-candidates 2;',
+      'error: 8 candidates exceed --max-candidates 2;',
     ),
     (
       ['--topology', 'cpu:8', '--model', 'llama9'],
