@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'benchmarks'))
+import bench_zero  # noqa: E402
 import hlo_ops  # noqa: E402
 import recipes  # noqa: E402
 
@@ -58,35 +59,16 @@ def _recipe(mesh, name):
 
 
 def _zerojax(mesh, stage, path):
-  """A documented step: path 'value_and_grad' (per_layer at stages 2-3, each layer
-  gathering its own and `recompute_gathers` rematerialising), 'jax.grad' (the
-  user's own gradient, same layers) or 'scan_layers' (stage 3, prefetching)."""
+  """A documented step, as the benchmark builds it (`bench_zero.zerojax_step`): path
+  'value_and_grad' (per_layer at stages 2-3, each layer gathering its own and
+  `recompute_gathers` rematerialising), 'jax.grad' (the user's own gradient, same
+  layers) or 'scan_layers' (stage 3, prefetching); compiled on abstract arguments."""
+  step, _ = bench_zero.zerojax_step(mesh, TX, stage, path)
   ztx = zerojax.zero_stage(TX, stage, mesh=mesh)
-  per_layer = stage >= 2 and path != 'jax.grad' or stage == 3
-  gather = (lambda w: zerojax.gather_leaves(w, mesh=mesh)) if per_layer else (lambda w: w)
-  policy = zerojax.recompute_gathers if per_layer else None
-
-  def loss_fn(params, batch):
-    if path == 'scan_layers':
-      h = zerojax.scan_layers(recipes.layer, batch['x'], params['w'], mesh=mesh)
-    else:
-      h = recipes.forward(params, batch['x'], gather, policy)
-    return recipes.mse(h, batch['y'])
-
-  if path == 'jax.grad':
-    grad_fn = jax.value_and_grad(loss_fn)
-  else:
-    grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=stage >= 2)
-
-  def step(params, opt_state, x, y):
-    loss, grads = grad_fn(params, {'x': x, 'y': y})
-    updates, opt_state = ztx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
   params = _params()
   plan = zerojax.plan_for(ztx, params)
   args = _abstract(params, plan.params), _abstract(jax.eval_shape(ztx.init, params), plan.opt_state)
-  return jax.jit(step, donate_argnums=(0, 1)).lower(*args, *_batch(mesh)).compile()
+  return step.lower(*args, *_batch(mesh)).compile()
 
 
 def _temp(compiled):

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax._src import search
+from zerojax._src import search, search_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,14 +80,14 @@ def test_search_on_the_cpu_mesh_compiles_ranks_and_measures(tmp_path):
   ranked = report.ranked
   assert ranked[0].step_seconds <= ranked[1].step_seconds
   assert report.winner is ranked[0]
-  code = search.winner_code(report)
+  code = search_report.winner_code(report)
   assert f'stage={report.winner.candidate.stage}' in code and 'zerojax.value_and_grad' in code
-  out = search.search_json(report)
+  out = search_report.search_json(report)
   assert out['roofline']['name'] == 'cpu' and len(out['results']) == 2
   assert out['results'][0]['measured_seconds'] > 0
-  search.plot_search(report, str(tmp_path / 'search.png'))
+  search_report.plot_search(report, str(tmp_path / 'search.png'))
   assert (tmp_path / 'search.png').stat().st_size > 1000
-  text = search.format_search(report)
+  text = search_report.format_search(report)
   assert 'pred/meas' in text and 'winner (predicted, not measured):' in text
 
 
@@ -99,7 +99,7 @@ def test_nothing_fits_says_what_would(tmp_path):
   )  # fmt: skip
   assert report.winner is None
   assert report.results[0].status == 'pruned: states alone exceed HBM'
-  message = search.nothing_fits(report)
+  message = search_report.nothing_fits(report)
   assert message.startswith('no candidate fits on cpu:8 (8 chips).')
   assert 'Try --offloads opt_state,opt_state+master with --mixed-precision' in message
 

@@ -121,7 +121,7 @@ def _on_off(text: str) -> bool:
 
 
 def cmd_search(args) -> int:
-  from zerojax._src import search
+  from zerojax._src import search, search_report
 
   devices, _ = _devices(args.topology)
   if ':' in args.model:
@@ -175,7 +175,7 @@ def cmd_search(args) -> int:
   report = search.run_search(
     target, candidates, invalid=invalid, hbm_bytes=hbm, measure=args.topology.startswith('cpu:')
   )
-  text = search.format_search(report)
+  text = search_report.format_search(report)
   print('\n' + text)
   if args.out:
     os.makedirs(args.out, exist_ok=True)
@@ -185,14 +185,14 @@ def cmd_search(args) -> int:
     with open(stem + '.txt', 'w') as f:
       f.write(text + '\n')
     with open(stem + '.json', 'w') as f:
-      json.dump(search.search_json(report), f, indent=2)
+      json.dump(search_report.search_json(report), f, indent=2)
     try:
-      search.plot_search(report, stem + '.png')
+      search_report.plot_search(report, stem + '.png')
       print(f'wrote {stem}.txt, .json and .png')
     except ImportError:
       print(f'wrote {stem}.txt and .json (no plot: pip install matplotlib, or zerojax[examples])')
   if report.winner is None:
-    print('\n' + search.nothing_fits(report), file=sys.stderr)
+    print('\n' + search_report.nothing_fits(report), file=sys.stderr)
     return 3
   return 0
 

@@ -31,60 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax._src import gather as gather_lib
-
-GiB = 2**30
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """Roofline constants of one accelerator generation (per chip).
-
-  Attributes:
-    name: the topology prefix, e.g. 'v5e'.
-    peak_flops: dense bf16 FLOP/s.
-    hbm_bytes: HBM capacity.
-    hbm_bandwidth: HBM bytes/s.
-    ici_bandwidth: bidirectional inter-chip bytes/s, all ports together.
-    torus_dims: dimensions of the torus; a collective over one mesh axis is
-      taken to use that axis's ports: `ici_bandwidth / torus_dims`.
-    host_bytes_per_chip: host DRAM divided by the chips of a host.
-    host_link_bandwidth: host <-> chip bytes/s (assumed, see `source`).
-    source: where the figures come from.
-    collective_latency: seconds each collective costs beyond its bytes (measured
-      on `cpu:N`; not modelled for TPUs, 0).
-  """
-
-  name: str
-  peak_flops: float
-  hbm_bytes: int
-  hbm_bandwidth: float
-  ici_bandwidth: float
-  torus_dims: int
-  host_bytes_per_chip: int
-  host_link_bandwidth: float
-  source: str
-  collective_latency: float = 0.0
-
-  @property
-  def axis_bandwidth(self) -> float:
-    return self.ici_bandwidth / self.torus_dims
-
-
-# Figures from Google Cloud's TPU documentation pages (docs.cloud.google.com/tpu/docs/v5e,
-# /v5p-training, /v6e). The host link is not published per chip: PCIe Gen4 x16 (32 GB/s) is
-# assumed for v5e and v5p, Gen5 x16 (64 GB/s, the v6e page names Gen5) for v6e.
-CHIPS = {
-  'v5e': Chip('v5e', 197e12, 16 * GiB, 819e9, 400e9, 2, 512 * GiB // 8, 32e9,
-              'v5e page: 197 TFLOP/s bf16, 16 GB HBM at 819 GB/s, 400 GB/s ICI (4 ports, 2-D'
-              ' torus), 512 GiB DRAM per 8-chip host; host link PCIe Gen4 x16 assumed'),
-  'v5p': Chip('v5p', 459e12, 95 * GiB, 2765e9, 1200e9, 3, 448 * 10**9 // 4, 32e9,
-              'v5p page: 459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, 1200 GB/s ICI (3-D torus),'
-              ' 448 GB RAM per 4-chip VM; host link PCIe Gen4 x16 assumed'),
-  'v6e': Chip('v6e', 918e12, 32 * GiB, 1638e9, 800e9, 2, 1536 * GiB // 8, 64e9,
-              'v6e page: 918 TFLOP/s bf16, 32 GB HBM at 1638 GB/s, 800 GB/s ICI (4 ports, 2-D'
-              ' torus), 1536 GiB DRAM per 8-chip host, PCIe Gen5 (x16 assumed)'),
-}  # fmt: skip
+from zerojax._src.roofline import (
+  CHIPS,
+  Chip,
+  calibrate_cpu,
+  host_transfer_bytes,
+  predict,
+  traced_flops,
+)
 
 QUANTIZE = {
   'none': None,
@@ -183,72 +137,6 @@ class Result:
   @property
   def step_seconds(self) -> float:
     return self.predicted.get('step', math.inf)
-
-
-# -- the roofline ----------------------------------------------------------------------
-
-
-def predict(chip: Chip, r: Result, host_transfer_bytes: float) -> dict[str, float]:
-  """Predicted seconds per step: compute, collectives (exposed part), host transfers.
-
-  compute = FLOPs / peak (HBM traffic is not modelled: XLA's byte count, like its
-  FLOP count, sees each loop body once); collectives = ring bytes /
-  one axis's ICI bandwidth (plus a latency per collective where one is known),
-  of which the overlapped share hides under compute;
-  host = offloaded bytes moved / host link bandwidth.
-  """
-  compute = r.flops / chip.peak_flops
-  comm = r.ring_bytes / chip.axis_bandwidth + r.collective_count * chip.collective_latency
-  share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
-  exposed = comm * (1 - share)
-  host = host_transfer_bytes / chip.host_link_bandwidth
-  step = max(compute, comm * share) + exposed + host
-  return {'compute': compute, 'collectives': comm, 'exposed': exposed, 'host': host, 'step': step}
-
-
-def host_transfer_bytes(c: Candidate, host_bytes: int, param_bytes: int) -> float:
-  """Bytes crossing the host link per step and chip for an offload.
-
-  Streamed to the device for the update (`update_on='device'`): the offloaded
-  state comes down and goes back up. Updated on the host: gradient shards go
-  down and the updates come up (the parameters' size each way).
-  """
-  if c.offload == 'none':
-    return 0.0
-  return 2.0 * (host_bytes if c.update_on == 'device' else param_bytes)
-
-
-def calibrate_cpu(num_devices: int, size: int = 1024, repeats: int = 5) -> Chip:
-  """Roofline constants of this machine's faked devices, measured: a matmul's FLOP/s and a
-  copy's bytes/s on the whole machine, divided among the `num_devices` that share it."""
-  x = jnp.ones((size, size), jnp.float32)
-  matmul = jax.jit(lambda a: a @ a)
-  copy = jax.jit(lambda a: a + 1.0)
-
-  def best(fn):
-    fn(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      fn(x).block_until_ready()
-      times.append(time.perf_counter() - start)
-    return min(times)
-
-  flops = 2 * size**3 / best(matmul)
-  bandwidth = 2 * x.nbytes / best(copy)
-  # One small all-reduce over every device: what a collective costs beyond its bytes.
-  mesh = jax.make_mesh((num_devices,), ('d',), devices=jax.devices()[:num_devices])
-  one = jax.device_put(jnp.ones((num_devices,)), jax.sharding.NamedSharding(mesh, jax.P('d')))
-  psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, 'd'), mesh=mesh, in_specs=jax.P('d'),
-                               out_specs=jax.P('d')))  # fmt: skip
-  latency = best(lambda _: psum(one))
-  return Chip(
-    'cpu', flops / num_devices, 0, bandwidth / num_devices, bandwidth / num_devices, 1,
-    0, bandwidth / num_devices,
-    f'measured here: {flops / 1e9:.1f} GFLOP/s (f32 matmul {size}^2), {bandwidth / 1e9:.1f} GB/s'
-    f' (elementwise), {latency * 1e6:.0f} us per all-reduce; shared by {num_devices} faked devices',
-    collective_latency=latency,
-  )  # fmt: skip
 
 
 # -- the candidate space -----------------------------------------------------------------
@@ -392,41 +280,6 @@ def lower_candidate(target: Target, c: Candidate):
     unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
   traced = jax.jit(train_step, donate_argnums=0).trace(state, batch)
   return traced, plan, state, batch, unit
-
-
-def traced_flops(jaxpr: Any) -> float:
-  """Matmul and convolution FLOPs of a traced step, per device, loops counted per iteration.
-
-  XLA's `cost_analysis()` counts a `while` body once, so a scanned model's FLOPs
-  come out about one layer's worth; this walks the jaxpr instead: a scan's body
-  counts `length` times, rematerialised code as often as it runs. Inside
-  `shard_map` shapes are per device, which is where `value_and_grad` runs the
-  model; operations outside it count at their global size.
-
-  Raises:
-    ValueError: a `while` loop with a matmul inside (its trip count is not in the
-      jaxpr, and it is not guessed).
-  """
-  total = 0.0
-  for eqn in getattr(jaxpr, 'jaxpr', jaxpr).eqns:
-    name = eqn.primitive.name
-    if name == 'dot_general':
-      (lhs_contract, _), _ = eqn.params['dimension_numbers']
-      lhs = eqn.invars[0].aval.shape
-      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
-    elif name == 'conv_general_dilated':
-      rhs = eqn.invars[1].aval.shape  # kernel: out features, in features / groups, window...
-      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs[1:])
-    elif name == 'scan':
-      total += eqn.params['length'] * traced_flops(eqn.params['jaxpr'])
-    elif name == 'while':
-      if traced_flops(eqn.params['body_jaxpr']):
-        raise ValueError('a while loop with matmuls: its trip count is not in the jaxpr')
-    elif name == 'cond':
-      total += max(traced_flops(b) for b in eqn.params['branches'])
-    else:
-      total += sum(traced_flops(sub) for sub in gather_lib.sub_jaxprs(eqn))
-  return total
 
 
 def _cost(compiled) -> tuple[float, float]:
@@ -593,198 +446,6 @@ def run_search(
   return SearchReport(target, results, list(invalid), time.perf_counter() - start, hbm)
 
 
-# -- reporting ----------------------------------------------------------------------------
-
-
-def winner_code(report: SearchReport) -> str:
-  """The lines to paste for the winning candidate: its mesh, optimizer and gradient function."""
-  r = report.winner
-  if r is None:
-    return '# no candidate fits'
-  c, t = r.candidate, report.target
-  if c.layout == 'flat':
-    mesh = f"mesh = jax.make_mesh(({len(t.devices)},), ('data',))"
-    names = ('data',)
-  else:
-    names = ('x', 'y', 'z')[: len(t.grid)]
-    mesh = f'mesh = jax.make_mesh({tuple(t.grid)}, {names})'
-  options = zero_options(c, names)
-  args = [f'stage={c.stage}', 'mesh=mesh', f'axis={options.pop("axis")!r}']
-  quantize = options.pop('quantize', None)
-  args += [f'{k}={v!r}' for k, v in options.items()]
-  if quantize is not None:
-    q = QUANTIZE[c.quantize]
-    args.append(f'quantize=zerojax.Quantize(weights={q["weights"]!r}, grads={q["grads"]!r})')
-  inner = 'optax.adamw(lr)'
-  if t.mixed_precision:
-    inner = f'zerojax.mixed_precision({inner})'
-  remat = {
-    'gathers': 'policy=zerojax.recompute_gathers',
-    'full': 'a full jax.checkpoint',
-    'none': 'no rematerialisation',
-  }[c.remat]
-  scan_remat = "remat='gathers'" if c.remat == 'gathers' else "remat='full'"
-  loop = (
-    f'zerojax.scan_layers({scan_remat}, prefetch)'
-    if c.prefetch
-    else f'a scanned layer loop with {remat}'
-  )
-  return '\n'.join(
-    [
-      mesh,
-      f'tx = zerojax.zero_stage({inner}, {", ".join(args)})',
-      f'grad_fn = zerojax.value_and_grad(loss_fn, tx, per_layer={c.stage >= 2 and c.layout != "hpz"}'
-      + (f', micro_batches={c.micro_batches}' if c.micro_batches > 1 else '')
-      + ')',
-      f'# {c.batch_per_chip} sequence(s) per chip per step; layers in {loop}',
-    ]
-  )
-
-
-def _gib(n: float) -> str:
-  return f'{n / GiB:.2f}'
-
-
-def format_search(report: SearchReport, limit: int = 40) -> str:
-  """The ranked table (predicted times are labelled as such)."""
-  t = report.target
-  chip = t.chip
-  lines = [
-    f'plan search: {t.model if isinstance(t.model, str) else "custom model"} on {t.topology}'
-    f' ({len(t.devices)} chips); {len(report.results)} candidates evaluated,'
-    f' {len(report.invalid)} combinations not valid, in {report.seconds:.0f} s',
-  ]
-  if chip is not None:
-    lines.append(f'roofline ({chip.name}): {chip.source}')
-  measured = any(r.measured_seconds for r in report.results)
-  head = f'{"#":>3} {"candidate":<60} {"peak GiB":>8} {"ring/floor":>10} {"overlap":>7}'
-  head += f' {"TFLOP/chip":>10} {"predicted s":>11}' + (
-    f' {"measured s":>10} {"pred/meas":>9}' if measured else ''
-  )
-  lines += ['', head]
-  for i, r in enumerate([r for r in report.ranked if r.fits][:limit], 1):
-    ratio = r.ring_bytes / r.floor_bytes if r.floor_bytes else float('nan')
-    share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
-    row = f'{i:>3} {r.candidate.label():<60} {_gib(r.peak_bytes):>8} {ratio:>10.3f}'
-    row += f' {share:>7.0%} {r.flops / 1e12:>10.2f} {r.step_seconds:>11.4f}'
-    if measured:
-      m = r.measured_seconds
-      row += f' {m:>10.4f} {r.step_seconds / m:>9.2f}' if m else f' {"":>10} {"":>9}'
-    lines.append(row)
-  not_fitting = [r for r in report.results if not r.fits]
-  if not_fitting:
-    lines += ['', 'why the others do not run:']
-    lines += [f'  {r.candidate.label():<60} {r.status}' for r in not_fitting]
-  lines += ['', 'winner (predicted, not measured):' if report.winner else 'no candidate fits']
-  lines += ['  ' + line for line in winner_code(report).splitlines()]
-  return '\n'.join(lines)
-
-
-def search_json(report: SearchReport) -> dict:
-  t = report.target
-  rows = []
-  for rank, r in enumerate(report.ranked, 1):
-    rows.append(
-      {
-        'rank': rank,
-        'candidate': dataclasses.asdict(r.candidate),
-        'label': r.candidate.label(),
-        'status': r.status,
-        'fits': r.fits,
-        'theory_state_bytes': r.theory_bytes,
-        'host_bytes': r.host_bytes,
-        'peak_bytes': r.peak_bytes,
-        'ring_bytes': r.ring_bytes,
-        'floor_bytes': r.floor_bytes,
-        'overlapped_ring_bytes': r.overlapped_bytes,
-        'flops': r.flops,
-        'cost_analysis_flops': r.cost_analysis_flops,
-        'bytes_accessed': r.bytes_accessed,
-        'predicted_seconds': r.predicted,
-        'measured_seconds': r.measured_seconds,
-        'compile_seconds': r.compile_seconds,
-      }
-    )
-  return {
-    'model': t.model if isinstance(t.model, str) else 'custom',
-    'topology': t.topology,
-    'num_devices': len(t.devices),
-    'mixed_precision': t.mixed_precision,
-    'seq_len': t.seq_len,
-    'roofline': None if t.chip is None else dataclasses.asdict(t.chip),
-    'search_seconds': report.seconds,
-    'invalid': [{'candidate': c.label(), 'why': why} for c, why in report.invalid],
-    'results': rows,
-    'winner_code': winner_code(report),
-  }
-
-
-def plot_search(report: SearchReport, path: str) -> None:
-  """Predicted step time against peak memory per chip, one point per compiled candidate."""
-  import matplotlib
-
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(8, 5))
-  compiled = [r for r in report.results if r.peak_bytes]
-  for fits, colour, name in ((True, 'tab:blue', 'fits'), (False, 'tab:red', 'over HBM')):
-    pts = [r for r in compiled if r.fits == fits and r.predicted]
-    ax.scatter(
-      [r.peak_bytes / GiB for r in pts], [r.step_seconds for r in pts], c=colour, label=name
-    )
-  win = report.winner
-  if win is not None:
-    ax.scatter([win.peak_bytes / GiB], [win.step_seconds], s=200, facecolors='none',
-               edgecolors='black', label='winner')  # fmt: skip
-  if report.target.chip is not None and report.target.chip.hbm_bytes:
-    ax.axvline(report.target.chip.hbm_bytes / GiB, color='grey', ls='--', label='HBM per chip')
-  ax.set_xlabel('peak memory per chip, GiB (compiled program)')
-  ax.set_ylabel('predicted step time, s (roofline, not measured)')
-  ax.set_title(f'{report.target.model} on {report.target.topology}: plan search')
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-
-
-def _gigabytes(status: str) -> float | None:
-  """The first 'NN.NNG' figure of an out-of-memory status, or None."""
-  import re
-
-  found = re.search(r'need[s]? ([\d.]+)G', status)
-  return float(found.group(1)) if found else None
-
-
-def nothing_fits(report: SearchReport) -> str:
-  """What to do when no candidate fits: the closest one, and the slice the states need."""
-  t = report.target
-  hbm = report.hbm_bytes or 0
-  compiled = [r for r in report.results if r.peak_bytes]
-  lines = [f'no candidate fits on {t.topology} ({len(t.devices)} chips).']
-  if compiled:
-    best = min(compiled, key=lambda r: r.peak_bytes)
-    lines.append(f'closest: {best.candidate.label()} at {_gib(best.peak_bytes)} GiB peak per chip.')
-  refused = [(_gigabytes(r.status), r) for r in report.results if _gigabytes(r.status)]
-  if refused:
-    need, best = min(refused, key=lambda x: x[0])
-    lines.append(
-      f'closest the compiler refused: {best.candidate.label()}: {best.status}, beside'
-      f' {_gib(best.theory_bytes)} GiB of model states at rest per chip.'
-    )
-  states = [r.theory_bytes for r in report.results if r.theory_bytes]
-  if states and hbm:
-    need = min(states) * len(t.devices)
-    chips = math.ceil(need / hbm)
-    lines.append(
-      f'the model states alone (params + optimizer state at rest, least of the candidates)'
-      f' total {need / GiB:,.0f} GiB: at least {chips} chips of {hbm / GiB:.0f} GiB before'
-      ' activations and gradients. Try --offloads opt_state,opt_state+master with'
-      ' --mixed-precision, --stages 3, or a larger slice.'
-    )
-  return '\n'.join(lines)
-
-
 def make_target(
   model: str | Callable[..., Any],
   topology: str,
@@ -846,7 +507,7 @@ def search_plans(
       prefetch, offload, update_on, quantize, batch_per_chip).
 
   Returns:
-    A `SearchReport`; `format_search`, `search_json`, `plot_search` and `winner_code`
+    A `SearchReport`; `search_report.format_search`, `search_json`, `plot_search` and `winner_code`
     present it.
 
   Raises:

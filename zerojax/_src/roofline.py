@@ -1,0 +1,172 @@
+"""The roofline the plan search predicts step times with: per-chip constants and the model.
+
+`CHIPS` holds each TPU generation's published figures, with their sources;
+`calibrate_cpu` measures the faked CPU devices' instead. `predict` turns a
+compiled candidate's FLOPs, ring bytes, overlap and host transfers into
+seconds: compute at peak FLOP/s, collectives at one torus axis's ICI bandwidth
+less what overlaps compute, host transfers at the host link's bandwidth.
+`traced_flops` counts the FLOPs on the traced step, every loop iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zerojax._src import gather as gather_lib
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Roofline constants of one accelerator generation (per chip).
+
+  Attributes:
+    name: the topology prefix, e.g. 'v5e'.
+    peak_flops: dense bf16 FLOP/s.
+    hbm_bytes: HBM capacity.
+    hbm_bandwidth: HBM bytes/s.
+    ici_bandwidth: bidirectional inter-chip bytes/s, all ports together.
+    torus_dims: dimensions of the torus; a collective over one mesh axis is
+      taken to use that axis's ports: `ici_bandwidth / torus_dims`.
+    host_bytes_per_chip: host DRAM divided by the chips of a host.
+    host_link_bandwidth: host <-> chip bytes/s (assumed, see `source`).
+    source: where the figures come from.
+    collective_latency: seconds each collective costs beyond its bytes (measured
+      on `cpu:N`; not modelled for TPUs, 0).
+  """
+
+  name: str
+  peak_flops: float
+  hbm_bytes: int
+  hbm_bandwidth: float
+  ici_bandwidth: float
+  torus_dims: int
+  host_bytes_per_chip: int
+  host_link_bandwidth: float
+  source: str
+  collective_latency: float = 0.0
+
+  @property
+  def axis_bandwidth(self) -> float:
+    return self.ici_bandwidth / self.torus_dims
+
+
+# Figures from Google Cloud's TPU documentation pages (docs.cloud.google.com/tpu/docs/v5e,
+# /v5p-training, /v6e). The host link is not published per chip: PCIe Gen4 x16 (32 GB/s) is
+# assumed for v5e and v5p, Gen5 x16 (64 GB/s, the v6e page names Gen5) for v6e.
+CHIPS = {
+  'v5e': Chip('v5e', 197e12, 16 * GiB, 819e9, 400e9, 2, 512 * GiB // 8, 32e9,
+              'v5e page: 197 TFLOP/s bf16, 16 GB HBM at 819 GB/s, 400 GB/s ICI (4 ports, 2-D'
+              ' torus), 512 GiB DRAM per 8-chip host; host link PCIe Gen4 x16 assumed'),
+  'v5p': Chip('v5p', 459e12, 95 * GiB, 2765e9, 1200e9, 3, 448 * 10**9 // 4, 32e9,
+              'v5p page: 459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, 1200 GB/s ICI (3-D torus),'
+              ' 448 GB RAM per 4-chip VM; host link PCIe Gen4 x16 assumed'),
+  'v6e': Chip('v6e', 918e12, 32 * GiB, 1638e9, 800e9, 2, 1536 * GiB // 8, 64e9,
+              'v6e page: 918 TFLOP/s bf16, 32 GB HBM at 1638 GB/s, 800 GB/s ICI (4 ports, 2-D'
+              ' torus), 1536 GiB DRAM per 8-chip host, PCIe Gen5 (x16 assumed)'),
+}  # fmt: skip
+
+
+def predict(chip: Chip, r: Any, host_transfer_bytes: float) -> dict[str, float]:
+  """Predicted seconds per step: compute, collectives (exposed part), host transfers.
+
+  compute = FLOPs / peak (HBM traffic is not modelled: XLA's byte count, like its
+  FLOP count, sees each loop body once); collectives = ring bytes /
+  one axis's ICI bandwidth (plus a latency per collective where one is known),
+  of which the overlapped share hides under compute;
+  host = offloaded bytes moved / host link bandwidth.
+  """
+  compute = r.flops / chip.peak_flops
+  comm = r.ring_bytes / chip.axis_bandwidth + r.collective_count * chip.collective_latency
+  share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
+  exposed = comm * (1 - share)
+  host = host_transfer_bytes / chip.host_link_bandwidth
+  step = max(compute, comm * share) + exposed + host
+  return {'compute': compute, 'collectives': comm, 'exposed': exposed, 'host': host, 'step': step}
+
+
+def host_transfer_bytes(c: Any, host_bytes: int, param_bytes: int) -> float:
+  """Bytes crossing the host link per step and chip for an offload.
+
+  Streamed to the device for the update (`update_on='device'`): the offloaded
+  state comes down and goes back up. Updated on the host: gradient shards go
+  down and the updates come up (the parameters' size each way).
+  """
+  if c.offload == 'none':
+    return 0.0
+  return 2.0 * (host_bytes if c.update_on == 'device' else param_bytes)
+
+
+def calibrate_cpu(num_devices: int, size: int = 1024, repeats: int = 5) -> Chip:
+  """Roofline constants of this machine's faked devices, measured: a matmul's FLOP/s and a
+  copy's bytes/s on the whole machine, divided among the `num_devices` that share it."""
+  x = jnp.ones((size, size), jnp.float32)
+  matmul = jax.jit(lambda a: a @ a)
+  copy = jax.jit(lambda a: a + 1.0)
+
+  def best(fn):
+    fn(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      fn(x).block_until_ready()
+      times.append(time.perf_counter() - start)
+    return min(times)
+
+  flops = 2 * size**3 / best(matmul)
+  bandwidth = 2 * x.nbytes / best(copy)
+  # One small all-reduce over every device: what a collective costs beyond its bytes.
+  mesh = jax.make_mesh((num_devices,), ('d',), devices=jax.devices()[:num_devices])
+  one = jax.device_put(jnp.ones((num_devices,)), jax.sharding.NamedSharding(mesh, jax.P('d')))
+  psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, 'd'), mesh=mesh, in_specs=jax.P('d'),
+                               out_specs=jax.P('d')))  # fmt: skip
+  latency = best(lambda _: psum(one))
+  return Chip(
+    'cpu', flops / num_devices, 0, bandwidth / num_devices, bandwidth / num_devices, 1,
+    0, bandwidth / num_devices,
+    f'measured here: {flops / 1e9:.1f} GFLOP/s (f32 matmul {size}^2), {bandwidth / 1e9:.1f} GB/s'
+    f' (elementwise), {latency * 1e6:.0f} us per all-reduce; shared by {num_devices} faked devices',
+    collective_latency=latency,
+  )  # fmt: skip
+
+
+def traced_flops(jaxpr: Any) -> float:
+  """Matmul and convolution FLOPs of a traced step, per device, loops counted per iteration.
+
+  XLA's `cost_analysis()` counts a `while` body once, so a scanned model's FLOPs
+  come out about one layer's worth; this walks the jaxpr instead: a scan's body
+  counts `length` times, rematerialised code as often as it runs. Inside
+  `shard_map` shapes are per device, which is where `value_and_grad` runs the
+  model; operations outside it count at their global size.
+
+  Raises:
+    ValueError: a `while` loop with a matmul inside (its trip count is not in the
+      jaxpr, and it is not guessed).
+  """
+  total = 0.0
+  for eqn in getattr(jaxpr, 'jaxpr', jaxpr).eqns:
+    name = eqn.primitive.name
+    if name == 'dot_general':
+      (lhs_contract, _), _ = eqn.params['dimension_numbers']
+      lhs = eqn.invars[0].aval.shape
+      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+    elif name == 'conv_general_dilated':
+      rhs = eqn.invars[1].aval.shape  # kernel: out features, in features / groups, window...
+      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs[1:])
+    elif name == 'scan':
+      total += eqn.params['length'] * traced_flops(eqn.params['jaxpr'])
+    elif name == 'while':
+      if traced_flops(eqn.params['body_jaxpr']):
+        raise ValueError('a while loop with matmuls: its trip count is not in the jaxpr')
+    elif name == 'cond':
+      total += max(traced_flops(b) for b in eqn.params['branches'])
+    else:
+      total += sum(traced_flops(sub) for sub in gather_lib.sub_jaxprs(eqn))
+  return total

@@ -1,0 +1,199 @@
+"""Presenting a plan search: the ranked table, JSON, the plot, the winner's lines, and what
+to do when nothing fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from zerojax._src.roofline import GiB
+from zerojax._src.search import QUANTIZE, SearchReport, zero_options
+
+
+def winner_code(report: SearchReport) -> str:
+  """The lines to paste for the winning candidate: its mesh, optimizer and gradient function."""
+  r = report.winner
+  if r is None:
+    return '# no candidate fits'
+  c, t = r.candidate, report.target
+  if c.layout == 'flat':
+    mesh = f"mesh = jax.make_mesh(({len(t.devices)},), ('data',))"
+    names = ('data',)
+  else:
+    names = ('x', 'y', 'z')[: len(t.grid)]
+    mesh = f'mesh = jax.make_mesh({tuple(t.grid)}, {names})'
+  options = zero_options(c, names)
+  args = [f'stage={c.stage}', 'mesh=mesh', f'axis={options.pop("axis")!r}']
+  quantize = options.pop('quantize', None)
+  args += [f'{k}={v!r}' for k, v in options.items()]
+  if quantize is not None:
+    q = QUANTIZE[c.quantize]
+    args.append(f'quantize=zerojax.Quantize(weights={q["weights"]!r}, grads={q["grads"]!r})')
+  inner = 'optax.adamw(lr)'
+  if t.mixed_precision:
+    inner = f'zerojax.mixed_precision({inner})'
+  remat = {
+    'gathers': 'policy=zerojax.recompute_gathers',
+    'full': 'a full jax.checkpoint',
+    'none': 'no rematerialisation',
+  }[c.remat]
+  scan_remat = "remat='gathers'" if c.remat == 'gathers' else "remat='full'"
+  loop = (
+    f'zerojax.scan_layers({scan_remat}, prefetch)'
+    if c.prefetch
+    else f'a scanned layer loop with {remat}'
+  )
+  return '\n'.join(
+    [
+      mesh,
+      f'tx = zerojax.zero_stage({inner}, {", ".join(args)})',
+      f'grad_fn = zerojax.value_and_grad(loss_fn, tx, per_layer={c.stage >= 2 and c.layout != "hpz"}'
+      + (f', micro_batches={c.micro_batches}' if c.micro_batches > 1 else '')
+      + ')',
+      f'# {c.batch_per_chip} sequence(s) per chip per step; layers in {loop}',
+    ]
+  )
+
+
+def _gib(n: float) -> str:
+  return f'{n / GiB:.2f}'
+
+
+def format_search(report: SearchReport, limit: int = 40) -> str:
+  """The ranked table (predicted times are labelled as such)."""
+  t = report.target
+  chip = t.chip
+  lines = [
+    f'plan search: {t.model if isinstance(t.model, str) else "custom model"} on {t.topology}'
+    f' ({len(t.devices)} chips); {len(report.results)} candidates evaluated,'
+    f' {len(report.invalid)} combinations not valid, in {report.seconds:.0f} s',
+  ]
+  if chip is not None:
+    lines.append(f'roofline ({chip.name}): {chip.source}')
+  measured = any(r.measured_seconds for r in report.results)
+  head = f'{"#":>3} {"candidate":<60} {"peak GiB":>8} {"ring/floor":>10} {"overlap":>7}'
+  head += f' {"TFLOP/chip":>10} {"predicted s":>11}' + (
+    f' {"measured s":>10} {"pred/meas":>9}' if measured else ''
+  )
+  lines += ['', head]
+  for i, r in enumerate([r for r in report.ranked if r.fits][:limit], 1):
+    ratio = r.ring_bytes / r.floor_bytes if r.floor_bytes else float('nan')
+    share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
+    row = f'{i:>3} {r.candidate.label():<60} {_gib(r.peak_bytes):>8} {ratio:>10.3f}'
+    row += f' {share:>7.0%} {r.flops / 1e12:>10.2f} {r.step_seconds:>11.4f}'
+    if measured:
+      m = r.measured_seconds
+      row += f' {m:>10.4f} {r.step_seconds / m:>9.2f}' if m else f' {"":>10} {"":>9}'
+    lines.append(row)
+  not_fitting = [r for r in report.results if not r.fits]
+  if not_fitting:
+    lines += ['', 'why the others do not run:']
+    lines += [f'  {r.candidate.label():<60} {r.status}' for r in not_fitting]
+  lines += ['', 'winner (predicted, not measured):' if report.winner else 'no candidate fits']
+  lines += ['  ' + line for line in winner_code(report).splitlines()]
+  return '\n'.join(lines)
+
+
+def search_json(report: SearchReport) -> dict:
+  t = report.target
+  rows = []
+  for rank, r in enumerate(report.ranked, 1):
+    rows.append(
+      {
+        'rank': rank,
+        'candidate': dataclasses.asdict(r.candidate),
+        'label': r.candidate.label(),
+        'status': r.status,
+        'fits': r.fits,
+        'theory_state_bytes': r.theory_bytes,
+        'host_bytes': r.host_bytes,
+        'peak_bytes': r.peak_bytes,
+        'ring_bytes': r.ring_bytes,
+        'floor_bytes': r.floor_bytes,
+        'overlapped_ring_bytes': r.overlapped_bytes,
+        'flops': r.flops,
+        'cost_analysis_flops': r.cost_analysis_flops,
+        'bytes_accessed': r.bytes_accessed,
+        'predicted_seconds': r.predicted,
+        'measured_seconds': r.measured_seconds,
+        'compile_seconds': r.compile_seconds,
+      }
+    )
+  return {
+    'model': t.model if isinstance(t.model, str) else 'custom',
+    'topology': t.topology,
+    'num_devices': len(t.devices),
+    'mixed_precision': t.mixed_precision,
+    'seq_len': t.seq_len,
+    'roofline': None if t.chip is None else dataclasses.asdict(t.chip),
+    'search_seconds': report.seconds,
+    'invalid': [{'candidate': c.label(), 'why': why} for c, why in report.invalid],
+    'results': rows,
+    'winner_code': winner_code(report),
+  }
+
+
+def plot_search(report: SearchReport, path: str) -> None:
+  """Predicted step time against peak memory per chip, one point per compiled candidate."""
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(8, 5))
+  compiled = [r for r in report.results if r.peak_bytes]
+  for fits, colour, name in ((True, 'tab:blue', 'fits'), (False, 'tab:red', 'over HBM')):
+    pts = [r for r in compiled if r.fits == fits and r.predicted]
+    ax.scatter(
+      [r.peak_bytes / GiB for r in pts], [r.step_seconds for r in pts], c=colour, label=name
+    )
+  win = report.winner
+  if win is not None:
+    ax.scatter([win.peak_bytes / GiB], [win.step_seconds], s=200, facecolors='none',
+               edgecolors='black', label='winner')  # fmt: skip
+  if report.target.chip is not None and report.target.chip.hbm_bytes:
+    ax.axvline(report.target.chip.hbm_bytes / GiB, color='grey', ls='--', label='HBM per chip')
+  ax.set_xlabel('peak memory per chip, GiB (compiled program)')
+  ax.set_ylabel('predicted step time, s (roofline, not measured)')
+  ax.set_title(f'{report.target.model} on {report.target.topology}: plan search')
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _gigabytes(status: str) -> float | None:
+  """The first 'NN.NNG' figure of an out-of-memory status, or None."""
+  import re
+
+  found = re.search(r'need[s]? ([\d.]+)G', status)
+  return float(found.group(1)) if found else None
+
+
+def nothing_fits(report: SearchReport) -> str:
+  """What to do when no candidate fits: the closest one, and the slice the states need."""
+  t = report.target
+  hbm = report.hbm_bytes or 0
+  compiled = [r for r in report.results if r.peak_bytes]
+  lines = [f'no candidate fits on {t.topology} ({len(t.devices)} chips).']
+  if compiled:
+    best = min(compiled, key=lambda r: r.peak_bytes)
+    lines.append(f'closest: {best.candidate.label()} at {_gib(best.peak_bytes)} GiB peak per chip.')
+  refused = [(_gigabytes(r.status), r) for r in report.results if _gigabytes(r.status)]
+  if refused:
+    need, best = min(refused, key=lambda x: x[0])
+    lines.append(
+      f'closest the compiler refused: {best.candidate.label()}: {best.status}, beside'
+      f' {_gib(best.theory_bytes)} GiB of model states at rest per chip.'
+    )
+  states = [r.theory_bytes for r in report.results if r.theory_bytes]
+  if states and hbm:
+    need = min(states) * len(t.devices)
+    chips = math.ceil(need / hbm)
+    lines.append(
+      f'the model states alone (params + optimizer state at rest, least of the candidates)'
+      f' total {need / GiB:,.0f} GiB: at least {chips} chips of {hbm / GiB:.0f} GiB before'
+      ' activations and gradients. Try --offloads opt_state,opt_state+master with'
+      ' --mixed-precision, --stages 3, or a larger slice.'
+    )
+  return '\n'.join(lines)
