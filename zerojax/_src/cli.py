@@ -254,7 +254,7 @@ def cmd_plan(args) -> int:
   from rich.console import Console
 
   with Console(stderr=True).status('compiling...'):
-    compiled = lowered.compile()
+    compiled, text = report_lib.compile_with_text(lowered)
   _log(start, 'compiled')
 
   # The floor's unit: at stage 3 parameters travel in the compute dtype (cast
@@ -267,7 +267,7 @@ def cmd_plan(args) -> int:
     unit = jnp.dtype(args.compute_dtype).itemsize
   else:
     unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
-  report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit)
+  report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit, hlo_text=text)
   peak = report.memory.peak
   print(
     f'\n{spec.name} | {num_params / 1e9:.2f}B params | ZeRO stage {args.stage} | {args.optimizer}'

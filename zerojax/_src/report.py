@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import glob
+import os
+import tempfile
 from typing import Any
 
 import jax
@@ -114,11 +117,40 @@ def _process_devices(plan: Any) -> dict[int, int]:
   return dict(sorted(counts.items()))
 
 
+def compile_with_text(lowered: Any) -> tuple[Any, str]:
+  """Compiles `lowered` and returns the program with its optimized HLO text.
+
+  The text is `as_text()`'s where it can print the program. jax 0.10 with
+  libtpu 0.0.52 cannot print v5p and v6e programs that hold asynchronous
+  updates (an XLA RET_CHECK on their arity); for those the step is compiled
+  again with XLA's dump options and the text is read from the dump, the same
+  program as written by the compiler.
+  """
+  compiled = lowered.compile()
+  try:
+    return compiled, compiled.as_text()
+  except jax.errors.JaxRuntimeError as e:
+    if 'RET_CHECK' not in str(e):
+      raise
+  with tempfile.TemporaryDirectory() as folder:
+    options = {'xla_dump_to': folder, 'xla_dump_hlo_as_text': True}
+    compiled = lowered.compile(compiler_options=options)
+    dumped = glob.glob(os.path.join(folder, '*after_optimizations.txt'))
+    if len(dumped) != 1:
+      raise RuntimeError(
+        f'the compiled program cannot be printed here and XLA dumped {len(dumped)} optimized'
+        ' modules for it (one expected), so its collectives cannot be counted.'
+      )
+    with open(dumped[0]) as f:
+      return compiled, f.read()
+
+
 def step_report(
   compiled: Any,
   *,
   plan: Any = None,
   bytes_per_param: int = 4,
+  hlo_text: str | None = None,
 ) -> StepReport:
   """Measures a compiled step: memory per device and collectives per step.
 
@@ -127,12 +159,14 @@ def step_report(
       ShapeDtypeStructs (e.g. from `zerojax.abstract_train_state`).
     plan: the step's `ZeroPlan`, to compare traffic with the ZeRO floor.
     bytes_per_param: bytes per parameter in the floor (4 for fp32 gradients).
+    hlo_text: the program's optimized HLO, where `compiled.as_text()` cannot
+      print it (`compile_with_text`).
 
   Returns:
     A `StepReport`; `print` it for a table.
   """
   memory = memory_stats(compiled)
-  collectives = count_collectives(compiled)
+  collectives = count_collectives(compiled if hlo_text is None else hlo_text)
   if plan is None:
     return StepReport(memory, collectives, process_devices=_process_devices(None))
   num_params = sum(int(np.prod(r.shape)) for r in plan.rows if r.group == 'params')
