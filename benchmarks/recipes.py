@@ -84,24 +84,6 @@ def gspmd_step(mesh, tx, axis: str = 'data'):
   return jax.jit(step, donate_argnums=(0, 1)), w_sharding
 
 
-# --- (c) MaxText-shaped FSDP: split on the embed dimension, full remat, jit decides.
-def maxtext_shaped_step(mesh, tx, axis: str = 'data'):
-  w_sharding = NamedSharding(mesh, P(None, axis, None))
-  remat = jax.checkpoint_policies.nothing_saveable
-
-  def step(params, opt_state, x, y):
-    def loss(p):
-      return mse(forward(p, x, policy=remat), y)
-
-    loss_value, grads = jax.value_and_grad(loss)(params)
-    # MaxText constrains the gradients to the parameters' layout.
-    grads = jax.lax.with_sharding_constraint(grads, {'w': w_sharding})
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss_value
-
-  return jax.jit(step, donate_argnums=(0, 1)), w_sharding
-
-
 # --- (b) The shard_map tutorial's FSDP: gather per layer, remat only the gathered weights.
 def shard_map_step(mesh, tx, axis: str = 'data'):
   w_sharding = NamedSharding(mesh, P(None, axis, None))
@@ -131,6 +113,24 @@ def shard_map_step(mesh, tx, axis: str = 'data'):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1)), w_sharding
+
+
+# --- (c) MaxText-shaped FSDP: split on the embed dimension, full remat, jit decides.
+def maxtext_shaped_step(mesh, tx, axis: str = 'data'):
+  w_sharding = NamedSharding(mesh, P(None, axis, None))
+  remat = jax.checkpoint_policies.nothing_saveable
+
+  def step(params, opt_state, x, y):
+    def loss(p):
+      return mse(forward(p, x, policy=remat), y)
+
+    loss_value, grads = jax.value_and_grad(loss)(params)
+    # MaxText constrains the gradients to the parameters' layout.
+    grads = jax.lax.with_sharding_constraint(grads, {'w': w_sharding})
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss_value
 
   return jax.jit(step, donate_argnums=(0, 1)), w_sharding
 

@@ -219,3 +219,26 @@ def test_a_topology_without_roofline_constants_is_named():
     "`topology`='v4:2x2x1': no roofline constants for 'v4'; the search knows"
     " ['v5e', 'v5p', 'v6e'] and cpu:N."
   )
+
+
+def test_the_search_passes_attention_chunk_to_the_presets():
+  devices = jax.devices('cpu')[:8]
+
+  def jaxpr_text(chunk):
+    target = search.make_target(
+      'tiny', 'cpu:8', devices=devices, optimizer=lambda: optax.sgd(0.1), attention_chunk=chunk
+    )
+    traced, *_ = search.lower_candidate(target, search.Candidate(stage=3, remat='full'))
+    return str(traced.jaxpr)
+
+  # The tiny preset's 64 tokens in chunks of 8: a loop of 8 inside each of its 4 blocks.
+  assert 'length=8' in jaxpr_text(8)
+  assert 'length=8' not in jaxpr_text(None)
+  with pytest.raises(ValueError) as err:
+    search.make_target(
+      lambda remat, prefetch: None, 'cpu:8', devices=devices, optimizer=optax.sgd,
+      attention_chunk=16,
+    )  # fmt: skip
+  assert str(err.value) == (
+    '`attention_chunk` is for the presets; a model function computes its own attention.'
+  )

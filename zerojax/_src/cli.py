@@ -78,7 +78,7 @@ def _load_model(args) -> Any:
   from zerojax._src import presets
 
   if ':' in args.model:
-    if getattr(args, 'attention_chunk', None):
+    if args.attention_chunk:
       raise SystemExit(
         f'error: --attention-chunk is for the presets; --model {args.model} computes its own'
         ' attention (use zerojax._src.presets.chunked_attention there, or leave it out).'
@@ -145,6 +145,7 @@ def cmd_search(args) -> int:
       mixed_precision=args.mixed_precision,
       seq_len=args.seq_len,
       compute_dtype=args.compute_dtype,
+      attention_chunk=args.attention_chunk,
     )
     candidates, invalid = search.candidate_space(
       stages=args.stages,

@@ -198,6 +198,7 @@ class Target:
   mixed_precision: bool = False
   seq_len: int | None = None
   compute_dtype: Any = jnp.bfloat16
+  attention_chunk: int | None = None  # presets: attention this many queries at a time
 
 
 def _mesh(target: Target, c: Candidate):
@@ -224,6 +225,7 @@ def _spec(target: Target, c: Candidate):
     compute_dtype=jnp.dtype(target.compute_dtype),
     remat={'gathers': 'gathers', 'full': True, 'none': False}[c.remat],
     prefetch_next=c.prefetch,
+    attention_chunk=target.attention_chunk,
   )
 
 
@@ -451,6 +453,7 @@ def make_target(
   mixed_precision: bool = False,
   seq_len: int | None = None,
   compute_dtype: Any = jnp.bfloat16,
+  attention_chunk: int | None = None,
 ) -> Target:
   """A `Target` for `topology` ('v5e:2x4', 'v5p:2x2x1', 'v6e:4x4' or 'cpu:N') and its devices.
 
@@ -471,9 +474,14 @@ def make_target(
     )
   if isinstance(model, str) and model not in presets.PRESETS:
     raise ValueError(f'`model`={model!r} is not a preset; choose one of {sorted(presets.PRESETS)}.')
+  if attention_chunk and not isinstance(model, str):
+    raise ValueError(
+      '`attention_chunk` is for the presets; a model function computes its own attention.'
+    )
   return Target(
-    topology, tuple(devices), grid, chip, model, optimizer, mixed_precision, seq_len, compute_dtype
-  )
+    topology, tuple(devices), grid, chip, model, optimizer, mixed_precision, seq_len,
+    compute_dtype, attention_chunk,
+  )  # fmt: skip
 
 
 def search_plans(
@@ -483,6 +491,7 @@ def search_plans(
   optimizer: Callable[[], Any] | None = None,
   mixed_precision: bool = False,
   seq_len: int | None = None,
+  attention_chunk: int | None = None,
   hbm_bytes: int | None = None,
   progress: bool = True,
   **space: Any,
@@ -497,6 +506,7 @@ def search_plans(
     optimizer: makes the optax optimizer; default `optax.adamw(1e-4)`.
     mixed_precision: bf16 parameters and gradients, fp32 master in the optimizer state.
     seq_len: the preset's sequence length, or this.
+    attention_chunk: presets: compute attention this many queries at a time.
     hbm_bytes: device memory per chip; default the chip's.
     progress: a progress bar with each candidate's outcome.
     **space: `candidate_space`'s options (stages, layouts, micro_batches, remat,
@@ -521,6 +531,7 @@ def search_plans(
     optimizer=optimizer or (lambda: optax.adamw(1e-4)),
     mixed_precision=mixed_precision,
     seq_len=seq_len,
+    attention_chunk=attention_chunk,
   )
   candidates, invalid = candidate_space(grid_dims=len(target.grid), **space)
   if not candidates:
