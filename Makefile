@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PYTEST_OPTS := -n 2 --dist loadgroup --durations=10
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-newest lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +18,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check zerojax tests examples
-	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist loadgroup --durations=10 $(PYTEST_ARGS)
+	JAX_PLATFORMS=cpu $(PY) -m pytest $(PYTEST_OPTS) $(PYTEST_ARGS)
+
+# The same suite on the newest JAX, in a Python 3.13 root (as root; see tools/newest-jax).
+test-newest:
+	tools/newest-jax $(PYTEST_OPTS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) demo_out .pytest_cache

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _tolerance import reordered
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
@@ -14,6 +15,18 @@ SHAPES = {
   'dense2': {'kernel': (64, 8), 'bias': (8,)},
 }
 BATCH = 32
+# The longest chain of float32 additions behind one of the MLP's outputs, loss
+# or gradient entry: the batch's rows, and the contractions over 16 inputs, 64
+# hidden units and 8 outputs. zerojax sums them in another order (per device,
+# then across devices), so results agree to `reordered(MLP_TERMS)`
+# (tests/_tolerance.py), and after `steps` optimizer steps to `train_tol(steps)`.
+MLP_TERMS = BATCH + 16 + 64 + 8
+GRAD_TOL = reordered(MLP_TERMS)
+
+
+def train_tol(steps: int) -> float:
+  """Parameters after `steps` steps, each step's rounding carried into the next."""
+  return reordered(MLP_TERMS, steps=steps)
 
 
 def mlp_params(seed: int = 0):

@@ -4,7 +4,17 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, shard_batch
+from _models import (
+  GRAD_TOL,
+  batch,
+  loss_fn,
+  max_rel_err,
+  mlp_params,
+  plain_run,
+  shard_batch,
+  train_tol,
+)
+from _tolerance import EPSBF16, MARGIN, reordered
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
@@ -27,8 +37,8 @@ def test_equals_full_batch_gradient(stage, micro, mesh):
   xs, ys = shard_batch(mesh, x, y)
   grad_fn = zerojax.value_and_grad(batch_loss, tx, micro_batches=micro)
   loss, grads = jax.jit(grad_fn)(params, {'x': xs, 'y': ys})
-  assert abs(float(loss) - float(want_loss)) < 1e-6
-  assert max_rel_err(grads, want) < 1e-6
+  assert abs(float(loss) - float(want_loss)) <= GRAD_TOL * abs(float(want_loss))
+  assert max_rel_err(grads, want) <= GRAD_TOL
   got = jax.tree.map(lambda g: g.sharding.spec, grads)
   # The plan's gradient layout; at stage 1, the optimizer state's shards (the
   # update reads only its own, and the reduce-scatter stays within the floor).
@@ -54,7 +64,7 @@ def test_training_with_accumulation_equals_optax(stage, auto_mesh):
 
   for _ in range(10):
     params, opt_state = step(params, opt_state)
-  assert max_rel_err(params, plain_run(tx, 10)) < 1e-5
+  assert max_rel_err(params, plain_run(tx, 10)) <= train_tol(10)
 
 
 def test_bf16_params_reduce_in_fp32_with_aux(auto_mesh):
@@ -78,9 +88,14 @@ def test_bf16_params_reduce_in_fp32_with_aux(auto_mesh):
   want = jax.grad(lambda p: loss_fn(p, x.astype(jnp.bfloat16), y))(
     zerojax.cast(master, jnp.bfloat16)
   )
-  assert max_rel_err(grads, jax.tree.map(lambda g: g.astype(jnp.float32), want)) < 2e-2
-  # A WeightedMean aux leaf is the mean over every part: the global loss.
-  assert aux['loss_copy'].shape == () and abs(float(aux['loss_copy']) - float(loss)) < 1e-6
+  # Both sides round the layers' bf16 activations and the bf16 reference its
+  # gradients, each once from float32 sums in another order: about one bf16 epsilon.
+  bf16_tol = MARGIN * EPSBF16
+  assert max_rel_err(grads, jax.tree.map(lambda g: g.astype(jnp.float32), want)) <= bf16_tol
+  # A WeightedMean aux leaf is the mean over every part: the global loss, from the
+  # same 16 per-part values (8 devices, 2 micro-batches), summed in float32.
+  assert aux['loss_copy'].shape == ()
+  assert abs(float(aux['loss_copy']) - float(loss)) <= reordered(16) * abs(float(loss))
 
 
 D = 256
@@ -164,8 +179,8 @@ def test_hierarchical_partitioning_equals_full_batch_gradient(stage, micro):
   params = jax.device_put(mlp_params(), plan.params)
   data = jax.device_put({'x': x, 'y': y}, NamedSharding(mesh, PartitionSpec(('replica', 'data'))))
   loss, grads = jax.jit(zerojax.value_and_grad(batch_loss, tx, micro_batches=micro))(params, data)
-  assert abs(float(loss) - float(want_loss)) < 1e-6
-  assert max_rel_err(grads, want) < 1e-6
+  assert abs(float(loss) - float(want_loss)) <= GRAD_TOL * abs(float(want_loss))
+  assert max_rel_err(grads, want) <= GRAD_TOL
   assert jax.tree.map(lambda g: g.sharding.spec, grads) == jax.tree.map(
     lambda s: s.spec, plan.grads
   )

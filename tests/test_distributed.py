@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from _tolerance import reordered
 
 import zerojax
 
@@ -133,7 +134,9 @@ def test_two_processes_equal_one(runs, stage):
   assert 'per device (8 devices)' in first and 'per device' not in two['logs'][1][1]
   # Same seed and data, 10 SGD steps: equal up to the collectives' summation order.
   assert len(two['state']) == len(one['state']) > 10
-  close(two['state'], one['state'], rtol=1e-5)
+  # examples/multiprocess.py's GPT (16 x 64 token rows, 2 blocks of 64-wide
+  # attention over 64 keys and a 256-wide MLP, a 256-way vocabulary), 10 steps.
+  close(two['state'], one['state'], rtol=reordered(16 * 64 + 2 * (64 + 64 + 256) + 256, steps=10))
 
 
 def test_checkpoint_from_two_processes_restores_in_one(runs):

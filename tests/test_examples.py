@@ -12,6 +12,7 @@ import tempfile
 
 import numpy as np
 import pytest
+from _tolerance import reordered
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), '..', 'examples')
 sys.path.insert(0, EXAMPLES)
@@ -139,7 +140,11 @@ def test_held_out_figures_are_the_mean_over_examples():
   )[0].astype(np.float64)
   log_p = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
   labels = data.heldout['label']
-  assert out['heldout_loss'] == pytest.approx(-np.mean(log_p[labels]), rel=1e-5)
+  # The example's float32 log-softmax over the 4 classes and mean over the held-out
+  # rows against this float64 one: float32 rounding of those sums.
+  rows = len(labels)
+  assert out['heldout_loss'] == pytest.approx(-np.mean(log_p[labels]), rel=reordered(rows + 4))
+  # A count of hits over a count of rows: exact but for one division.
   assert out['heldout_accuracy'] == pytest.approx(np.mean(labels == np.argmax(logits)))
 
 
@@ -263,7 +268,9 @@ def test_compare_writes_a_table_a_figure_and_json(tmp_path):
   assert record['synthetic'] and record['data'].startswith('SYNTHETIC')
   # Same data and seed: the same losses under every stage.
   losses = [[loss for _, loss in r['losses']] for r in record['stages']]
-  assert all(np.allclose(x, losses[0], rtol=1e-5) for x in losses[1:])
+  # The MNIST MLP: 64 rows through 784-, 512-, 512- and 10-wide layers, 4 steps.
+  tol = reordered(64 + 784 + 512 + 512 + 10, steps=4)
+  assert all(np.allclose(x, losses[0], rtol=tol, atol=0) for x in losses[1:])
   # ZeRO's saving shows: stage 3 holds an eighth of stage 0's model states.
   rest = [r['states_at_rest_bytes'] for r in record['stages']]
   assert rest[3] * 8 == pytest.approx(rest[0], rel=0.01) and rest[1] < rest[0]
@@ -310,6 +317,8 @@ def test_compare_quantized_writes_a_table_a_figure_and_json(tmp_path):
   # Quantize.min_size) stay full precision.
   assert int4['ring_bytes'] < int8['ring_bytes'] < 0.35 * full['ring_bytes']
   # The first loss is the same model on the same batch, quantized weights aside.
+  # int8 rounds each weight by at most 1/254 of its block's largest magnitude: a
+  # relative change of the loss below 1% (not float rounding: quantization).
   assert int8['losses'][0][1] == pytest.approx(full['losses'][0][1], rel=1e-2)
   table = base.with_suffix('.md').read_text()
   assert table.count('\n| ') == 4 and 'vs the ZeRO floor' in table

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from _models import max_rel_err
+from _tolerance import reordered
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
@@ -27,6 +28,10 @@ import zerojax
 STAGES = [0, 1, 2, 3]
 STEPS = 3
 ROWS = 32
+# A kernel gradient of the first convolution sums 32 rows x 8 x 8 positions,
+# behind it 3 x 3 x 8 and 256-wide contractions and the 32- and 10-wide dense
+# layers; metrics (loss, accuracy) are of the same order, and relative to 1.
+CNN_TOL = reordered(ROWS * 8 * 8 + 9 + 72 + 256 + 32 + 10, steps=STEPS)
 
 
 def _data(seed=0):
@@ -92,8 +97,8 @@ def linen_reference():
 
 def _check_linen(got, reference):
   (state, history), (ref_state, ref_history) = got, reference
-  np.testing.assert_allclose(history, ref_history, rtol=2e-5, atol=1e-6)
-  assert max_rel_err(state.params, ref_state.params) < 1e-5
+  np.testing.assert_allclose(history, ref_history, rtol=CNN_TOL, atol=CNN_TOL)
+  assert max_rel_err(state.params, ref_state.params) <= CNN_TOL
 
 
 @pytest.mark.parametrize('stage', STAGES)
@@ -188,9 +193,9 @@ def _check_nnx(model, history, reference):
   for got, want in zip(history, ref_history):
     assert got.keys() == want.keys()
     for k in got:
-      assert abs(got[k] - want[k]) <= 2e-5 * max(1.0, abs(want[k])), (k, got, want)
+      assert abs(got[k] - want[k]) <= CNN_TOL * max(1.0, abs(want[k])), (k, got, want)
   # Parameters and BatchNorm's running statistics alike.
-  assert max_rel_err(_trained(model), ref_state) < 2e-5
+  assert max_rel_err(_trained(model), ref_state) <= CNN_TOL
 
 
 @pytest.mark.parametrize('stage', STAGES)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from _models import max_rel_err
+from _tolerance import reordered
 from flax import linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -172,8 +173,10 @@ def test_numerics_equal_plain_optax(auto_mesh, stage):
   for _ in range(3):
     params, opt_state, loss = step(params, opt_state, x, y)
     ref, ref_state, ref_loss = ref_step(ref, ref_state, x, y)
-  assert max_rel_err(jax.device_get(params), jax.device_get(ref)) <= 1e-5
-  assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+  # 32 rows through 4 layers of 256-wide contractions, three Adam steps.
+  tol = reordered(32 + 4 * 256, steps=3)
+  assert max_rel_err(jax.device_get(params), jax.device_get(ref)) <= tol
+  assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
 
 
 class Block(nn.Module):
@@ -209,8 +212,9 @@ def test_gathered_linen_gathers_per_layer_inside_value_and_grad(auto_mesh):
   fn = jax.jit(grad_fn)
   loss, grads = fn(sharded, batch)
   want_loss, want = jax.value_and_grad(loss_fn)(params, {'x': x, 'y': y})
-  assert max_rel_err(jax.device_get(grads), want) <= 1e-5
-  assert abs(float(loss) - float(want_loss)) <= 1e-6
+  tol = reordered(32 + 16 + 64 + 4 * 64 + 8)  # rows, Deep's five layers
+  assert max_rel_err(jax.device_get(grads), want) <= tol
+  assert abs(float(loss) - float(want_loss)) <= tol * abs(float(want_loss))
   stats = zerojax.count_collectives(fn.lower(sharded, batch).compile())
   assert stats['reduce-scatter'] >= 4 and stats['all-gather'] >= 8  # each block, twice
 
@@ -264,6 +268,7 @@ def test_gathered_nnx_gathers_per_layer_inside_value_and_grad(auto_mesh):
   fn = jax.jit(zerojax.value_and_grad(loss_fn, ztx, per_layer=True))
   loss, grads = fn(sharded, batch)
   want_loss, want = jax.value_and_grad(loss_fn)(params, x)
-  assert max_rel_err(jax.device_get(grads), want) <= 1e-5
-  assert abs(float(loss) - float(want_loss)) <= 1e-6
+  tol = reordered(16 + 2 * (32 + 128))  # rows, ScannedNNX(32, 2)'s blocks
+  assert max_rel_err(jax.device_get(grads), want) <= tol
+  assert abs(float(loss) - float(want_loss)) <= tol * abs(float(want_loss))
   assert zerojax.count_collectives(fn.lower(sharded, batch).compile())['reduce-scatter'] >= 4

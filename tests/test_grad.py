@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import BATCH, batch, max_rel_err, mlp_apply, mlp_params, shard_batch
+from _models import BATCH, GRAD_TOL, batch, max_rel_err, mlp_apply, mlp_params, shard_batch
+from _tolerance import EPS32, assert_close
 
 import zerojax
 
@@ -55,10 +56,11 @@ def test_aux_comes_back_with_every_row(stage, micro, mesh):
   grad_fn = zerojax.value_and_grad(loss_aux, tx, has_aux=True, micro_batches=micro)
   (loss, aux), grads = jax.jit(grad_fn)(params, {'x': xs, 'y': ys})
   assert aux['logits'].shape == (BATCH, 8)
-  np.testing.assert_allclose(aux['logits'], want_aux['logits'], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(aux['err'], want_aux['err'], rtol=1e-5, atol=1e-6)
-  assert abs(float(loss) - float(want_loss)) < 1e-6
-  assert max_rel_err(grads, want) < 1e-5
+  # Per-row outputs: the same sums per row, blocked differently per device.
+  assert_close(aux['logits'], want_aux['logits'], GRAD_TOL)
+  assert_close(aux['err'], want_aux['err'], GRAD_TOL)
+  assert abs(float(loss) - float(want_loss)) <= GRAD_TOL * abs(float(want_loss))
+  assert max_rel_err(grads, want) <= GRAD_TOL
 
 
 @pytest.mark.parametrize('stage', STAGES)
@@ -80,11 +82,12 @@ def test_weighted_loss_is_normalised_over_the_global_batch(stage, micro, mesh):
   xs, ys, ms = shard_batch(mesh, x, y, b['mask'])
   grad_fn = zerojax.value_and_grad(with_metrics, tx, micro_batches=micro, has_aux=True)
   (loss, aux), grads = jax.jit(grad_fn)(params, {'x': xs, 'y': ys, 'mask': ms})
-  assert abs(float(loss) - float(want_loss)) < 1e-5 * abs(float(want_loss))
-  assert max_rel_err(grads, want) < 1e-5
+  assert abs(float(loss) - float(want_loss)) <= GRAD_TOL * abs(float(want_loss))
+  assert max_rel_err(grads, want) <= GRAD_TOL
   hits = np.argmax(mlp_apply(mlp_params(), x), -1) == np.argmax(y, -1)
   want_accuracy = float(np.sum(hits * b['mask']) / np.sum(b['mask']))
-  assert abs(float(aux['accuracy']) - want_accuracy) < 1e-6
+  # Sums of 0/1 hits and mask entries are exact in float32; the division rounds once.
+  assert abs(float(aux['accuracy']) - want_accuracy) <= EPS32 * want_accuracy
   # What averaging the devices' own normalised losses gave (the old behaviour): not this.
   parts = [
     _weighted_loss(mlp_params(), jax.tree.map(lambda v, i=i: v[i * 4 : i * 4 + 4], b)).value
@@ -135,8 +138,8 @@ def test_normalising_by_constants_and_activations_passes(auto_mesh):
   want_loss, want = jax.jit(jax.value_and_grad(loss))(mlp_params(), {'x': x, 'y': y})
   xs, ys = shard_batch(auto_mesh, x, y)
   got_loss, grads = jax.jit(zerojax.value_and_grad(loss, tx))(params, {'x': xs, 'y': ys})
-  assert abs(float(got_loss) - float(want_loss)) < 1e-6
-  assert max_rel_err(grads, want) < 1e-5
+  assert abs(float(got_loss) - float(want_loss)) <= GRAD_TOL * abs(float(want_loss))
+  assert max_rel_err(grads, want) <= GRAD_TOL
 
 
 def test_a_weight_that_depends_on_the_parameters_is_refused(auto_mesh):
@@ -242,7 +245,7 @@ def test_a_captured_batch_array_names_the_fix(auto_mesh):
     return jnp.mean(jnp.sum((mlp_apply(p, b['x']) - b['y']) ** 2, -1) * b['w'])
 
   _, grads = jax.jit(zerojax.value_and_grad(fixed, tx))(params, {'x': xs, 'y': ys, 'w': ws})
-  assert max_rel_err(grads, want) < 1e-5
+  assert max_rel_err(grads, want) <= GRAD_TOL
 
 
 def test_a_scalar_batch_leaf_is_refused(auto_mesh):

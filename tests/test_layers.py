@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from _models import max_rel_err
+from _tolerance import reordered
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import AxisType, NamedSharding
@@ -76,8 +77,13 @@ def test_per_layer_gathering_keeps_temp_flat(mesh):
 
 def test_gpt_stage3_per_layer_equals_stage0():
   runs = {s: gpt.run(stage=s, steps=20, log_every=1, quiet=True) for s in (0, 3)}
-  assert max_rel_err(runs[3]['state'].params, runs[0]['state'].params) <= 1e-5
-  assert abs(runs[3]['losses'][-1][1] - runs[0]['losses'][-1][1]) <= 1e-5
+  # The example GPT (examples/gpt.py): a gradient entry sums 16 x 64 token rows
+  # through 4 blocks of 128-wide attention and 512-wide MLP contractions and the
+  # 256-way vocabulary; 20 steps.
+  tol = reordered(16 * 64 + 4 * (128 + 64 + 512) + 256, steps=20)
+  assert max_rel_err(runs[3]['state'].params, runs[0]['state'].params) <= tol
+  final = runs[0]['losses'][-1][1]
+  assert abs(runs[3]['losses'][-1][1] - final) <= tol * abs(final)
   plan = runs[3]['plan']
   assert jax.tree.map(lambda a: a.sharding, runs[3]['state'].params) == plan.params
 
@@ -129,6 +135,11 @@ def test_stdlib_corpus_is_text():
 
 
 # --- NNX
+
+
+# ScannedNNX(32, 2) on 16 rows: each result's chain of sums is the rows and two
+# blocks of 32- and 128-wide contractions.
+SCANNED_TERMS = 16 + 2 * (32 + 128)
 
 
 class Block(nnx.Module):
@@ -189,7 +200,7 @@ def test_nnx_optimizer_with_zero_stage(stage, mesh):
   tx = zerojax.zero_stage(optax.adamw(1e-2), stage, mesh=mesh)
   model, opt = _nnx_train(model, tx, x)
   params, ref_params = nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param)
-  assert max_rel_err(params, ref_params) <= 1e-5
+  assert max_rel_err(params, ref_params) <= reordered(SCANNED_TERMS, steps=5)
   plan = zerojax.plan_for(tx, params)
   assert jax.tree.map(lambda a: a.sharding, params) == plan.params
   mu = opt.opt_state[0].mu['blocks']['fc1']['kernel'][...]
@@ -203,7 +214,8 @@ def test_create_nnx_model_abstractly_then_sharded(mesh):
   # Split on the 32 rows: 128 columns / 8 = 16 would unalign TPU's 128 lanes.
   assert {s.data.shape for s in kernel.addressable_shards} == {(2, 4, 128)}
   eager = ScannedNNX(32, 2, nnx.Rngs(0))
-  assert max_rel_err(nnx.state(model, nnx.Param), nnx.state(eager, nnx.Param)) <= 1e-6
+  # The same initialisers and keys: created in its layout, the same numbers.
+  assert max_rel_err(nnx.state(model, nnx.Param), nnx.state(eager, nnx.Param)) == 0.0
 
 
 def test_linen_and_nnx_versions_agree(mesh):
@@ -256,7 +268,7 @@ def test_linen_and_nnx_versions_agree(mesh):
   for name in ('fc1', 'fc2'):
     for k in ('kernel', 'bias'):
       a, b = np.asarray(state.params['blocks'][name][k]), np.asarray(after['blocks'][name][k][...])
-      assert np.linalg.norm(a - b) / np.linalg.norm(b) <= 1e-5
+      assert np.linalg.norm(a - b) / np.linalg.norm(b) <= reordered(SCANNED_TERMS, steps=5)
 
 
 def test_gpt_resume_from_checkpoint_is_bitwise_exact(tmp_path):
@@ -342,7 +354,7 @@ def test_stage3_nnx_call_on_an_explicit_mesh_names_gathered_nnx(explicit_mesh):
   )
   want = nnx.grad(lambda m: jnp.mean(m(jnp.ones((16, 16))) ** 2))(Small(nnx.Rngs(0)))
   _, grads = nnx.jit(lambda m, b: grad_fn(m, b))(model, {'x': x})
-  assert max_rel_err(grads, want) < 1e-5
+  assert max_rel_err(grads, want) <= reordered(16 + 16 + 64 + 8)  # rows, fc1, fc2
 
 
 def test_linen_parameter_used_without_a_gather_is_named(mesh):
@@ -387,8 +399,9 @@ def test_gathered_linen_gathers_for_every_method(mesh):
   sharded = jax.device_put(params, zerojax.plan_for(tx, params).params)
   t = jax.device_put(tokens, NamedSharding(mesh, P('data')))
   got_loss, grads = jax.jit(zerojax.value_and_grad(loss, tx, per_layer=True))(sharded, {'t': t})
-  assert abs(float(got_loss) - float(want_loss)) < 1e-6
-  assert max_rel_err(grads, want) < 1e-5
+  tol = reordered(64 + 16 + 64)  # rows, the 16-wide embedding, the 64-token vocabulary
+  assert abs(float(got_loss) - float(want_loss)) <= tol * abs(float(want_loss))
+  assert max_rel_err(grads, want) <= tol
 
 
 def test_unrolled_per_layer_gathers_warn(mesh):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _tolerance import reordered
 from flax import linen as nn
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -137,7 +138,11 @@ def test_equivalence_and_layouts(name, stage):
     state = step(state, x, y)
   want = plain(TX, 5)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want)):
-    assert np.linalg.norm(np.asarray(a) - b) <= 1e-5 * np.linalg.norm(b)
+    # Rows (16 x 8 tokens), the block's 64-, 192-, 256-wide contractions and its
+    # layer norms, summed in another order on each mesh; five steps.
+    assert np.linalg.norm(np.asarray(a) - b) <= reordered(B * T + 4 * D + 4 * D, steps=5) * (
+      np.linalg.norm(b)
+    )
   assert jax.tree.map(lambda a: a.sharding, state.params) == plan.params
   assert jax.tree.map(lambda a: a.sharding, state.opt_state) == plan.opt_state
   kernel = plan.opt_state[0].mu['up']['kernel'].spec

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, shard_batch
+from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, shard_batch, train_tol
 
 import zerojax
 
@@ -54,7 +54,7 @@ def test_memory_kinds_and_numerics(stage, offload, update_on, mesh):
   assert kinds(opt_state) == got  # still offloaded after the steps
   assert jax.tree.map(lambda a: a.sharding, opt_state) == plan.opt_state
   # fp32 parameters with an fp32 master: the same numbers as plain optax.
-  assert max_rel_err(params, plain_run(tx, 10)) < 1e-6
+  assert max_rel_err(params, plain_run(tx, 10)) <= train_tol(10)
 
 
 def test_plan_counts_host_bytes(auto_mesh):
@@ -143,6 +143,11 @@ def test_tpu_device_bytes_drop_by_offloaded_bytes(stage):
     )
     compiled = jax.jit(mp_step, donate_argnums=0).lower(state, x).compile()
     out[offload, update_on] = compiled.memory_analysis()
+    if update_on == 'host':
+      # The host runs the update alone: the all-gather of the updated shards
+      # stays on the device (inside the host computation it would run as
+      # host-side MegaScale transfers and double the device temporaries).
+      assert 'MegaScaleCollective' not in compiled.as_text()
   moments, master = 8 * PSI // 8, 4 * PSI // 8
   base = out[None, 'device']
   assert base.host_argument_size_in_bytes == 0

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run
+from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, train_tol
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -157,7 +157,7 @@ def test_tensor_parallel_training_matches_optax():
   for _ in range(10):
     params, state = step(params, state)
   assert jax.tree.map(lambda a: a.sharding, params) == plan.params
-  assert max_rel_err(params, plain_run(optax.adam(1e-2), steps=10)) <= 1e-6
+  assert max_rel_err(params, plain_run(optax.adam(1e-2), steps=10)) <= train_tol(10)
 
 
 def test_axis_tuple_partitions_over_both_axes():

@@ -5,7 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, shard_batch, zero_run
+from _models import (
+  batch,
+  loss_fn,
+  max_rel_err,
+  mlp_params,
+  plain_run,
+  shard_batch,
+  train_tol,
+  zero_run,
+)
+from _tolerance import EPSBF16, MARGIN
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
@@ -134,16 +144,19 @@ def test_mixed_precision_equals_plain_optax_reference(stage, mesh):
   tx = optax.adamw(1e-2, weight_decay=0.1)
   want = reference_mixed(tx, 10, jnp.bfloat16)
   params, opt_state, plan = zero_mixed(tx, mesh, stage, 10, jnp.bfloat16)
-  # bf16 gradients summed in another order across devices, which Adam's normalisation
-  # amplifies in small leaves (measured: 3.2e-4 on Auto meshes, 4.8e-3 on Explicit ones).
-  assert max_rel_err(opt_state.master, want) < 1.5e-2
+  # bf16 gradients, each rounded once to bf16 from float32 sums in another order
+  # across devices: a relative difference of about one bf16 epsilon. Adam moves a
+  # parameter by at most its learning rate whatever the gradient, so ten steps keep
+  # the master within that of the reference (measured: 3.2e-4 on Auto meshes,
+  # 4.8e-3 on Explicit ones).
+  assert max_rel_err(opt_state.master, want) <= MARGIN * EPSBF16
   assert jax.tree.map(lambda p: p.dtype, params) == jax.tree.map(lambda _: jnp.bfloat16, want)
   # The parameters are the master rounded to bf16: exactly where a step moved a value by
   # less than 2x (Sterbenz); elsewhere (values near zero) within a bf16 rounding step of
   # the old value, far below the leaf's scale.
   for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(opt_state.master)):
     p, r = np.asarray(p, np.float32), np.asarray(m.astype(jnp.bfloat16), np.float32)
-    assert np.max(np.abs(p - r)) <= 2.0**-8 * np.max(np.abs(r))
+    assert np.max(np.abs(p - r)) <= EPSBF16 / 2 * np.max(np.abs(r))  # half a bf16 step
     assert np.mean(p != r) < 0.02
   assert jax.tree.map(lambda a: a.sharding, (params, opt_state)) == (plan.params, plan.opt_state)
 
@@ -153,7 +166,7 @@ def test_mixed_precision_in_fp32_equals_optax(stage, mesh):
   # With fp32 "compute" the wrapper must be invisible: same numbers as plain optax.
   tx = optax.adam(1e-2)
   params, _, _ = zero_mixed(tx, mesh, stage, 10, jnp.float32)
-  assert max_rel_err(params, plain_run(tx, 10)) < 1e-6
+  assert max_rel_err(params, plain_run(tx, 10)) <= train_tol(10)
 
 
 @pytest.mark.parametrize('stage', STAGES)
@@ -194,7 +207,8 @@ def test_dynamic_loss_scale_skips_overflow_and_adjusts(stage, mesh):
   params4, state4 = step(params3, state3, jnp.float32(1))
   assert float(state4.loss_scale.scale) == 1024.0  # two good steps: grows
   assert int(state4.loss_scale.good_steps) == 0
-  assert max_rel_err(params4, params2) > 1e-4  # and those steps did train
+  # And those steps did train: they moved the parameters far beyond rounding.
+  assert max_rel_err(params4, params2) > 100 * train_tol(2)
   assert all(np.isfinite(np.asarray(p, np.float32)).all() for p in jax.tree.leaves(params4))
 
 
@@ -206,10 +220,10 @@ def test_clipping_sharded_gradients_equals_full_gradient(stage, mesh):
   assert norm > 0.05 * 5
   tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5))
   params, opt_state, plan = zero_run(tx, mesh, stage, 10)
-  assert max_rel_err(params, plain_run(tx, 10)) < 1e-6
+  assert max_rel_err(params, plain_run(tx, 10)) <= train_tol(10)
   # Clipping on each device's shard alone would give another answer.
   local = optax.chain(optax.clip_by_global_norm(0.05 / np.sqrt(N)), optax.sgd(0.5))
-  assert max_rel_err(plain_run(local, 10), plain_run(tx, 10)) > 1e-3
+  assert max_rel_err(plain_run(local, 10), plain_run(tx, 10)) > 100 * train_tol(10)
 
 
 @pytest.mark.parametrize('stage', STAGES)

@@ -2,10 +2,19 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
-from _models import batch, loss_fn, max_rel_err, mlp_apply, mlp_params, plain_run, shard_batch
+from _models import (
+  batch,
+  loss_fn,
+  max_rel_err,
+  mlp_apply,
+  mlp_params,
+  plain_run,
+  shard_batch,
+  train_tol,
+)
+from _tolerance import assert_close, reordered
 from flax import struct
 from flax.training import train_state
 
@@ -49,7 +58,7 @@ def test_train_state_keeps_plan_layout_and_matches_optax(stage, mesh):
     assert jax.tree.map(lambda a: a.sharding, zstate.params) == plan.params
     assert jax.tree.map(lambda a: a.sharding, zstate.opt_state) == plan.opt_state
   assert int(zstate.step) == 10
-  assert max_rel_err(zstate.params, plain_run(optax.adamw(1e-2), steps=10)) <= 1e-6
+  assert max_rel_err(zstate.params, plain_run(optax.adamw(1e-2), steps=10)) <= train_tol(10)
   # Stage 1 params must not come back sharded; state must not come back replicated.
   kernel = zstate.params['dense1']['kernel']
   assert kernel.sharding.is_fully_replicated == (stage < 3)
@@ -128,7 +137,8 @@ def test_stage3_apply_fn_on_an_explicit_mesh_names_the_fix(explicit_mesh):
 
   out = jax.jit(fixed)(state, xs)
   want = model.apply({'params': jax.device_get(state.params)}, x)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+  # One Dense layer: each output sums 32 products, in another order once gathered.
+  assert_close(out, want, reordered(32))
 
 
 def test_builders_take_the_options_from_the_wrapped_optimizer(explicit_mesh):

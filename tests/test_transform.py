@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import max_rel_err, mlp_params, plain_run, zero_run
+from _models import max_rel_err, mlp_params, plain_run, train_tol, zero_run
+from _tolerance import reordered
 
 import zerojax
 
@@ -40,7 +41,7 @@ OPTIMIZERS = {
 def test_equals_plain_optax(name, stage, mesh):
   expected = plain_run(OPTIMIZERS[name](), steps=10)
   params, opt_state, plan = zero_run(OPTIMIZERS[name](), mesh, stage, steps=10)
-  assert max_rel_err(params, expected) <= 1e-6
+  assert max_rel_err(params, expected) <= train_tol(10)
   # Layouts survive ten jitted steps: no drift.
   assert jax.tree.map(lambda a: a.sharding, params) == plan.params
   assert jax.tree.map(lambda a: a.sharding, opt_state) == plan.opt_state
@@ -127,8 +128,9 @@ def test_pad_policy_splits_padded_state_and_matches_optax(name, stage, mesh):
     ref_p = optax.apply_updates(ref_p, u)
   assert p['odd'].shape == (129, 515)
   assert jax.tree.map(lambda a: a.sharding, p) == plan.params
-  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
-    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) <= 1e-6
+  # lamb's trust ratio and the clip's global norm sum every element (129 x 515
+  # of the odd leaf, in another order once it is split and padded); five steps.
+  assert max_rel_err(p, ref_p) <= reordered(129 * 515 + 64 * 8, steps=5)
 
 
 @pytest.mark.parametrize('stage', [1, 2, 3])

@@ -11,13 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zerojax._src import compat, rules, validation
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
-from zerojax._src import rules, validation
 
 _CONFIG_ATTR = '_zerojax_config'
 
@@ -198,14 +197,13 @@ def _explicit_callback(fn: Any, plan: plan_lib.ZeroPlan) -> Any:
 
 
 def _update_on_host(inner, grads, state, params, extra_args):
-  """Runs `inner.update` in host memory on the host (`compute_on('device_host')`)."""
+  """Runs `inner.update` in host memory on the host (`compute_type='device_host'`)."""
   host = jax.memory.Space.Host
 
-  @compute_on.compute_on('device_host')
-  @jax.jit
-  def run(grads, state, params):
+  def update(grads, state, params):
     return inner.update(grads, state, params, **extra_args)
 
+  run = compat.compute_on_host(jax.jit(update), out_memory_spaces=host)
   updates, state = run(_move(grads, host), _move(state, host), _move(params, host))
   return _move(updates, jax.memory.Space.Device), state
 
@@ -468,6 +466,9 @@ def zero_optimizer(
         # optimizer runs there on the offloaded state, and only the updates
         # come back; the state never occupies device memory.
         new_updates, new_state = _update_on_host(inner, grads, state, params, extra_args)
+        # Pinned to the shards they were computed in: the all-gather of stages
+        # 1-2 then runs on the device, not inside the host computation.
+        new_updates = mesh_lib.constrain(new_updates, plan.param_shards, mesh)
         new_updates = _unpad(new_updates, plan, like)
         new_updates = mesh_lib.constrain(new_updates, plan.params, mesh)
         return new_updates, _to_plan_memory(new_state, plan.opt_state)

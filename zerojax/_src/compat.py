@@ -1,0 +1,35 @@
+"""The one place where zerojax follows an API that moved between JAX releases.
+
+zerojax supports the JAX releases its `pyproject.toml` admits and tests both
+ends of that range in CI. Where JAX renamed or reshaped a public API inside the
+range, the choice is made here, once, by JAX's version (never by catching the
+error of the other form), and each entry says which release changed what.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.experimental import compute_on as _compute_on
+
+# jax 0.11.1 removed the context-manager `compute_on(compute_type)` and gave its
+# name to the function form that jax 0.10 called `compute_on2`; both take
+# `compute_type=` and `out_memory_spaces=` (a prefix of the outputs' tree).
+COMPUTE_ON_RENAMED = jax.__version_info__ >= (0, 11, 1)
+
+
+def compute_on_host(fn: Callable[..., Any], out_memory_spaces: Any) -> Callable[..., Any]:
+  """`fn` compiled to run on the host (`compute_type='device_host'`).
+
+  Args:
+    fn: the function to run on the host; its inputs should be in host memory.
+    out_memory_spaces: a `jax.memory.Space` for every output, or a prefix of
+      the outputs' tree.
+
+  Returns:
+    A function with `fn`'s signature, to be called inside `jax.jit`.
+  """
+  form = _compute_on.compute_on if COMPUTE_ON_RENAMED else _compute_on.compute_on2
+  return form(fn, compute_type='device_host', out_memory_spaces=out_memory_spaces)
