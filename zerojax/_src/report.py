@@ -120,11 +120,10 @@ def _process_devices(plan: Any) -> dict[int, int]:
 def compile_with_text(lowered: Any) -> tuple[Any, str]:
   """Compiles `lowered` and returns the program with its optimized HLO text.
 
-  The text is `as_text()`'s where it can print the program. jax 0.10 with
-  libtpu 0.0.52 cannot print v5p and v6e programs that hold asynchronous
-  updates (an XLA RET_CHECK on their arity); for those the step is compiled
-  again with XLA's dump options and the text is read from the dump, the same
-  program as written by the compiler.
+  The text is `as_text()`'s where it can print the program. Some jax and
+  libtpu pairs (jax 0.10 with libtpu 0.0.52) cannot print v5p and v6e programs
+  that hold asynchronous updates (an XLA RET_CHECK on their arity); for those
+  the text is read from XLA's dump (`dumped_hlo_text`).
   """
   compiled = lowered.compile()
   try:
@@ -132,6 +131,17 @@ def compile_with_text(lowered: Any) -> tuple[Any, str]:
   except jax.errors.JaxRuntimeError as e:
     if 'RET_CHECK' not in str(e):
       raise
+  return dumped_hlo_text(lowered)
+
+
+def dumped_hlo_text(lowered: Any) -> tuple[Any, str]:
+  """Compiles `lowered` with XLA's dump options and reads the optimized HLO it wrote.
+
+  The same program as `as_text()` prints, as written by the compiler itself.
+
+  Raises:
+    RuntimeError: XLA did not dump exactly one optimized module.
+  """
   with tempfile.TemporaryDirectory() as folder:
     options = {'xla_dump_to': folder, 'xla_dump_hlo_as_text': True}
     compiled = lowered.compile(compiler_options=options)

@@ -321,8 +321,11 @@ def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
   start = time.perf_counter()
   try:
     traced, plan, state, batch, unit = lower_candidate(target, c)
-  except (ValueError, TypeError) as e:  # e.g. a leaf that cannot be split this way
+  except ValueError as e:  # zerojax's layout rules refuse it: a leaf that cannot be split so
     return Result(c, f'failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}')
+  except Exception as e:  # anything else is a bug, never a candidate that does not fit
+    e.add_note(f'zerojax plan search: raised while lowering the candidate {c}.')
+    raise
   sizes = plan.bytes_per_device()
   result = Result(
     c, 'fits', theory_bytes=sizes['params'] + sizes['opt_state'], host_bytes=sizes['host']
