@@ -212,4 +212,4 @@ def test_nnx_helpers_take_the_same_options():
   model = zerojax.create_nnx_model(
     lambda: Odd(nnx.Rngs(0)), stage=3, mesh=mesh, replicate_below_bytes=1024, policy='replicate'
   )
-  assert model.dense.kernel.value.sharding.is_fully_replicated
+  assert model.dense.kernel[...].sharding.is_fully_replicated

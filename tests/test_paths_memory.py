@@ -119,6 +119,12 @@ def test_stage2_per_layer_holds_gradient_shards_on_cpu(cpu_mesh, cpu_recipe):
   assert ours - PSI_BYTES <= LAYER_BYTES + (1 << 20)  # the shards and activations
 
 
+def _libtpu_version() -> str:
+  import importlib.metadata
+
+  return importlib.metadata.version('libtpu')
+
+
 @pytest.mark.tpu
 @pytest.mark.xdist_group('libtpu')
 def test_every_path_at_the_recipes_temporaries_on_tpu():
@@ -128,6 +134,11 @@ def test_every_path_at_the_recipes_temporaries_on_tpu():
   devices = topologies.get_topology_desc(topology_name='v5e:2x4', platform='tpu').devices
   mesh = Mesh(np.array(devices), ('data',), axis_types=(AxisType.Auto,))
   recipe = _temp(_recipe(mesh, 'shard_map'))
+  if recipe == 0:
+    # libtpu 0.0.42 (jax 0.10.2's pair) schedules the recipe's whole step in its
+    # argument and output buffers: with nothing to compare against, the ratios
+    # below say nothing (0.0.50, jax 0.12's pair, reports the recipe's buffers).
+    pytest.skip(f'libtpu {_libtpu_version()} reports no temporaries for the recipe')
   replicated = _temp(_recipe(mesh, 'replicated'))
   temps = {
     (stage, path): _temp(_zerojax(mesh, stage, path))

@@ -54,6 +54,16 @@ def zerojax_commands(text: str) -> list[str]:
   return commands
 
 
+# The jax and libtpu that compiled the committed TPU plans (benchmarks/results).
+COMMITTED_WITH = {'jax': '0.10.2', 'libtpu': '0.0.52'}
+
+
+def _versions() -> dict:
+  import importlib.metadata
+
+  return {name: importlib.metadata.version(name) for name in COMMITTED_WITH}
+
+
 @pytest.mark.slow
 @pytest.mark.tpu
 @pytest.mark.xdist_group('libtpu')
@@ -79,8 +89,12 @@ def test_readme_planner_commands_reproduce_the_committed_results():
     if ' --search ' in command:
       assert 'winner (predicted, not measured):' in proc.stdout
     elif ' plan ' in command:
+      assert 'FITS' in proc.stdout
+      if _versions() != COMMITTED_WITH:
+        # Another TPU compiler: the same program, scheduled with other buffers.
+        continue
       # The compiled program is deterministic: the report is the committed one,
       # less the timings of its log lines.
       untimed = lambda text: [s for s in text.splitlines() if not s.startswith('[')]
       assert untimed(proc.stdout) == untimed(committed)
-      assert 'measured/floor = 0.998' in proc.stdout and 'FITS' in proc.stdout
+      assert 'measured/floor = 0.998' in proc.stdout
