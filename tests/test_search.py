@@ -218,9 +218,10 @@ def test_compile_with_text_reads_the_dump_where_as_text_fails():
   assert dumped.startswith('HloModule') and 'ENTRY' in dumped
   counts = zerojax.count_collectives(dumped)
   assert counts['all-gather'] > 0
-  # The same kinds of collective. (Their counts differ on jax 0.12, whose dump
-  # and as_text() unroll the layer loop differently, 14 against 50 all-gathers
-  # here; there as_text() prints the program and the dump is not used.)
+  # The same kinds of collective. (Not their counts on jax 0.12: its dump prints
+  # the layer loop without its known trip count, so count_collectives warns and
+  # counts the body once, 14 all-gathers against as_text()'s 50; there as_text()
+  # prints the program and the dump is not used.)
   assert set(zerojax.count_collectives(text).counts) == set(counts.counts)
   if printed is not None:
     assert text == printed
