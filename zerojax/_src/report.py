@@ -138,6 +138,8 @@ def dumped_hlo_text(lowered: Any) -> tuple[Any, str]:
   """Compiles `lowered` with XLA's dump options and reads the optimized HLO it wrote.
 
   The same program as `as_text()` prints, as written by the compiler itself.
+  jax 0.12's dump leaves out the loops' known trip counts, so
+  `count_collectives` warns and counts a loop body once there.
 
   Raises:
     RuntimeError: XLA did not dump exactly one optimized module.

@@ -203,7 +203,7 @@ def _update_on_host(inner, grads, state, params, extra_args):
   def update(grads, state, params):
     return inner.update(grads, state, params, **extra_args)
 
-  run = compat.compute_on_host(jax.jit(update), out_memory_spaces=host)
+  run = compat.compute_on_host(update, out_memory_spaces=host)
   updates, state = run(_move(grads, host), _move(state, host), _move(params, host))
   return _move(updates, jax.memory.Space.Device), state
 
