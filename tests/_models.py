@@ -86,7 +86,7 @@ def zero_run(tx, mesh, stage: int, steps: int, *, extra: bool = False):
   @jax.jit
   def step(params, opt_state, x, y):
     def loss(p):
-      return loss_fn(zerojax.gather_params(p, plan), x, y)
+      return loss_fn(zerojax.gather(p, plan), x, y)
 
     value, grads = jax.value_and_grad(loss)(params)
     kwargs = dict(value=value, grad=grads, value_fn=loss) if extra else {}
@@ -107,3 +107,8 @@ def max_rel_err(a, b) -> float:
     b,
   )
   return max(jax.tree.leaves(errs))
+
+
+def plan_of(params, tx, *, stage, **options):
+  """The plan `zero_stage(tx, stage, **options)` makes for `params`."""
+  return zerojax.plan_for(zerojax.zero_stage(tx, stage, **options), params)

@@ -19,9 +19,9 @@ from zerojax._src import presets
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_estimate_equals_measured_argument_bytes(stage, mesh):
   params = jax.eval_shape(init_fn, jax.random.key(0))
-  (estimate,) = zerojax.estimate_memory(params, optax.adam(1e-3), num_devices=8, stages=[stage])
+  (estimate,) = zerojax.inspect.estimate_memory(params, optax.adam(1e-3), num_devices=8, stages=[stage])
   compiled, batch_bytes = compile_step(mesh, stage)
-  measured = zerojax.memory_stats(compiled).argument - batch_bytes - SCALARS
+  measured = zerojax.inspect.memory_stats(compiled).argument - batch_bytes - SCALARS
   # Model states at rest; Adam's step count (4 bytes) is part of the estimate.
   assert estimate.at_rest == measured + 4
 
@@ -31,7 +31,7 @@ def test_estimate_equals_measured_argument_bytes(stage, mesh):
 )
 def test_estimate_from_a_count_follows_the_formulas(optimizer, per_param):
   psi, n = 64 * 10**6, 64
-  est = {e.stage: e for e in zerojax.estimate_memory(psi, optimizer, num_devices=n)}
+  est = {e.stage: e for e in zerojax.inspect.estimate_memory(psi, optimizer, num_devices=n)}
   count_bytes = est[0].opt_state - per_param * psi  # scalar counters, if any
   assert count_bytes in (0, 4)
   assert est[0].total == (8 + per_param) * psi + count_bytes
@@ -43,7 +43,7 @@ def test_estimate_from_a_count_follows_the_formulas(optimizer, per_param):
 def test_estimate_counts_factored_state_as_it_is():
   # Adafactor keeps row and column statistics, not a full second moment.
   params = {'w': jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
-  (est,) = zerojax.estimate_memory(params, optax.adafactor(1e-3), num_devices=8, stages=[1])
+  (est,) = zerojax.inspect.estimate_memory(params, optax.adafactor(1e-3), num_devices=8, stages=[1])
   assert est.opt_state < 4096 * 1024  # far below one fp32 copy (16 MiB)
   assert est.opt_state >= (4096 + 1024) * 4 // 8
 
@@ -52,7 +52,7 @@ def test_report_bytes_equal_hand_count_for_scanned_model():
   mesh = jax.make_mesh((8,), ('data',), axis_types=(AxisType.Auto,))
   cfg = presets.PRESETS['tiny']  # 4 layers, d 128, d_ff 512, vocab 256
   spec = presets.decoder_spec('tiny', compute_dtype=jnp.float32)
-  state = zerojax.abstract_train_state(
+  state = zerojax.inspect.abstract_train_state(
     spec.init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh)
   )
   plan = zerojax.plan_for(state.tx, state.params)
@@ -64,7 +64,7 @@ def test_report_bytes_equal_hand_count_for_scanned_model():
     grads = jax.grad(lambda p: spec.loss_fn(p, tokens, plan))(state.params)
     return state.apply_gradients(grads=grads)
 
-  report = zerojax.step_report(jax.jit(step).lower(state, tokens).compile(), plan=plan)
+  report = zerojax.inspect.step_report(jax.jit(step).lower(state, tokens).compile(), plan=plan)
   d, f, L, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab
   per_layer = 4 * d * d + 2 * d * f + 2 * d  # eight leaves per block
   top = 2 * V * d + d  # embedding, head, final norm
@@ -249,7 +249,7 @@ def test_plan_command_takes_a_users_model_spec():
   assert wrong.returncode != 0
   assert wrong.stderr.strip().endswith(
     'error: --model _custom_model:wrong returned a dict; it must return a'
-    ' zerojax.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
+    ' zerojax.inspect.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
   )
 
 

@@ -31,7 +31,7 @@ def compile_gpt_step(mesh, n_layers, per_layer):
   cfg = gpt.Config(d_model=1024, n_layers=n_layers, n_heads=8, seq_len=32, batch=8)
   model = gpt.GPT(cfg, mesh, per_layer=per_layer)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-  state = zerojax.abstract_train_state(
+  state = zerojax.inspect.abstract_train_state(
     lambda k: model.init(k, jnp.zeros((1, cfg.seq_len), jnp.int32))['params'],
     key,
     tx=zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh),
@@ -45,14 +45,14 @@ def compile_gpt_step(mesh, n_layers, per_layer):
   def step(state, tokens):
     def loss(p):
       if not per_layer:
-        p = zerojax.gather_params(p, plan)
+        p = zerojax.gather(p, plan)
       return gpt.loss_fn(state.apply_fn, p, {'tokens': tokens})
 
     return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
   compiled = jax.jit(step).lower(state, tokens).compile()
   psi = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-  return zerojax.memory_stats(compiled), psi
+  return zerojax.inspect.memory_stats(compiled), psi
 
 
 @pytest.mark.slow
@@ -345,11 +345,11 @@ def test_stage3_nnx_call_on_an_explicit_mesh_names_gathered_nnx(explicit_mesh):
     model(x)
   assert str(err.value).startswith('Small failed on ZeRO stage-3 parameters, which rest split')
   assert 'zerojax.gathered_nnx(layer)' in str(err.value)
-  assert 'zerojax.nnx_value_and_grad(loss_fn, tx)' in str(err.value)
+  assert 'zerojax.nnx.value_and_grad(loss_fn, tx)' in str(err.value)
   assert isinstance(model, Small) and type(model).__name__ == 'Small'
   # What it says to do works: gathered, inside nnx_value_and_grad.
   tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=explicit_mesh)
-  grad_fn = zerojax.nnx_value_and_grad(
+  grad_fn = zerojax.nnx.value_and_grad(
     lambda m, b: jnp.mean(zerojax.gathered_nnx(m)(b['x']) ** 2), tx, per_layer=True
   )
   want = nnx.grad(lambda m: jnp.mean(m(jnp.ones((16, 16))) ** 2))(Small(nnx.Rngs(0)))

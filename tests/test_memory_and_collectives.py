@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
+from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, plan_of, train_tol
 
 import zerojax
 
@@ -35,14 +35,14 @@ def step(state, x):
   plan = zerojax.plan_for(state.tx, state.params)
 
   def loss(p):
-    p = zerojax.gather_params(p, plan)
+    p = zerojax.gather(p, plan)
     return jnp.mean((jnp.tanh(x @ p['w1'] + p['b1']) @ p['w2'] + p['b2']) ** 2)
 
   return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
 
 def compile_step(mesh, stage, batch=64):
-  state = zerojax.abstract_train_state(
+  state = zerojax.inspect.abstract_train_state(
     init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
   )
   x = jax.ShapeDtypeStruct(
@@ -59,12 +59,12 @@ SCALARS = 4 + 4  # TrainState.step and Adam's count, int32 each
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_argument_bytes_equal_formula(stage, mesh):
   compiled, batch_bytes = compile_step(mesh, stage)
-  assert zerojax.memory_stats(compiled).argument == AT_REST[stage] + batch_bytes + SCALARS
+  assert zerojax.inspect.memory_stats(compiled).argument == AT_REST[stage] + batch_bytes + SCALARS
 
 
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_plan_bytes_equal_formula(stage, mesh):
-  plan = zerojax.make_plan(init_fn(jax.random.key(0)), optax.adam(1e-3), stage=stage, mesh=mesh)
+  plan = plan_of(init_fn(jax.random.key(0)), optax.adam(1e-3), stage=stage, mesh=mesh)
   sizes = plan.bytes_per_device()
   assert sizes['params'] + sizes['opt_state'] == AT_REST[stage] + 4  # + Adam's count
   assert sizes['grads'] == (4 * PSI // N if stage >= 2 else 4 * PSI)
@@ -73,7 +73,7 @@ def test_plan_bytes_equal_formula(stage, mesh):
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_collectives(stage, mesh):
   compiled, _ = compile_step(mesh, stage)
-  stats = zerojax.count_collectives(compiled)
+  stats = zerojax.inspect.count_collectives(compiled)
   text = compiled.as_text()
   grad_bytes = 4 * PSI
   if stage == 0:
@@ -103,18 +103,18 @@ def test_counts_ops_inside_loops_by_trip_count(auto_mesh):
   ws = jax.ShapeDtypeStruct(
     (5, 64), jnp.float32, sharding=NamedSharding(auto_mesh, PartitionSpec(None, 'data'))
   )
-  stats = zerojax.count_collectives(jax.jit(f).lower(ws).compile())
+  stats = zerojax.inspect.count_collectives(jax.jit(f).lower(ws).compile())
   # One all-gather of 64 floats per scanned layer, five layers.
   assert stats['all-gather'] == 5
   assert stats.result_bytes['all-gather'] == 5 * 64 * 4
 
 
 def test_donated_step_aliases_the_state(auto_mesh):
-  state = zerojax.abstract_train_state(
+  state = zerojax.inspect.abstract_train_state(
     init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), 2, mesh=auto_mesh)
   )
   x = jax.ShapeDtypeStruct(
     (64, D), jnp.float32, sharding=NamedSharding(auto_mesh, PartitionSpec('data'))
   )
   compiled = jax.jit(step, donate_argnums=0).lower(state, x).compile()
-  assert zerojax.memory_stats(compiled).alias == AT_REST[2] + SCALARS
+  assert zerojax.inspect.memory_stats(compiled).alias == AT_REST[2] + SCALARS

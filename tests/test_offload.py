@@ -5,7 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, shard_batch, train_tol
+from _models import (
+  batch,
+  loss_fn,
+  max_rel_err,
+  mlp_params,
+  plain_run,
+  plan_of,
+  shard_batch,
+  train_tol,
+)
 
 import zerojax
 
@@ -45,7 +54,7 @@ def test_memory_kinds_and_numerics(stage, offload, update_on, mesh):
 
   @jax.jit
   def step(params, opt_state):
-    grads = jax.grad(lambda p: loss_fn(zerojax.gather_params(p, plan), x, y))(params)
+    grads = jax.grad(lambda p: loss_fn(zerojax.gather(p, plan), x, y))(params)
     updates, opt_state = ztx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -60,8 +69,8 @@ def test_memory_kinds_and_numerics(stage, offload, update_on, mesh):
 def test_plan_counts_host_bytes(auto_mesh):
   params = mlp_params()
   psi = sum(x.size for x in jax.tree.leaves(params))
-  on = zerojax.make_plan(params, optax.adam(1e-3), stage=1, mesh=auto_mesh, offload='opt_state')
-  off = zerojax.make_plan(params, optax.adam(1e-3), stage=1, mesh=auto_mesh)
+  on = plan_of(params, optax.adam(1e-3), stage=1, mesh=auto_mesh, offload='opt_state')
+  off = plan_of(params, optax.adam(1e-3), stage=1, mesh=auto_mesh)
   assert on.bytes_per_device()['host'] == 8 * psi // 8  # both moments, sharded
   assert on.bytes_per_device()['opt_state'] == off.bytes_per_device()['opt_state'] - 8 * psi // 8
   assert off.bytes_per_device()['host'] == 0
@@ -129,7 +138,7 @@ def test_tpu_device_bytes_drop_by_offloaded_bytes(stage):
     ('opt_state+master', 'device'),
     ('opt_state+master', 'host'),
   ]:
-    state = zerojax.abstract_train_state(
+    state = zerojax.inspect.abstract_train_state(
       init_fn,
       jax.random.key(0),
       tx=zerojax.zero_stage(

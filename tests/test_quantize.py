@@ -3,6 +3,8 @@ reduce-scatters through an all-to-all), against numpy references and exact colle
 
 import re
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -228,8 +230,8 @@ def _params():
   }
 
 
-def _loss(p, x):
-  p = zerojax.gather_leaves(p, dtype=jnp.bfloat16)
+def _loss(p, x, *, tx):
+  p = zerojax.gather(p, tx, dtype=jnp.bfloat16)
   h = jnp.tanh(x.astype(jnp.bfloat16) @ p['w1']) @ p['w2'] + p['b']
   return jnp.mean(h.astype(jnp.float32) ** 2)
 
@@ -243,7 +245,7 @@ def _step(mesh, stage, quantize, **options):
     jax.random.normal(jax.random.key(7), (64, 256)),
     NamedSharding(mesh, P(options.get('axis', 'data'))),
   )
-  fn = jax.jit(zerojax.value_and_grad(_loss, tx, per_layer=stage >= 2))
+  fn = jax.jit(zerojax.value_and_grad(functools.partial(_loss, tx=tx), tx, per_layer=stage >= 2))
   return fn, params, x, plan
 
 
@@ -302,7 +304,7 @@ def test_quantize_none_leaves_the_program_unchanged(mesh):
     fn, params, x, _ = _step(mesh, stage, None)
     assert 's8[' not in default and not _ops(default, 'all-to-all')
     tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)  # no quantize option at all
-    plain = jax.jit(zerojax.value_and_grad(_loss, tx, per_layer=stage >= 2))
+    plain = jax.jit(zerojax.value_and_grad(functools.partial(_loss, tx=tx), tx, per_layer=stage >= 2))
     assert _canonical(plain.lower(params, x).compile().as_text()) == _canonical(default)
 
 
@@ -462,7 +464,7 @@ def test_recompute_gathers_regathers_quantized_weights(mesh):
 
   def loss(p, x):
     def body(h, layer):
-      w = zerojax.gather_leaves(layer)['w']
+      w = zerojax.gather(layer, tx)['w']
       return jnp.tanh(h @ w), None
 
     body = jax.checkpoint(body, policy=zerojax.recompute_gathers)
@@ -471,7 +473,7 @@ def test_recompute_gathers_regathers_quantized_weights(mesh):
 
   x = jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P('data')))
   fn = jax.jit(zerojax.value_and_grad(loss, tx, per_layer=True))
-  stats = zerojax.count_collectives(fn.lower(layers, x).compile())
+  stats = zerojax.inspect.count_collectives(fn.lower(layers, x).compile())
   # Per layer and pass: the int8 values and the scales, forward and backward.
   assert stats['all-gather'] == 4 * 2 * 2
   assert stats['all-to-all'] == 0
@@ -480,8 +482,8 @@ def test_recompute_gathers_regathers_quantized_weights(mesh):
 def test_step_report_shows_quantized_traffic_against_the_full_precision_floor(mesh):
   fn, params, x, plan = _step(mesh, 3, zerojax.Quantize(grads='int4'))
   exact_fn, *_ = _step(mesh, 3, None)
-  quantized = zerojax.step_report(fn.lower(params, x).compile(), plan=plan, bytes_per_param=2)
-  exact = zerojax.step_report(exact_fn.lower(params, x).compile(), plan=plan, bytes_per_param=2)
+  quantized = zerojax.inspect.step_report(fn.lower(params, x).compile(), plan=plan, bytes_per_param=2)
+  exact = zerojax.inspect.step_report(exact_fn.lower(params, x).compile(), plan=plan, bytes_per_param=2)
   text = str(quantized)
   assert (
     'ZeRO++ quantized collectives (weights int8, gradients int4, blocks of 256, on 2 of 3'
@@ -497,7 +499,7 @@ def test_gather_params_outside_value_and_grad_refuses_a_quantized_plan(mesh):
   params = _params()
   plan = zerojax.plan_for(tx, params)
   with pytest.raises(ValueError) as info:
-    zerojax.gather_params(jax.device_put(params, plan.params), plan)
+    zerojax.gather(jax.device_put(params, plan.params), plan)
   assert str(info.value) == (
     'this plan asks for ZeRO++ quantized collectives (quantize=...), which zerojax places'
     ' itself inside zerojax.value_and_grad; here the compiler would gather in full'

@@ -64,7 +64,7 @@ def test_roofline_prediction_is_the_stated_formula():
 
 @pytest.mark.slow
 def test_search_on_the_cpu_mesh_compiles_ranks_and_measures(tmp_path):
-  report = zerojax.search_plans(
+  report = zerojax.inspect.search_plans(
     'tiny',
     'cpu:8',
     optimizer=lambda: optax.adamw(1e-3),
@@ -95,7 +95,7 @@ def test_search_on_the_cpu_mesh_compiles_ranks_and_measures(tmp_path):
 
 @pytest.mark.slow
 def test_nothing_fits_says_what_would(tmp_path):
-  report = zerojax.search_plans(
+  report = zerojax.inspect.search_plans(
     'tiny', 'cpu:8', progress=False, hbm_bytes=1024, stages=(3,), layouts=('flat',),
     remat=('gathers',), prefetch=(False,),
   )  # fmt: skip
@@ -178,7 +178,7 @@ def test_search_reads_v5p_and_v6e_programs(topology, chip):
   # text (an XLA RET_CHECK on async-update); the search reads XLA's dump of the same
   # compile instead, so their collectives are counted and the roofline applies.
   pytest.importorskip('libtpu')
-  report = zerojax.search_plans(
+  report = zerojax.inspect.search_plans(
     'tiny', topology, progress=False, stages=(3,), layouts=('flat',), remat=('full',),
     prefetch=(False,),
   )  # fmt: skip
@@ -216,13 +216,13 @@ def test_compile_with_text_reads_the_dump_where_as_text_fails():
   _, text = report_lib.compile_with_text(lowered)
   _, dumped = report_lib.dumped_hlo_text(lowered)  # the fallback, on every version
   assert dumped.startswith('HloModule') and 'ENTRY' in dumped
-  counts = zerojax.count_collectives(dumped)
+  counts = zerojax.inspect.count_collectives(dumped)
   assert counts['all-gather'] > 0
   # The same kinds of collective. (Not their counts on jax 0.12: its dump prints
   # the layer loop without its known trip count, so count_collectives warns and
   # counts the body once, 14 all-gathers against as_text()'s 50; there as_text()
   # prints the program and the dump is not used.)
-  assert set(zerojax.count_collectives(text).counts) == set(counts.counts)
+  assert set(zerojax.inspect.count_collectives(text).counts) == set(counts.counts)
   if printed is not None:
     assert text == printed
 

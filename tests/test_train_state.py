@@ -33,7 +33,7 @@ def user_step(state, x, y):
   plan = zerojax.plan_for(state.tx, state.params)
 
   def loss(p):
-    return loss_fn(zerojax.gather_params(p, plan), x, y)
+    return loss_fn(zerojax.gather(p, plan), x, y)
 
   grads = jax.grad(loss)(state.params)
   return state.apply_gradients(grads=grads)
@@ -79,7 +79,7 @@ def test_create_train_state_is_born_sharded(stage, mesh):
   assert max_rel_err(state.params, jax.jit(mlp_params)()) == 0.0
   # The initialising program writes only shards: its outputs per device are the
   # planned bytes, never a full replicated copy first.
-  abstract = zerojax.abstract_train_state(
+  abstract = zerojax.inspect.abstract_train_state(
     lambda k: mlp_params(),
     jax.random.key(0),
     tx=zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh),
@@ -96,7 +96,7 @@ def test_create_train_state_is_born_sharded(stage, mesh):
 
 def test_abstract_train_state_allocates_nothing(explicit_mesh):
   # 4 GiB of parameters: would not fit eight times in this machine's memory.
-  state = zerojax.abstract_train_state(
+  state = zerojax.inspect.abstract_train_state(
     lambda k: {'w': jax.random.normal(k, (1 << 15, 1 << 15))},
     jax.random.key(0),
     tx=zerojax.zero_stage(optax.adam(1e-3), 3, mesh=explicit_mesh),
@@ -125,7 +125,7 @@ def test_stage3_apply_fn_on_an_explicit_mesh_names_the_fix(explicit_mesh):
   )
   assert message.endswith(
     "Gather them where they are used: the whole model at once with state.apply_fn({'params':"
-    ' zerojax.gather_params(state.params, zerojax.plan_for(state.tx, state.params))}, x), or'
+    ' zerojax.gather(state.params, zerojax.plan_for(state.tx, state.params))}, x), or'
     ' layer by layer (less memory) by wrapping the scanned block in zerojax.gathered_linen'
     ' (Flax linen), zerojax.gathered_nnx (NNX) or zerojax.gather_leaves (a parameter pytree).'
   )
@@ -133,7 +133,7 @@ def test_stage3_apply_fn_on_an_explicit_mesh_names_the_fix(explicit_mesh):
   # The fix it names works.
   def fixed(s, x):
     plan = zerojax.plan_for(s.tx, s.params)
-    return s.apply_fn({'params': zerojax.gather_params(s.params, plan)}, x)
+    return s.apply_fn({'params': zerojax.gather(s.params, plan)}, x)
 
   out = jax.jit(fixed)(state, xs)
   want = model.apply({'params': jax.device_get(state.params)}, x)
@@ -158,4 +158,4 @@ def test_builders_take_the_options_from_the_wrapped_optimizer(explicit_mesh):
     ' tx=zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh).'
   )
   with pytest.raises(TypeError, match=r'\(got mesh=, policy=\)'):
-    zerojax.abstract_train_state(init, jax.random.key(0), tx=ztx, mesh=explicit_mesh, policy='pad')
+    zerojax.inspect.abstract_train_state(init, jax.random.key(0), tx=ztx, mesh=explicit_mesh, policy='pad')

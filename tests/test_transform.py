@@ -140,7 +140,7 @@ def test_init_writes_only_shards(stage, mesh):
   tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
   plan = zerojax.plan_for(tx, params)
   compiled = jax.jit(tx.init).lower(params).compile()
-  mem = zerojax.memory_stats(compiled)
+  mem = zerojax.inspect.memory_stats(compiled)
   shards = plan.bytes_per_device()['opt_state']
   assert shards == 2 * 4 * 1024 * 1024 // 8 + 4  # mu and nu split 8 ways, and the count
   # XLA:CPU adds the output tuple's index table: 8 bytes per output buffer.

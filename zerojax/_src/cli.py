@@ -88,7 +88,7 @@ def _load_model(args) -> Any:
     if not isinstance(spec, presets.ModelSpec):
       raise SystemExit(
         f'error: --model {args.model} returned a {type(spec).__name__}; it must return a'
-        ' zerojax.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
+        ' zerojax.inspect.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
       )
     return spec
   import jax.numpy as jnp
@@ -97,7 +97,7 @@ def _load_model(args) -> Any:
     args.model,
     seq_len=args.seq_len,
     compute_dtype=jnp.dtype(args.compute_dtype),
-    remat=not args.no_remat,
+    remat='none' if args.no_remat else 'full',
     per_layer=not args.gather_all,
     prefetch_next=args.prefetch,
     attention_chunk=args.attention_chunk,
@@ -112,6 +112,11 @@ def _csv(kind):
       raise argparse.ArgumentTypeError(f'expected a comma-separated list, got {text!r}') from None
 
   return parse
+
+
+def _none_or_str(text: str) -> str | None:
+  """'none' on the command line is None in zerojax (no offload, no quantization)."""
+  return None if text == 'none' else text
 
 
 def _on_off(text: str) -> bool:
@@ -207,7 +212,7 @@ def cmd_plan(args) -> int:
   from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
   from zerojax._src import report as report_lib
-  from zerojax._src import train_state, transform
+  from zerojax._src import train_state, transform, zero_stage
 
   devices, hbm_gib = _devices(args.topology)
   n = len(devices)
@@ -228,7 +233,7 @@ def cmd_plan(args) -> int:
   state = train_state.abstract_train_state(
     spec.init_fn,
     key,
-    tx=transform.zero_optimizer(_optimizer(args.optimizer), args.stage, mesh=mesh, axis=axis),
+    tx=zero_stage.zero_stage(_optimizer(args.optimizer), args.stage, mesh=mesh, axis=axis),
   )
   plan = transform.plan_for(state.tx, state.params)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
@@ -316,6 +321,7 @@ def cmd_estimate(args) -> int:
   import jax.numpy as jnp
 
   from zerojax._src import estimate, precision, presets
+  from zerojax._src.options import Options
 
   if args.model:
     if args.model not in presets.PRESETS:
@@ -337,7 +343,7 @@ def cmd_estimate(args) -> int:
     if not isinstance(params, int):
       params = precision.cast(params, dtype)
   estimates = estimate.estimate_memory(
-    params, tx, num_devices=args.devices, dtype=dtype, offload=args.offload
+    params, tx, num_devices=args.devices, dtype=dtype, options=Options(offload=args.offload)
   )
   print(estimate.format_estimates(estimates))
   return 0
@@ -365,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument(
     '--model',
     default='gpt2-small',
-    help=f'a preset {sorted(presets.PRESETS)} or module:function returning a zerojax.ModelSpec',
+    help=f'a preset {sorted(presets.PRESETS)} or module:function returning a zerojax.inspect.ModelSpec',
   )
   p.add_argument(
     '--topology', default='v5e:2x4', help='TPU topology (v5e:16x16, v4:2x2x1, ...) or cpu:N'
@@ -422,10 +428,10 @@ def main(argv: list[str] | None = None) -> int:
                  help='gathers (recompute_gathers), full (jax.checkpoint), none')  # fmt: skip
   s.add_argument('--prefetch-options', type=_csv(_on_off), default=(False, True),
                  help='on, off: scan_layers prefetch of the next layer (stage 3)')  # fmt: skip
-  s.add_argument('--offloads', type=_csv(str), default=('none',),
+  s.add_argument('--offloads', type=_csv(_none_or_str), default=(None,),
                  help='none, opt_state, opt_state+master (host memory)')  # fmt: skip
   s.add_argument('--update-ons', type=_csv(str), default=('device',), help='device, host')
-  s.add_argument('--quantizes', type=_csv(str), default=('none',),
+  s.add_argument('--quantizes', type=_csv(_none_or_str), default=(None,),
                  help='ZeRO++: none, g8, g4 (gradients), w8g8, w8g4 (weights too, stage 3)')  # fmt: skip
   s.add_argument('--batches-per-chip', type=_csv(int), default=(1,), help='sequences per chip')
   s.add_argument('--mixed-precision', action='store_true',
