@@ -418,7 +418,7 @@ def test_plan_lists_what_stays_full_precision(mesh):
       3,
       'int8',
       TypeError,
-      '`quantize` must be a zerojax.Quantize or None, got str;'
+      'Options(quantize=...) must be a zerojax.Quantize or None, got str;'
       " e.g. zerojax.Quantize(weights='int8', grads='int4').",
     ),
   ],
