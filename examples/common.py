@@ -274,7 +274,9 @@ def run(
   compiled = step_fn.lower(state, first).compile()
   start, ckpt = 0, None
   if checkpoint_dir:
-    ckpt = zerojax.checkpoint.Checkpointer(checkpoint_dir, max_to_keep=3, save_interval_steps=save_every)
+    ckpt = zerojax.checkpoint.Checkpointer(
+      checkpoint_dir, max_to_keep=3, save_interval_steps=save_every
+    )
     if ckpt.latest_step() is not None:
       state, extra = ckpt.restore(state)
       start = int(extra['data_position'])

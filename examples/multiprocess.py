@@ -106,7 +106,9 @@ def main(argv=None) -> int:
       print(f'wrote {path}')
   if args.export_state:
     state = out['state']
-    zerojax.checkpoint.export_params({'params': state.params, 'opt_state': state.opt_state}, args.export_state)
+    zerojax.checkpoint.export_params(
+      {'params': state.params, 'opt_state': state.opt_state}, args.export_state
+    )
   return 0
 
 

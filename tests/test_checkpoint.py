@@ -104,7 +104,9 @@ def test_resume_is_bitwise_exact(tmp_path, mesh):
 
 
 def test_retention(tmp_path):
-  with zerojax.checkpoint.Checkpointer(tmp_path, max_to_keep=2, keep_every=4, async_save=False) as ckpt:
+  with zerojax.checkpoint.Checkpointer(
+    tmp_path, max_to_keep=2, keep_every=4, async_save=False
+  ) as ckpt:
     for step in range(1, 10):
       ckpt.save(step, {'w': jnp.full((8,), step, jnp.float32)})
     assert ckpt.all_steps() == [4, 8, 9]

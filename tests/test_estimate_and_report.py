@@ -19,7 +19,9 @@ from zerojax._src import presets
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_estimate_equals_measured_argument_bytes(stage, mesh):
   params = jax.eval_shape(init_fn, jax.random.key(0))
-  (estimate,) = zerojax.inspect.estimate_memory(params, optax.adam(1e-3), num_devices=8, stages=[stage])
+  (estimate,) = zerojax.inspect.estimate_memory(
+    params, optax.adam(1e-3), num_devices=8, stages=[stage]
+  )
   compiled, batch_bytes = compile_step(mesh, stage)
   measured = zerojax.inspect.memory_stats(compiled).argument - batch_bytes - SCALARS
   # Model states at rest; Adam's step count (4 bytes) is part of the estimate.

@@ -85,7 +85,10 @@ def test_per_layer_value_and_grad_is_the_docs_recipe(auto_mesh):
   # The same matmuls (forward, and two per layer in the backward: no forward recomputed) ...
   assert hlo_ops.matmuls(compiled) == hlo_ops.matmuls(docs) == 3 * layers
   # ... the same collectives, and the same memory.
-  ours, theirs = zerojax.inspect.count_collectives(compiled), zerojax.inspect.count_collectives(docs)
+  ours, theirs = (
+    zerojax.inspect.count_collectives(compiled),
+    zerojax.inspect.count_collectives(docs),
+  )
   assert (
     ours.counts
     == theirs.counts
@@ -271,4 +274,6 @@ def test_gathered_nnx_gathers_per_layer_inside_value_and_grad(auto_mesh):
   tol = reordered(16 + 2 * (32 + 128))  # rows, ScannedNNX(32, 2)'s blocks
   assert max_rel_err(jax.device_get(grads), want) <= tol
   assert abs(float(loss) - float(want_loss)) <= tol * abs(float(want_loss))
-  assert zerojax.inspect.count_collectives(fn.lower(sharded, batch).compile())['reduce-scatter'] >= 4
+  assert (
+    zerojax.inspect.count_collectives(fn.lower(sharded, batch).compile())['reduce-scatter'] >= 4
+  )

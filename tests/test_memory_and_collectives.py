@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, plan_of, train_tol
+from _models import plan_of
+from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
 

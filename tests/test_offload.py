@@ -101,11 +101,15 @@ def test_bad_offload_value(auto_mesh):
   with pytest.raises(ValueError) as e:
     zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh, offload='cpu')
   assert str(e.value).startswith(
-    "`offload` must be one of (None, 'opt_state', 'opt_state+master'), got 'cpu'"
+    "Options(offload=...) must be one of (None, 'opt_state', 'opt_state+master'), got 'cpu'"
   )
-  with pytest.raises(ValueError, match="`update_on` must be 'device' or 'host', got 'gpu'"):
+  with pytest.raises(
+    ValueError, match=r"Options\(update_on=...\) must be 'device' or 'host', got 'gpu'"
+  ):
     zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh, offload='opt_state', update_on='gpu')
-  with pytest.raises(ValueError, match="`update_on='host'` runs the update where offloaded"):
+  with pytest.raises(
+    ValueError, match=r"Options\(update_on='host'\) runs the update where offloaded"
+  ):
     zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh, update_on='host')
 
 

@@ -162,9 +162,7 @@ def test_tensor_parallel_training_matches_optax():
 
 def test_axis_tuple_partitions_over_both_axes():
   mesh = jax.make_mesh((2, 4), ('replica', 'data'))
-  plan = plan_of(
-    mlp_params(), optax.adam(1e-3), stage=3, mesh=mesh, axis=('replica', 'data')
-  )
+  plan = plan_of(mlp_params(), optax.adam(1e-3), stage=3, mesh=mesh, axis=('replica', 'data'))
   assert plan.num_shards == 8
   assert specs(plan.params)['dense1']['kernel'] == P(None, ('replica', 'data'))
   tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis=('replica', 'data'))

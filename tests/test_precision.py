@@ -185,9 +185,9 @@ def test_dynamic_loss_scale_skips_overflow_and_adjusts(stage, mesh):
   @jax.jit
   def step(params, opt_state, poison):
     scale = zerojax.loss_scale(opt_state)
-    grads = jax.grad(
-      lambda p: loss_fn(zerojax.gather(p, plan), x.astype(jnp.float16), y) * scale
-    )(params)
+    grads = jax.grad(lambda p: loss_fn(zerojax.gather(p, plan), x.astype(jnp.float16), y) * scale)(
+      params
+    )
     grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
     updates, opt_state = ztx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state

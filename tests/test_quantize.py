@@ -1,9 +1,8 @@
 """ZeRO++ quantized collectives: qwZ (int8 weight gathers) and qgZ (int8/int4 gradient
 reduce-scatters through an all-to-all), against numpy references and exact collectives."""
 
-import re
-
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -304,7 +303,9 @@ def test_quantize_none_leaves_the_program_unchanged(mesh):
     fn, params, x, _ = _step(mesh, stage, None)
     assert 's8[' not in default and not _ops(default, 'all-to-all')
     tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)  # no quantize option at all
-    plain = jax.jit(zerojax.value_and_grad(functools.partial(_loss, tx=tx), tx, per_layer=stage >= 2))
+    plain = jax.jit(
+      zerojax.value_and_grad(functools.partial(_loss, tx=tx), tx, per_layer=stage >= 2)
+    )
     assert _canonical(plain.lower(params, x).compile().as_text()) == _canonical(default)
 
 
@@ -482,8 +483,12 @@ def test_recompute_gathers_regathers_quantized_weights(mesh):
 def test_step_report_shows_quantized_traffic_against_the_full_precision_floor(mesh):
   fn, params, x, plan = _step(mesh, 3, zerojax.Quantize(grads='int4'))
   exact_fn, *_ = _step(mesh, 3, None)
-  quantized = zerojax.inspect.step_report(fn.lower(params, x).compile(), plan=plan, bytes_per_param=2)
-  exact = zerojax.inspect.step_report(exact_fn.lower(params, x).compile(), plan=plan, bytes_per_param=2)
+  quantized = zerojax.inspect.step_report(
+    fn.lower(params, x).compile(), plan=plan, bytes_per_param=2
+  )
+  exact = zerojax.inspect.step_report(
+    exact_fn.lower(params, x).compile(), plan=plan, bytes_per_param=2
+  )
   text = str(quantized)
   assert (
     'ZeRO++ quantized collectives (weights int8, gradients int4, blocks of 256, on 2 of 3'

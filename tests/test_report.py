@@ -144,7 +144,9 @@ def test_nested_loops_multiply_their_trip_counts():
 def test_async_start_counts_once_with_the_bytes_it_delivers(line, kind, nbytes):
   start = '  ' + line.replace('%s', '%start') + ', ' + GROUPS
   done = f'  ROOT %done = f32[8]{{0}} {kind}-done(%start)'
-  stats = zerojax.inspect.count_collectives(module(f'  %p = f32[8]{{0}} parameter(0)\n{start}\n{done}'))
+  stats = zerojax.inspect.count_collectives(
+    module(f'  %p = f32[8]{{0}} parameter(0)\n{start}\n{done}')
+  )
   assert stats.counts == {kind: 1}
   assert stats.result_bytes == {kind: nbytes}
 

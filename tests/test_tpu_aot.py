@@ -5,6 +5,7 @@ program shows what a pod would run: per-chip bytes and the collectives.
 """
 
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +55,11 @@ def test_per_chip_bytes_and_reduce_scatter(stage, tpu_mesh):
   compiled = jax.jit(step).lower(state, x).compile()
 
   arrays = AT_REST[stage] + 64 * D * 4 // 8
-  assert arrays + 2 * 4 <= zerojax.inspect.memory_stats(compiled).argument <= arrays + 2 * TPU_SCALAR_BYTES
+  assert (
+    arrays + 2 * 4
+    <= zerojax.inspect.memory_stats(compiled).argument
+    <= arrays + 2 * TPU_SCALAR_BYTES
+  )
 
   stats = zerojax.inspect.count_collectives(compiled)
   grad_bytes = 4 * PSI
@@ -179,7 +184,9 @@ def test_two_axis_mesh_keeps_reduce_scatters_on_a_2d_torus(stage):
   stats = zerojax.inspect.count_collectives(compiled)
   assert stats['reduce-scatter'] == 2 * layers  # one per axis, per layer
   assert not stats['all-reduce'], stats
-  assert stats.total_ring_bytes <= zerojax.inspect.zero_floor_bytes(stage, layers * width * width, 16)
+  assert stats.total_ring_bytes <= zerojax.inspect.zero_floor_bytes(
+    stage, layers * width * width, 16
+  )
 
 
 @pytest.mark.parametrize('fmt, limit', [('int8', 0.27), ('int4', 0.14)])

@@ -158,4 +158,6 @@ def test_builders_take_the_options_from_the_wrapped_optimizer(explicit_mesh):
     ' tx=zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh).'
   )
   with pytest.raises(TypeError, match=r'\(got mesh=, policy=\)'):
-    zerojax.inspect.abstract_train_state(init, jax.random.key(0), tx=ztx, mesh=explicit_mesh, policy='pad')
+    zerojax.inspect.abstract_train_state(
+      init, jax.random.key(0), tx=ztx, mesh=explicit_mesh, policy='pad'
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -37,8 +38,11 @@ class ZeroConfig:
   options: options_lib.Options
   axes: tuple[str, ...]
   # Plans already computed, keyed by everything that decides one: the tree and
-  # each leaf's shape, dtype and layout over the other mesh axes.
-  _plans: dict = dataclasses.field(default_factory=dict, repr=False)
+  # each leaf's shape, dtype and layout over the other mesh axes (the least
+  # recently used dropped past `_PLAN_CACHE_SIZE`).
+  _plans: collections.OrderedDict = dataclasses.field(
+    default_factory=collections.OrderedDict, repr=False
+  )
 
   def plan(
     self, params: optax.Params, opt_state: optax.OptState | None = None
@@ -58,6 +62,7 @@ class ZeroConfig:
     key = self._signature(params)
     cached = self._plans.get(key)
     if cached is not None:
+      self._plans.move_to_end(key)
       return cached
     if self._layouts_hidden(params):
       seen = {k[2]: p for k, p in self._plans.items() if k[:2] == key[:2]}
@@ -73,6 +78,8 @@ class ZeroConfig:
     plan = plan_lib.build_plan(params, self, opt_state)
     if not _has_tracers(params):
       self._plans[key] = plan
+      while len(self._plans) > _PLAN_CACHE_SIZE:
+        self._plans.popitem(last=False)
     return plan
 
   def _layouts_hidden(self, params: Any) -> bool:
@@ -97,6 +104,9 @@ class ZeroConfig:
       for x, (shape, _) in zip(leaves, shapes)
     )
     return treedef, shapes, specs
+
+
+_PLAN_CACHE_SIZE = 16
 
 
 def _has_tracers(tree: Any) -> bool:
