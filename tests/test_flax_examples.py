@@ -201,9 +201,9 @@ def _check_nnx(model, history, reference):
 @pytest.mark.parametrize('stage', STAGES)
 def test_nnx_mnist_one_line_wrap(stage, auto_mesh, nnx_reference):
   model = NNXCNN(rngs=nnx.Rngs(0))
-  if stage == 3:
-    zerojax.shard_nnx(model, stage=3, mesh=auto_mesh)
   tx = zerojax.zero_stage(optax.adamw(1e-3), stage, mesh=auto_mesh)
+  if stage == 3:
+    zerojax.nnx.shard(model, tx)
   _check_nnx(*_nnx_train(model, tx, mesh=auto_mesh), nnx_reference)
 
 
@@ -211,9 +211,9 @@ def test_nnx_mnist_one_line_wrap(stage, auto_mesh, nnx_reference):
 def test_nnx_mnist_through_nnx_value_and_grad(stage, mesh, nnx_reference):
   # BatchNorm names the ZeRO axis: its statistics are then the global batch's per device.
   model = NNXCNN(rngs=nnx.Rngs(0), axis_name='data')
-  if stage == 3:
-    zerojax.shard_nnx(model, stage=3, mesh=mesh)
   tx = zerojax.zero_stage(optax.adamw(1e-3), stage, mesh=mesh)
+  if stage == 3:
+    zerojax.nnx.shard(model, tx)
   grad_fn = zerojax.nnx.value_and_grad(_nnx_loss, tx, has_aux=True)
   model, history = _nnx_train(model, tx, grad_fn, mesh)
   _check_nnx(model, history, nnx_reference)

@@ -226,7 +226,8 @@ def test_printed_plan(explicit_mesh):
     'host': 0,  # nothing offloaded
   }
   assert 'per device: params 4.01 KiB, grads 524 B, opt_state 1.03 KiB; total 5.55 KiB' in text
-  assert "replicated over 'data' (4):" in text
+  # The axis's size, then how many leaves it holds whole (item 7: not a count posing as a size).
+  assert "replicated over 'data' (8 devices): 4 leaves" in lines
   assert (
     "  params['b']: no free dimension of (3,) divides by 8 (small: 12 B < replicate_below_bytes=262144)"
     in lines

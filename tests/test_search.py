@@ -38,7 +38,7 @@ def test_candidate_space_names_an_unknown_value():
   with pytest.raises(ValueError) as err:
     search.candidate_space(offload=('gpu',))
   assert str(err.value) == (
-    "`offload`: unknown ['gpu']; choose from ['none', 'opt_state', 'opt_state+master']."
+    "`offload`: unknown ['gpu']; choose from [None, 'opt_state', 'opt_state+master']."
   )
 
 
@@ -128,7 +128,7 @@ def _cli(*args, timeout=600):
     ),
     (
       ['--topology', 'cpu:8', '--quantizes', 'int3'],
-      "error: `quantize`: unknown ['int3']; choose from ['none', 'g8', 'g4', 'w8g8', 'w8g4'].",
+      "error: argument --quantizes: unknown 'int3'; choose from none, g8, g4, w8g8, w8g4",
     ),
     (
       ['--topology', 'cpu:8', '--stages', '1,2,3', '--max-candidates', '2'],
@@ -141,9 +141,34 @@ def _cli(*args, timeout=600):
   ],
 )
 def test_search_cli_names_the_bad_option(args, message):
+  # (Each runs the CLI in a fresh process.)
   proc = _cli('--search', *args)
   assert proc.returncode != 0
   assert message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+  'args, message',
+  [
+    (
+      ['--mixed-precision', '--micro-batches', '2', '--offloads', 'opt_state', '--hbm-gib', '8'],
+      'error: --micro-batches, --offloads, --mixed-precision, --hbm-gib set the space of plan'
+      ' --search; a single plan does not read them. Add --search, or set the plan with --stage,'
+      ' --batch-per-chip, --mesh, --no-remat.',
+    ),
+    (
+      ['--search', '--stage', '2', '--json', 'x.json'],
+      'error: plan --search does not read --stage, --json: those set a single plan. Give the'
+      ' search its space instead (--stages, --layouts, --batches-per-chip, --remats,'
+      ' --prefetch-options, --out), or drop --search.',
+    ),
+  ],
+)
+def test_a_plan_flag_the_mode_does_not_read_is_an_error(args, message):
+  # Once ignored in silence (issue 26): now refused before anything compiles.
+  proc = _cli('--topology', 'cpu:8', *args)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().endswith(message), proc.stderr[-2000:]
 
 
 @pytest.mark.slow

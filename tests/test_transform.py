@@ -74,8 +74,10 @@ def test_layouts_after_init_and_update(stage, mesh):
 
 def test_zero_and_plain_differ_only_in_layout(auto_mesh):
   tx = zerojax.zero_stage(optax.adam(1e-2), 1, mesh=auto_mesh)
-  assert zerojax.unwrap(tx).init is not tx.init
-  assert zerojax.config_of(tx).stage == 1
+  config = zerojax.config_of(tx)
+  assert config.inner.init is not tx.init
+  assert config.stage == 1 and config.mesh == auto_mesh
+  assert config.options == zerojax.Options()
   assert zerojax.config_of(optax.adam(1e-2)) is None
 
 

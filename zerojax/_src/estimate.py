@@ -85,6 +85,11 @@ def estimate_memory(
   [16.0, 8.13, 4.19, 0.25]
   """
   options = options_lib.Options() if options is None else options
+  if not isinstance(options, options_lib.Options):
+    raise TypeError(
+      f'options must be a zerojax.Options, got {type(options).__name__}: e.g.'
+      " estimate_memory(params, tx, num_devices=8, options=zerojax.Options(policy='pad'))."
+    )
   if not isinstance(options.axis, str):
     raise ValueError(
       f'estimate_memory lays the model out over one axis of num_devices devices; got'

@@ -288,18 +288,31 @@ def _reduce_micro(r: Routes, route: LeafRoute, g: jax.Array) -> jax.Array:
   return g
 
 
-def _psum_by_layer(x: jax.Array, axes: Any) -> jax.Array:
-  """All-reduces a stacked leaf (3 or more dimensions) one leading index at a time,
-  each result written back in place: a whole-leaf all-reduce would hold a second
-  buffer of the leaf's size (XLA gives a collective its own output)."""
-  if x.ndim < 3 or x.shape[0] < 2:
+# A whole gradient all-reduced at stage 0 or 1 gets its own output buffer on XLA:CPU, so a
+# large leaf would be held twice. Leaves of three or more dimensions (stacked layers, most
+# often) larger than this are all-reduced in place in slices along their first dimension, each
+# slice at most this size where the first dimension allows; smaller leaves at once, as plain
+# data parallelism does (an attention kernel is not a loop of tiny all-reduces).
+PSUM_SLICE_BYTES = 4 << 20
+
+
+def _psum_in_slices(x: jax.Array, axes: Any) -> jax.Array:
+  """All-reduces `x`, in slices of whole leading indices if it is large (see PSUM_SLICE_BYTES)."""
+  nbytes = x.size * x.dtype.itemsize
+  if x.ndim < 3 or nbytes <= PSUM_SLICE_BYTES:
     return jax.lax.psum(x, axes)
+  n = x.shape[0]
+  # The fewest slices of at most PSUM_SLICE_BYTES that divide the first dimension evenly.
+  slices = next((d for d in range(2, n + 1) if n % d == 0 and nbytes // d <= PSUM_SLICE_BYTES), n)
+  if slices == 1:
+    return jax.lax.psum(x, axes)
+  size = n // slices
 
   def one(i, x):
-    layer = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(x, jax.lax.psum(layer, axes), i, 0)
+    part = jax.lax.dynamic_slice_in_dim(x, i * size, size, 0)
+    return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.psum(part, axes), i * size, 0)
 
-  return jax.lax.fori_loop(0, x.shape[0], one, x)
+  return jax.lax.fori_loop(0, slices, one, x)
 
 
 def _reduce_final(r: Routes, route: LeafRoute, acc: jax.Array) -> jax.Array:
@@ -308,7 +321,7 @@ def _reduce_final(r: Routes, route: LeafRoute, acc: jax.Array) -> jax.Array:
     return acc
   if route.scatter is not None and r.stage == 1:
     return _reduce_scatter(route, acc, r.axes)
-  return _psum_by_layer(acc, _axis_arg(r.axes))
+  return _psum_in_slices(acc, _axis_arg(r.axes))
 
 
 def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, scale):
@@ -480,7 +493,7 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
   """What `value_and_grad`'s function does: routes, then the per-device step in shard_map."""
   mesh, axes, m = config.mesh, config.axes, options['micro_batches']
   _check_batch(batch, mesh_lib.axes_size(mesh, axes), m)
-  reduction.warn_raw_keys(args)
+  reduction.check_raw_keys(args)
   leaves, treedef = jax.tree.flatten(params)
   routes, plan = _leaf_routes(
     config, params, per_layer=per_layer, reduce_dtype=options['reduce_dtype']

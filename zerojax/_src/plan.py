@@ -117,7 +117,7 @@ class ZeroPlan:
     return format_plan(self)
 
 
-def _fmt_bytes(n: int) -> str:
+def fmt_bytes(n: int) -> str:
   for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
     if n < 1024 or unit == 'TiB':
       return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.2f} {unit}'
@@ -166,16 +166,16 @@ def format_plan(plan: ZeroPlan) -> str:
   total = sum(totals.values())
   lines.append(
     'per device: '
-    + ', '.join(f'{k} {_fmt_bytes(v)}' for k, v in totals.items())
-    + f'; total {_fmt_bytes(total)}'
-    + (f'; in host memory (offloaded) {_fmt_bytes(host)}' if host else '')
+    + ', '.join(f'{k} {fmt_bytes(v)}' for k, v in totals.items())
+    + f'; total {fmt_bytes(total)}'
+    + (f'; in host memory (offloaded) {fmt_bytes(host)}' if host else '')
   )
   reps = plan.replicated()
   if reps:
-    lines.append(f'replicated over {axes!r} ({len(reps)}):')
+    lines.append(f'replicated over {axes!r} ({plan.num_shards} devices): {len(reps)} leaves')
     lines.extend(f'  {g}{p}: {why}' for g, p, why in reps)
   else:
-    lines.append(f'replicated over {axes!r}: none')
+    lines.append(f'replicated over {axes!r} ({plan.num_shards} devices): no leaves')
   param_rows = [r for r in plan.rows if r.group == 'params']
   if plan.quantize is not None:
     q = plan.quantize

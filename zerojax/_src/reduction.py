@@ -21,7 +21,6 @@ device and micro-batch draws its own numbers (`fold_keys`).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -196,17 +195,23 @@ def is_key(x: Any) -> bool:
   return jax.dtypes.issubdtype(getattr(x, 'dtype', None), jax.dtypes.prng_key)
 
 
-def warn_raw_keys(args: Any) -> None:
-  """Warns about leaves that look like legacy uint32 keys: they cannot be told from data."""
-  for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
-    if getattr(x, 'dtype', None) == jnp.uint32 and np.shape(x) == (2,):
-      warnings.warn(
-        f'zerojax.value_and_grad: args{jax.tree_util.keystr(path)} looks like a raw uint32 PRNG'
-        ' key (jax.random.PRNGKey). It is passed to every device and micro-batch unchanged,'
-        ' so they would all draw the same numbers. Pass a typed key (jax.random.key, or'
-        " jax.random.wrap_key_data(key)) and value_and_grad folds in each part's index.",
-        stacklevel=4,
-      )
+def check_raw_keys(args: Any) -> None:
+  """Refuses leaves that look like legacy uint32 keys: they cannot be told from data, and
+  passed unchanged they would give every device and micro-batch the same numbers."""
+  found = [
+    f'args{jax.tree_util.keystr(path)}'
+    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]
+    if getattr(x, 'dtype', None) == jnp.uint32 and np.shape(x) == (2,)
+  ]
+  if found:
+    raise TypeError(
+      f'zerojax.value_and_grad: {", ".join(found)} is a uint32[2] array, the form of a legacy'
+      ' jax.random.PRNGKey. The loss runs once per device and micro-batch, and value_and_grad'
+      " folds each part's index into typed keys only: a legacy key cannot be told from data,"
+      ' and passed unchanged it would give every part the same numbers (the same dropout'
+      ' mask). Pass jax.random.key(seed), or jax.random.wrap_key_data(key) for a key you'
+      ' already have. If it is data, not a key, give it another dtype or shape.'
+    )
 
 
 def fold_keys(args: Any, index: jax.Array) -> Any:

@@ -10,7 +10,8 @@ import optax
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import options as options_lib
-from zerojax._src import precision, transform, validation
+from zerojax._src import plan as plan_lib
+from zerojax._src import precision, rules, transform, validation
 
 State = TypeVar('State')
 
@@ -49,8 +50,38 @@ def zero_train_state(state: State, tx: optax.GradientTransformation) -> State:
       f' {jax.tree.structure(plan.opt_state)}. Build the state with'
       ' TrainState.create, or pass the optimizer that made opt_state.'
     )
+  _refuse_regathering(state.params, plan)
   params, opt_state = jax.device_put((state.params, state.opt_state), (plan.params, plan.opt_state))
   return state.replace(tx=tx, params=params, opt_state=opt_state)
+
+
+def _refuse_regathering(params: Any, plan: Any) -> None:
+  """Refuses to make whole, at stage 1 or 2, parameters that already rest split over the ZeRO
+  axes (an FSDP layout): that would raise their memory per device without a word."""
+  if plan.stage not in (1, 2):
+    return
+  axes = set(plan.axes)
+  split, now, after = [], 0, 0
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (path, x), target in zip(flat, jax.tree.leaves(plan.params)):
+    sharding = getattr(x, 'sharding', None)
+    spec = getattr(sharding, 'spec', None)
+    splits = lambda spec: any(axes & set(rules.spec_axes(e)) for e in spec)
+    if spec is None or not splits(spec) or splits(target.spec):
+      continue
+    split.append(f'params{jax.tree_util.keystr(path)}')
+    now += rules.bytes_per_device(x.shape, x.dtype, spec, plan.mesh)
+    after += rules.bytes_per_device(x.shape, x.dtype, target.spec, plan.mesh)
+  if split:
+    raise ValueError(
+      f'zerojax.zero_stage(state, {plan.stage}): {validation.count(len(split), "parameter", "parameters")}'
+      f' already rest split over {plan.axes[0] if len(plan.axes) == 1 else plan.axes!r}'
+      f' ({", ".join(split[:3])}{", ..." if len(split) > 3 else ""}), as FSDP lays them out;'
+      f' stage {plan.stage} keeps parameters whole on every device, which would raise them from'
+      f' {plan_lib.fmt_bytes(now)} to {plan_lib.fmt_bytes(after)} per device. Use stage 3, which keeps them'
+      ' split and gathers them where they are used; or, to hold them whole on purpose,'
+      ' place them replicated (jax.device_put(params, NamedSharding(mesh, P()))) first.'
+    )
 
 
 # `stage` and the ZeRO options: the parameters of the one function that checks them.
@@ -83,13 +114,14 @@ def _layout(
   apply_fn: Callable[..., Any] | None = None,
   state_class: type[State] | None = None,
   param_dtype: Any = None,
+  where: str,
   **fields: Any,
 ):
   """The jittable builder of a zero train state, and the state's shardings.
 
   Its keyword arguments are those of `create_train_state` (documented there).
   """
-  config = require_zero_tx(tx, fields, 'create_train_state')
+  config = require_zero_tx(tx, fields, where)
   if state_class is None:
     from flax.training import train_state as flax_train_state
 
@@ -172,6 +204,7 @@ def create_train_state(
     apply_fn=apply_fn,
     state_class=state_class,
     param_dtype=param_dtype,
+    where='zerojax.create_train_state',
     **fields,
   )
   return jax.jit(build, out_shardings=shardings)(*init_args)
@@ -209,6 +242,7 @@ def abstract_train_state(
     apply_fn=apply_fn,
     state_class=state_class,
     param_dtype=param_dtype,
+    where='zerojax.inspect.abstract_train_state',
     **fields,
   )
   return jax.tree.map(

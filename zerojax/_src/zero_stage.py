@@ -69,6 +69,6 @@ def zero_stage(target: Any, stage: int, *, mesh: Mesh | None = None, **options: 
       f' {type(target).__name__}. Wrap the optimizer: zero_stage(optax.adam(1e-3),'
       ' stage, mesh=mesh).'
     )
-  options = options_lib.from_keywords(options, 'zero_stage')
+  options = options_lib.from_keywords(options, 'zerojax.zero_stage')
   tx = transform.zero_optimizer(transform.make_config(target, stage, mesh, options))
   return tx if state is None else train_state.zero_train_state(state, tx)
