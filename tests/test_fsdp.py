@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import max_rel_err
+from _models import ScannedNNX, max_rel_err
 from _tolerance import reordered
 from flax import linen as nn
 from jax.sharding import NamedSharding
@@ -255,7 +255,6 @@ def test_recompute_gathers_saves_everything_but_gathers():
 
 def test_gathered_nnx_gathers_per_layer_inside_value_and_grad(auto_mesh):
   from flax import nnx
-  from test_layers import ScannedNNX
 
   x = jax.random.normal(jax.random.key(1), (16, 32))
   ztx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=auto_mesh)

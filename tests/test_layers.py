@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import max_rel_err
+from _models import ScannedNNX, max_rel_err
 from _tolerance import reordered
 from flax import nnx
 from flax.training import train_state
@@ -142,40 +142,6 @@ def test_stdlib_corpus_is_text():
 # ScannedNNX(32, 2) on 16 rows: each result's chain of sums is the rows and two
 # blocks of 32- and 128-wide contractions.
 SCANNED_TERMS = 16 + 2 * (32 + 128)
-
-
-class Block(nnx.Module):
-  def __init__(self, d, rngs):
-    self.fc1 = nnx.Linear(d, 4 * d, rngs=rngs)
-    self.fc2 = nnx.Linear(4 * d, d, rngs=rngs)
-
-  def __call__(self, x):
-    return x + self.fc2(jnp.tanh(self.fc1(x)))
-
-
-class ScannedNNX(nnx.Module):
-  def __init__(self, d, n_layers, rngs, zero=None):
-    self.zero = zero  # the optimizer from zerojax.zero_stage, or None: no gathers
-
-    @nnx.split_rngs(splits=n_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return Block(d, rngs)
-
-    self.blocks = make(rngs)
-
-  def __call__(self, x):
-    @nnx.remat
-    def layer(block, x):
-      if self.zero is not None:
-        block = zerojax.nnx.gathered(block, self.zero)
-      return block(x)
-
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def run(x, block):
-      return layer(block, x)
-
-    return run(x, self.blocks)
 
 
 def _nnx_train(model, tx, x, steps=5):

@@ -4,57 +4,25 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import plan_of
+from _models import (
+  SCALARS,
+  TWO_LAYER_D,
+  TWO_LAYER_N,
+  TWO_LAYER_PSI,
+  compile_step,
+  init_fn,
+  plan_of,
+  step,
+)
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
 
-N = 8
-D = 256  # two 256x256 matrices and two biases: every leaf divides by 8
-PSI = 2 * D * D + 2 * D
-
-
-def make_init(d):
-  """Two d x d layers with biases."""
-
-  def init_fn(key):
-    k1, k2 = jax.random.split(key)
-    return {
-      'w1': jax.random.normal(k1, (d, d)),
-      'b1': jnp.zeros((d,)),
-      'w2': jax.random.normal(k2, (d, d)),
-      'b2': jnp.zeros((d,)),
-    }
-
-  return init_fn
-
-
-init_fn = make_init(D)
-
-
-def step(state, x):
-  plan = zerojax.plan_for(state.tx, state.params)
-
-  def loss(p):
-    p = zerojax.gather(p, plan)
-    return jnp.mean((jnp.tanh(x @ p['w1'] + p['b1']) @ p['w2'] + p['b2']) ** 2)
-
-  return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
-
-def compile_step(mesh, stage, batch=64):
-  state = zerojax.inspect.abstract_train_state(
-    init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
-  )
-  x = jax.ShapeDtypeStruct(
-    (batch, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data'))
-  )
-  return jax.jit(step).lower(state, x).compile(), batch * D * 4 // N
+N, D, PSI = TWO_LAYER_N, TWO_LAYER_D, TWO_LAYER_PSI
 
 
 # Model states at rest per device for fp32 Adam (docs/design.md), grads excluded.
 AT_REST = {0: 12 * PSI, 1: 4 * PSI + 8 * PSI // N, 2: 4 * PSI + 8 * PSI // N, 3: 12 * PSI // N}
-SCALARS = 4 + 4  # TrainState.step and Adam's count, int32 each
 
 
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])

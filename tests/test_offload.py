@@ -8,8 +8,10 @@ import pytest
 from _models import (
   batch,
   loss_fn,
+  make_init,
   max_rel_err,
   mlp_params,
+  mp_step,
   plain_run,
   plan_of,
   shard_batch,
@@ -125,8 +127,6 @@ def test_tpu_device_bytes_drop_by_offloaded_bytes(stage):
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
   from jax.experimental import topologies
   from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-  from test_memory_and_collectives import make_init
-  from test_precision import mp_step
 
   init_fn = make_init(D)  # d = 1024: every shard is whole TPU tiles, so no padding
 

@@ -10,6 +10,7 @@ from _models import (
   loss_fn,
   max_rel_err,
   mlp_params,
+  mp_step,
   plain_run,
   shard_batch,
   train_tol,
@@ -34,17 +35,6 @@ def init_fn(key):
     'w2': jax.random.normal(k2, (D, D)) / 16,
     'b2': jnp.zeros((D,)),
   }
-
-
-def mp_step(state, x):
-  plan = zerojax.plan_for(state.tx, state.params)
-
-  def loss(p):
-    p = zerojax.gather(p, plan)
-    h = jnp.tanh(x.astype(p['w1'].dtype) @ p['w1'] + p['b1'])
-    return jnp.mean((h @ p['w2'] + p['b2']).astype(jnp.float32) ** 2)
-
-  return state.apply_gradients(grads=jax.grad(loss)(state.params))
 
 
 def abstract_state(mesh, stage, tx=None, param_dtype=jnp.bfloat16):

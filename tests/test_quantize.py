@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import collective_ops
 from _tolerance import assert_close, reordered
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -253,31 +254,22 @@ def _hlo(mesh, stage, quantize, **options):
   return fn.lower(params, x).compile().as_text()
 
 
-def _ops(text, kind):
-  """(result dtype, result bytes) of each `kind` collective in the HLO."""
-  out = []
-  for line in text.splitlines():
-    found = hlo._collective(line)
-    if found and found[0] == kind:
-      shape = hlo._SHAPE.search(found[2])
-      out.append((shape.group(1), hlo._type_bytes(found[2])))
-  return out
-
-
 def test_quantized_gathers_move_int8_and_scales(mesh):
   exact = _hlo(mesh, 3, None)
   quant = _hlo(mesh, 3, zerojax.Quantize(weights='int8', grads=None))
   big = 256 * 512  # the two matrices' elements, gathered once each
   # Exact: the bf16 matrices (which XLA:CPU gathers widened to float32) and the bias.
-  assert sorted(_ops(exact, 'all-gather')) == [('f32', 256 * 4)] + [('f32', big * 4)] * 2
-  gathered = _ops(quant, 'all-gather')
+  assert sorted(collective_ops(exact, 'all-gather')) == [('f32', 256 * 4)] + [('f32', big * 4)] * 2
+  gathered = collective_ops(quant, 'all-gather')
   # Per matrix: its int8 values and its float32 scales (one per 256 values).
   assert sorted(gathered) == sorted([('f32', 256 * 4)] + [('s8', big), ('f32', big // 256 * 4)] * 2)
   matrices = sum(b for _, b in gathered) - 256 * 4
   assert matrices / (2 * big * 2) <= 0.53  # int8 + scales against bf16: 0.508
   # The gradients stay full-precision reduce-scatters (no all-to-all).
-  assert not _ops(quant, 'all-to-all')
-  assert len(_ops(quant, 'reduce-scatter')) == len(_ops(exact, 'reduce-scatter'))
+  assert not collective_ops(quant, 'all-to-all')
+  assert len(collective_ops(quant, 'reduce-scatter')) == len(
+    collective_ops(exact, 'reduce-scatter')
+  )
 
 
 @pytest.mark.parametrize('fmt, packed, limit', [('int8', 's8', 0.27), ('int4', 'u8', 0.14)])
@@ -286,11 +278,13 @@ def test_quantized_gradients_move_an_all_to_all_of_blocks(mesh, fmt, packed, lim
   quant = _hlo(mesh, 2, zerojax.Quantize(weights=None, grads=fmt))
   big = 256 * 512
   # Exact: each matrix's gradient is one float32 reduce-scatter into its shard.
-  assert sorted(b for _, b in _ops(exact, 'reduce-scatter') if b > 1024) == [big * 4 // N] * 2
+  assert (
+    sorted(b for _, b in collective_ops(exact, 'reduce-scatter') if b > 1024) == [big * 4 // N] * 2
+  )
   # Quantized: an all-to-all of the values and one of the scales per matrix,
   # and no full-precision reduce-scatter of them.
-  assert all(b <= 1024 for _, b in _ops(quant, 'reduce-scatter'))
-  moved = _ops(quant, 'all-to-all')
+  assert all(b <= 1024 for _, b in collective_ops(quant, 'reduce-scatter'))
+  moved = collective_ops(quant, 'all-to-all')
   per_value = 1 if fmt == 'int8' else 0.5
   assert sorted(moved) == sorted([(packed, int(big * per_value)), ('f32', big // 256 * 4)] * 2)
   ratio = sum(b for _, b in moved) / (2 * big * 4)
@@ -301,7 +295,7 @@ def test_quantize_none_leaves_the_program_unchanged(mesh):
   for stage in (1, 2, 3):
     default = _hlo(mesh, stage, None)
     fn, params, x, _ = _step(mesh, stage, None)
-    assert 's8[' not in default and not _ops(default, 'all-to-all')
+    assert 's8[' not in default and not collective_ops(default, 'all-to-all')
     tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)  # no quantize option at all
     plain = jax.jit(
       zerojax.value_and_grad(functools.partial(_loss, tx=tx), tx, per_layer=stage >= 2)
@@ -530,7 +524,13 @@ def test_whole_tree_gather_is_quantized_too(mesh):
 
   fn = jax.jit(zerojax.value_and_grad(loss, tx))
   text = fn.lower(placed, x).compile().as_text()
-  assert sorted(d for d, _ in _ops(text, 'all-gather')) == ['f32', 'f32', 'f32', 's8', 's8']
+  assert sorted(d for d, _ in collective_ops(text, 'all-gather')) == [
+    'f32',
+    'f32',
+    'f32',
+    's8',
+    's8',
+  ]
   _, grads = fn(placed, x)
   _, exact = jax.value_and_grad(loss)(params, np.asarray(x))
   rel = jnp.linalg.norm(grads['w1'] - exact['w1']) / jnp.linalg.norm(exact['w1'])

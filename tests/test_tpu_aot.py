@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import collective_ops, make_init, step
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-from test_memory_and_collectives import make_init, step
 
 import zerojax
 
@@ -194,7 +194,6 @@ def test_quantized_collectives_compile_for_tpu(fmt, limit, topology):
   # ZeRO++ on the TPU compiler's own program: the weight gathers move int8
   # values and float32 scales (<= 0.53x bf16), the gradient exchange is an
   # all-to-all of int8 / packed int4 blocks (<= 0.27x / 0.14x float32).
-  from test_quantize import _ops
 
   mesh = Mesh(np.array(topology.devices), ('data',), axis_types=(AxisType.Explicit,))
   params = {'w1': jax.ShapeDtypeStruct((D, D), jnp.float32)}
@@ -224,15 +223,15 @@ def test_quantized_collectives_compile_for_tpu(fmt, limit, topology):
   # per async collective (the HLO repeats each inside its fusions).
   full = zerojax.inspect.count_collectives(exact)
   assert full['all-gather'] == 2 and full.result_bytes['all-gather'] == 2 * big * 2
-  assert {dtype for dtype, _ in _ops(exact, 'all-gather')} == {'bf16'}
+  assert {dtype for dtype, _ in collective_ops(exact, 'all-gather')} == {'bf16'}
   stats = zerojax.inspect.count_collectives(quant)
   # Per matrix: its int8 values and its float32 scales (one per 256 values).
   assert stats['all-gather'] == 4
   assert stats.result_bytes['all-gather'] == 2 * (big + big // 256 * 4)
-  assert {dtype for dtype, _ in _ops(quant, 'all-gather')} == {'s8', 'f32'}
+  assert {dtype for dtype, _ in collective_ops(quant, 'all-gather')} == {'s8', 'f32'}
   assert stats.result_bytes['all-gather'] / (2 * big * 2) <= 0.53
   packed = 's8' if fmt == 'int8' else 'u8'
-  assert {dtype for dtype, _ in _ops(quant, 'all-to-all')} == {packed, 'f32'}
+  assert {dtype for dtype, _ in collective_ops(quant, 'all-to-all')} == {packed, 'f32'}
   assert stats['all-to-all'] == 4
   assert stats.result_bytes['all-to-all'] / (2 * big * 4) <= limit
   assert stats['reduce-scatter'] == 0  # no full-precision gradient collective left
