@@ -315,7 +315,12 @@ OLD_NOTES = 'DESIGN' + '.md'
 
 
 def test_docs_cite_the_projects_own_design_notes():
-  for path in [ROOT / 'docs/results.md', ROOT / 'benchmarks' / 'docs/results.md', ROOT / 'CHANGELOG.md']:
+  for path in [
+    ROOT / 'README.md',
+    ROOT / 'docs' / 'results.md',
+    ROOT / 'benchmarks' / 'README.md',
+    ROOT / 'CHANGELOG.md',
+  ]:
     assert OLD_NOTES not in path.read_text(), path
   for folder in ('zerojax', 'tests', 'examples', 'benchmarks'):
     for path in (ROOT / folder).rglob('*.py'):
@@ -376,3 +381,39 @@ def test_value_and_grad_has_no_function_over_80_lines():
     for node in ast.walk(tree):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         assert node.end_lineno - node.lineno + 1 <= 80, (module, node.name)
+
+
+def test_the_top_level_is_what_the_readme_documents():
+  # The README's API table lists every top-level name, and nothing else is exported.
+  import re
+
+  text = (ROOT / 'README.md').read_text()
+  table = text[text.index('## API') : text.index('Submodules, imported on first use')]
+  documented = set(re.findall(r'`(\w+)`', table))
+  assert documented == set(zerojax.__all__)
+  assert len(zerojax.__all__) <= 20
+  for name in zerojax.SUBMODULES:
+    assert f'`zerojax.{name}`' in text
+
+
+def test_every_moved_name_says_where_it_went_and_the_changelog_lists_it():
+  changelog = (ROOT / 'CHANGELOG.md').read_text()
+  for old, new in zerojax.MOVED.items():
+    with pytest.raises(AttributeError) as e:
+      getattr(zerojax, old)
+    assert str(e.value) == (
+      f'zerojax.{old} is gone since zerojax 0.2: use {new} (see the migration table in'
+      ' CHANGELOG.md).'
+    )
+    assert f'| `zerojax.{old}` | `{new}` |' in changelog
+
+
+def test_import_zerojax_loads_neither_flax_nor_orbax():
+  code = (
+    'import sys, zerojax\n'
+    'print(sorted(m for m in ("flax", "orbax", "orbax.checkpoint") if m in sys.modules))\n'
+  )
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == '[]'

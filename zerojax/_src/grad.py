@@ -403,6 +403,14 @@ def _row_axes(batch: Any, axes: tuple[str, ...]) -> tuple[str, ...]:
   return axes
 
 
+_NO_BATCH = (
+  'zerojax.value_and_grad(loss_fn, tx) returns fn(params, batch, *args): it splits'
+  ' `batch` over the devices and runs loss_fn(params, batch, *args) on each part, so the'
+  ' batch is an argument, not something the loss closes over. Write the loss as'
+  ' loss_fn(params, batch) and call fn(params, batch).'
+)
+
+
 def value_and_grad(
   loss_fn: Callable[..., Any],
   tx: optax.GradientTransformation,
@@ -476,12 +484,7 @@ def value_and_grad(
 
   def grad_fn(params, *batch_and_args, loss_scale=None):
     if not batch_and_args:
-      raise TypeError(
-        'zerojax.value_and_grad(loss_fn, tx) returns fn(params, batch, *args): it splits'
-        ' `batch` over the devices and runs loss_fn(params, batch, *args) on each part, so the'
-        ' batch is an argument, not something the loss closes over. Write the loss as'
-        ' loss_fn(params, batch) and call fn(params, batch).'
-      )
+      raise TypeError(_NO_BATCH)
     return _step(
       config, loss_fn, per_layer, options, params, *batch_and_args, loss_scale=loss_scale
     )
