@@ -356,13 +356,13 @@ def test_stage0_all_reduces_a_small_3d_kernel_at_once(mesh):
   tx = zerojax.zero_stage(optax.sgd(0.1), 0, mesh=mesh)
   placed = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
   ours = jax.jit(zerojax.value_and_grad(loss, tx)).lower(placed, b).compile()
-  plain = jax.jit(jax.value_and_grad(loss)).lower(placed, b).compile()
   got = zerojax.inspect.count_collectives(ours)
-  want = zerojax.inspect.count_collectives(plain)
-  assert got.exact and want.exact
-  # The loss and the small kernel at most one each, the stacked leaf two slices.
+  assert got.exact
+  # The loss and the small kernel at most one each (XLA may combine them), the stacked leaf
+  # two slices: 73 all-reduces before (one per row of the kernel, one per layer).
   assert got['all-reduce'] <= 4, got
-  assert got.result_bytes['all-reduce'] >= want.result_bytes['all-reduce'] - 4
+  # Every gradient byte reduced once, and the float32 loss.
+  assert got.result_bytes['all-reduce'] == 4 * (64 * 4 * 16 + 8 * 512 * 512) + 4
   # The same gradients.
   _, grads = jax.jit(zerojax.value_and_grad(loss, tx))(placed, b)
   _, want_grads = jax.jit(jax.value_and_grad(loss))(params, jax.device_get(b))
