@@ -242,3 +242,22 @@ class ScannedNNX(nnx.Module):
       return layer(block, x)
 
     return run(x, self.blocks)
+
+
+# ScannedNNX(32, 2) on 16 rows: each result's chain of sums is the rows and two
+# blocks of 32- and 128-wide contractions.
+SCANNED_TERMS = 16 + 2 * (32 + 128)
+
+
+def nnx_train(model, tx, x, steps=5):
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+  for _ in range(steps):
+    step(model, opt)
+  return model, opt

@@ -17,7 +17,7 @@ def _labels(params):
   }
 
 
-# Wrappers and settings that discovery (test_optimizers.py) does not build, at every
+# Wrappers and settings that discovery (test_zero_stage.py) does not build, at every
 # stage: the discovered optimizers themselves are tested there.
 OPTIMIZERS = {
   'adam': lambda: optax.adam(1e-2),

@@ -51,7 +51,7 @@ def test_collectives(stage, mesh):
     assert stats['all-gather'] == 0 and stats['reduce-scatter'] == 0
   else:
     # XLA:CPU lowers the gradient reduction into shards as all-reduce +
-    # dynamic-slice (docs/design.md); TPU makes it a reduce-scatter (test_tpu_aot).
+    # dynamic-slice (docs/design.md); TPU makes it a reduce-scatter (tests/test_tpu.py).
     assert stats['reduce-scatter'] + stats['all-reduce'] >= 1
     assert stats.result_bytes.get('all-reduce', 0) <= grad_bytes
     assert 'dynamic-slice' in text or stats['reduce-scatter'] >= 1
