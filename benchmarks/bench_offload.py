@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     plan = zerojax.plan_for(state.tx, state.params)
 
     def loss(p):
-      p = zerojax.gather_params(p, plan)
+      p = zerojax.gather(p, plan)
       h = jnp.tanh(x.astype(jnp.bfloat16) @ p['w1'] + p['b1'])
       return jnp.mean((h @ p['w2'] + p['b2']).astype(jnp.float32) ** 2)
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
   rows = []
   jobs = [(stage, off, on) for stage in (1, 2, 3) for off, on in SETTINGS]
   for stage, offload, update_on in tqdm(jobs, desc='compiling', file=sys.stdout):
-    state = zerojax.abstract_train_state(
+    state = zerojax.inspect.abstract_train_state(
       init_fn,
       jax.random.key(0),
       tx=zerojax.zero_stage(

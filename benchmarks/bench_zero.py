@@ -68,14 +68,14 @@ def zerojax_step(mesh, tx, stage: int, path: str, quantize=None):
   if stage == 3 or stage == 2 and path == 'value_and_grad':
     # Each layer gathers its own; at stage 2 the gather moves nothing and marks
     # where value_and_grad reduce-scatters that layer's gradient.
-    gather = lambda w: zerojax.gather_leaves(w, mesh=mesh)
+    gather = lambda w: zerojax.gather(w, ztx)
     policy = zerojax.recompute_gathers
   if path == 'full-remat':
     policy = jax.checkpoint_policies.nothing_saveable
 
   def loss_fn(params, batch):
     if path == 'scan_layers':
-      h = zerojax.scan_layers(recipes.layer, batch['x'], params['w'], mesh=mesh)
+      h = zerojax.scan_layers(recipes.layer, batch['x'], params['w'], ztx)
     else:
       h = recipes.forward(params, batch['x'], gather, policy)
     return recipes.mse(h, batch['y'])
@@ -174,8 +174,8 @@ def main(argv=None) -> int:
     fn, place = build(name, mesh, tx)
     params, opt_state = place(fresh())
     compiled = fn.lower(params, opt_state, x, y).compile()
-    mem, coll = zerojax.memory_stats(compiled), zerojax.count_collectives(compiled)
-    floor = zerojax.zero_floor_bytes(floor_stage, psi, n)
+    mem, coll = zerojax.inspect.memory_stats(compiled), zerojax.inspect.count_collectives(compiled)
+    floor = zerojax.inspect.zero_floor_bytes(floor_stage, psi, n)
     for _ in range(args.check_steps):
       params, opt_state, loss = fn(params, opt_state, x, y)
     checked = jax.device_get(params)

@@ -141,16 +141,16 @@ class Encoder(nn.Module):
   """Scanned, rematerialised blocks that gather their own ZeRO-3 shards."""
 
   cfg: Config
-  mesh: object = None
+  zero: object = None  # the optimizer from zerojax.zero_stage: the axes to gather over
 
   @nn.compact
   def __call__(self, tokens, segments):
     cfg = self.cfg
-    g = lambda cls: zerojax.gathered_linen(cls, mesh=self.mesh)
+    g = lambda cls: zerojax.linen.gathered(cls, self.zero)
     x = g(nn.Embed)(cfg.vocab, cfg.d_model, name='tokens')(tokens)
     x = x + g(nn.Embed)(8, cfg.d_model, name='segments')(segments)
     pos = self.param('pos', nn.initializers.normal(0.02), (cfg.max_len, cfg.d_model))
-    x = x + zerojax.gather_leaves(pos, mesh=self.mesh)[: tokens.shape[1]]
+    x = x + zerojax.gather(pos, self.zero)[: tokens.shape[1]]
     mask = (tokens != PAD)[:, None, None, :]  # (batch, heads, query, key)
     block = nn.remat(g(EncoderBlock), prevent_cse=False)
     x, _ = nn.scan(
@@ -191,7 +191,7 @@ TASK = Task(
   doc=__doc__,
   data_help='an MRPC TSV file (default: synthetic pairs)',
   load=load,
-  model=lambda mesh: Encoder(Config(), mesh),
+  model=lambda tx: Encoder(Config(), tx),
   init_inputs=lambda data: {
     'tokens': jnp.zeros((1, Config().max_len), jnp.int32),
     'segments': jnp.zeros((1, Config().max_len), jnp.int32),

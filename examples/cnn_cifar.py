@@ -128,11 +128,11 @@ def load(path: str | None) -> common.Data:
 class CNN(nn.Module):
   """Two conv layers and two dense layers; each gathers its own ZeRO-3 shards."""
 
-  mesh: object = None
+  zero: object = None  # the optimizer from zerojax.zero_stage: the axes to gather over
 
   @nn.compact
   def __call__(self, image):
-    g = lambda cls: zerojax.gathered_linen(cls, mesh=self.mesh)
+    g = lambda cls: zerojax.linen.gathered(cls, self.zero)
     x = nn.avg_pool(nn.relu(g(nn.Conv)(32, (3, 3))(image)), (2, 2), (2, 2))
     x = nn.avg_pool(nn.relu(g(nn.Conv)(64, (3, 3))(x)), (2, 2), (2, 2))
     x = nn.relu(g(nn.Dense)(128)(x.reshape(len(x), -1)))

@@ -114,7 +114,8 @@ class Task:
     doc: the example's module docstring (its first line is the --help text).
     data_help: what --data takes.
     load: path or None -> `Data` (None: the example's synthetic data).
-    model: mesh -> a linen module.
+    model: the optimizer wrapped by zerojax.zero_stage -> a linen module (which gathers
+      its parameters over that optimizer's axes).
     init_inputs: `Data` -> keyword inputs of `model.init` (one example is enough).
     logits_and_labels: (apply_fn, params, batch) -> (logits, integer labels);
       the loss is their mean cross-entropy, the accuracy their argmax match.
@@ -225,22 +226,23 @@ def run(
 
   data = data if isinstance(data, Data) else task.load(data)
   mesh = mesh or make_mesh()
-  zerojax.check_mesh(mesh)
-  model = task.model(mesh)
+  zerojax.distributed.check_mesh(mesh)
+  ztx = zerojax.zero_stage(tx or task.tx(), stage, mesh=mesh, **zero_options)
+  model = task.model(ztx)
   state = zerojax.create_train_state(
     lambda k: model.init(k, **task.init_inputs(data))['params'],
     jax.random.key(seed),
-    tx=zerojax.zero_stage(tx or task.tx(), stage, mesh=mesh, **zero_options),
+    tx=ztx,
     apply_fn=model.apply,
     param_dtype=param_dtype,
   )
   plan = zerojax.plan_for(state.tx, state.params)
   batch_at = task.batches(data, task.batch, seed)
-  rows = zerojax.process_batch_slice(task.batch, mesh)
+  rows = zerojax.distributed.process_batch_slice(task.batch, mesh)
 
   def to_devices(batch):
     # Each process contributes its rows; with one process this is a device_put.
-    return zerojax.global_batch({k: v[rows] for k, v in batch.items()}, mesh)
+    return zerojax.distributed.global_batch({k: v[rows] for k, v in batch.items()}, mesh)
 
   if grad not in ('auto', 'jax', 'zerojax'):
     raise ValueError(f"grad must be 'auto', 'jax' or 'zerojax', got {grad!r}")
@@ -272,7 +274,9 @@ def run(
   compiled = step_fn.lower(state, first).compile()
   start, ckpt = 0, None
   if checkpoint_dir:
-    ckpt = zerojax.Checkpointer(checkpoint_dir, max_to_keep=3, save_interval_steps=save_every)
+    ckpt = zerojax.checkpoint.Checkpointer(
+      checkpoint_dir, max_to_keep=3, save_interval_steps=save_every
+    )
     if ckpt.latest_step() is not None:
       state, extra = ckpt.restore(state)
       start = int(extra['data_position'])
@@ -330,7 +334,7 @@ def memory_table(plan, compiled) -> str:
   import zerojax
 
   sizes = plan.bytes_per_device()
-  mem = zerojax.memory_stats(compiled)
+  mem = zerojax.inspect.memory_stats(compiled)
   mib = lambda n: f'{n / 2**20:10.2f} MiB'
   rows = [
     ('params at rest', sizes['params']),
@@ -377,7 +381,7 @@ def stage_row(out: dict) -> dict:
   import zerojax
 
   sizes = out['plan'].bytes_per_device()
-  mem = zerojax.memory_stats(out['compiled'])
+  mem = zerojax.inspect.memory_stats(out['compiled'])
   return {
     'stage': out['stage'],
     'final_loss': out['losses'][-1][1],
@@ -556,7 +560,7 @@ def compare_quantized(
       quantize=quantize,
       **run_options,
     )
-    stats = zerojax.step_report(out['compiled'], plan=out['plan'])
+    stats = zerojax.inspect.step_report(out['compiled'], plan=out['plan'])
     rows.append(
       stage_row(out)
       | {

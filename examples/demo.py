@@ -62,7 +62,7 @@ def main(argv=None) -> int:
   # temporaries (measured).
   rows = []
   for r in runs:
-    mem = zerojax.memory_stats(r['compiled'])
+    mem = zerojax.inspect.memory_stats(r['compiled'])
     scalars = sum(x.nbytes for x in jax.tree.leaves(r['state']) if x.ndim == 0)
     at_rest = mem.argument - r['batch_bytes'] - scalars
     plan_bytes = r['plan'].bytes_per_device()
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         'formula': formula(r['stage'], psi, n),
         'grads': plan_bytes['grads'],
         'temp': mem.temp,
-        'collectives': zerojax.count_collectives(r['compiled']).counts,
+        'collectives': zerojax.inspect.count_collectives(r['compiled']).counts,
       }
     )
   mib = lambda b: f'{b / 2**20:.2f}'

@@ -1,7 +1,7 @@
 """GPT-style byte-level language model trained with zerojax (the main example).
 
 Scanned transformer blocks; under stage 3 each block gathers its own parameter
-shards inside the layer loop (zerojax.gathered_linen) and, rematerialised, drops
+shards inside the layer loop (zerojax.linen.gathered) and, rematerialised, drops
 them after use. Trains on any text file (--data), or by default on the
 docstrings of Python's standard library, gathered at run time: real text, not
 synthetic. The last 5% of the text is held out; the held-out figures are the
@@ -134,12 +134,12 @@ class GPT(nn.Module):
   With `per_layer` (the default), each module gathers its own ZeRO-3 shards when
   it runs, inside the scanned and rematerialised layer loop; it is a no-op below
   stage 3, where parameters are replicated at rest. Without it the caller
-  gathers everything up front (`zerojax.gather_params`), which keeps the whole
+  gathers everything up front (`zerojax.gather`), which keeps the whole
   model live on every device.
   """
 
   cfg: Config
-  mesh: object = None
+  zero: object = None  # the optimizer from zerojax.zero_stage: the axes to gather over
   per_layer: bool = True
 
   @nn.compact
@@ -147,7 +147,7 @@ class GPT(nn.Module):
     cfg = self.cfg
 
     def gathered(cls):
-      return zerojax.gathered_linen(cls, mesh=self.mesh) if self.per_layer else cls
+      return zerojax.linen.gathered(cls, self.zero) if self.per_layer else cls
 
     x = gathered(nn.Embed)(cfg.vocab, cfg.d_model, name='embed')(tokens)
     # Learned positions as a module of their own, so that it gathers its shards too.
@@ -180,7 +180,7 @@ def task(cfg: Config = Config(), log_every: int = 10) -> common.Task:
     doc=__doc__,
     data_help='a text file to train on (default: the standard library docstrings)',
     load=lambda path: load(path, cfg),
-    model=lambda mesh: GPT(cfg, mesh),
+    model=lambda tx: GPT(cfg, tx),
     init_inputs=lambda data: {'tokens': jnp.zeros((1, cfg.seq_len), jnp.int32)},
     logits_and_labels=logits_and_labels,
     tx=lambda: optax.adamw(cfg.lr, weight_decay=0.01),

@@ -152,11 +152,11 @@ def load(folder: str | None) -> Data:
 class MLP(nn.Module):
   """784 -> 512 -> 512 -> 10; each layer gathers its own ZeRO-3 shards."""
 
-  mesh: object = None
+  zero: object = None  # the optimizer from zerojax.zero_stage: the axes to gather over
 
   @nn.compact
   def __call__(self, image):
-    dense = zerojax.gathered_linen(nn.Dense, mesh=self.mesh)
+    dense = zerojax.linen.gathered(nn.Dense, self.zero)
     x = nn.relu(dense(512)(image))
     x = nn.relu(dense(512)(x))
     return dense(10)(x)

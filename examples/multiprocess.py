@@ -1,6 +1,6 @@
 """The GPT example on several processes: JAX's distributed runtime, one mesh over all of them.
 
-Every process runs this same script; `zerojax.initialize_distributed` joins them
+Every process runs this same script; `zerojax.distributed.initialize` joins them
 (`jax.distributed.initialize` underneath; gloo collectives on CPU), the mesh
 spans every process's devices, each process loads only its rows of each batch,
 and checkpoints are written by all processes together. Two processes with four
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
 
   distributed = args.coordinator is not None or args.num_processes not in (None, 1)
   if distributed:
-    zerojax.initialize_distributed(
+    zerojax.distributed.initialize(
       args.coordinator,
       args.num_processes,
       args.process_id,
@@ -97,16 +97,18 @@ def main(argv=None) -> int:
     tx=optax.sgd(0.1, momentum=0.9) if args.optimizer == 'sgd' else None,
   )
   report(out, 'gpt')
-  step = zerojax.step_report(out['compiled'], plan=out['plan'])
+  step = zerojax.inspect.step_report(out['compiled'], plan=out['plan'])
   if jax.process_index() == 0:
     print(step)
   if args.export:
-    path = zerojax.export_params(out['state'].params, args.export)
+    path = zerojax.checkpoint.export_params(out['state'].params, args.export)
     if jax.process_index() == 0:
       print(f'wrote {path}')
   if args.export_state:
     state = out['state']
-    zerojax.export_params({'params': state.params, 'opt_state': state.opt_state}, args.export_state)
+    zerojax.checkpoint.export_params(
+      {'params': state.params, 'opt_state': state.opt_state}, args.export_state
+    )
   return 0
 
 

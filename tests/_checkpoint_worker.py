@@ -50,7 +50,7 @@ def save(folder, stages):
     grads = jax.tree.map(lambda p: jnp.cos(p), state.params)
     state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)  # non-zero moments
     out = os.path.join(folder, f'n{N}_s{stage}')
-    with zerojax.Checkpointer(out) as ckpt:
+    with zerojax.checkpoint.Checkpointer(out) as ckpt:
       ckpt.save(1, state, extra={'data_position': jnp.array(7)})
     np.savez(
       os.path.join(out, 'expected.npz'),
@@ -63,7 +63,7 @@ def restore(folder, stages):
   for path in sorted(glob.glob(os.path.join(folder, 'n*_s*'))):
     expected = dict(np.load(os.path.join(path, 'expected.npz')))
     for stage in stages:
-      state, extra = zerojax.restore_train_state(
+      state, extra = zerojax.checkpoint.restore_train_state(
         path, init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh())
       )
       plan = zerojax.plan_for(state.tx, state.params)
@@ -85,7 +85,7 @@ def restore(folder, stages):
 
 
 def kill(folder):
-  with zerojax.Checkpointer(folder, async_save=False) as ckpt:
+  with zerojax.checkpoint.Checkpointer(folder, async_save=False) as ckpt:
     ckpt.save(1, {'w': jnp.ones((8, 8))})
     print('SAVED 1', flush=True)
     # 512 MiB of random floats: incompressible, so the write takes a while.
@@ -98,7 +98,7 @@ def kill(folder):
 
 def exit_without_close(folder):
   # No close(), no `with`: the script just ends while the write is in flight.
-  ckpt = zerojax.Checkpointer(folder)
+  ckpt = zerojax.checkpoint.Checkpointer(folder)
   ckpt.save(1, {'w': jnp.arange(16 * 1024 * 1024, dtype=jnp.float32)})
   print('RETURNED', flush=True)
 
@@ -112,7 +112,7 @@ def exit_state_without_close(folder):
   # Held by a module global, as in a script: it lives until the interpreter exits, after
   # the point where Python stops its thread pools (where orbax commits in the background).
   global CHECKPOINTER
-  CHECKPOINTER = zerojax.Checkpointer(folder)
+  CHECKPOINTER = zerojax.checkpoint.Checkpointer(folder)
   CHECKPOINTER.save(1, state, extra={'data_position': jnp.array(7)})
   np.savez(os.path.join(folder, '..', 'expected.npz'), **flat({'params': state.params}))
   print('RETURNED', flush=True)

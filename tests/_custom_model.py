@@ -8,10 +8,10 @@ import zerojax
 
 def spec():
   def loss_fn(params, x, plan):
-    p = zerojax.gather_params(params, plan)
+    p = zerojax.gather(params, plan)
     return jnp.mean(jnp.tanh(x @ p['w1']) @ p['w2'])
 
-  return zerojax.ModelSpec(
+  return zerojax.inspect.ModelSpec(
     name='two-layer',
     init_fn=lambda key: {
       'w1': jax.random.normal(key, (64, 128)),

@@ -1,13 +1,19 @@
 """Small models and data shared by the tests (sized so 8 fake copies are cheap)."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from _tolerance import reordered
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
+from zerojax._src import hlo as hlo_lib
 
 # Every dimension divides by 8, so every leaf can be sharded.
 SHAPES = {
@@ -86,7 +92,7 @@ def zero_run(tx, mesh, stage: int, steps: int, *, extra: bool = False):
   @jax.jit
   def step(params, opt_state, x, y):
     def loss(p):
-      return loss_fn(zerojax.gather_params(p, plan), x, y)
+      return loss_fn(zerojax.gather(p, plan), x, y)
 
     value, grads = jax.value_and_grad(loss)(params)
     kwargs = dict(value=value, grad=grads, value_fn=loss) if extra else {}
@@ -107,3 +113,151 @@ def max_rel_err(a, b) -> float:
     b,
   )
   return max(jax.tree.leaves(errs))
+
+
+def plan_of(params, tx, *, stage, **options):
+  """The plan `zero_stage(tx, stage, **options)` makes for `params`."""
+  return zerojax.plan_for(zerojax.zero_stage(tx, stage, **options), params)
+
+
+# -- two d x d layers, gathered up front: bytes and collectives against the formulas ---------
+
+TWO_LAYER_N = 8
+D = TWO_LAYER_D = 256  # two 256x256 matrices and two biases: every leaf divides by 8
+TWO_LAYER_PSI = 2 * D * D + 2 * D
+
+
+def make_init(d):
+  """Two d x d layers with biases."""
+
+  def init_fn(key):
+    k1, k2 = jax.random.split(key)
+    return {
+      'w1': jax.random.normal(k1, (d, d)),
+      'b1': jnp.zeros((d,)),
+      'w2': jax.random.normal(k2, (d, d)),
+      'b2': jnp.zeros((d,)),
+    }
+
+  return init_fn
+
+
+init_fn = make_init(D)
+
+
+def step(state, x):
+  plan = zerojax.plan_for(state.tx, state.params)
+
+  def loss(p):
+    p = zerojax.gather(p, plan)
+    return jnp.mean((jnp.tanh(x @ p['w1'] + p['b1']) @ p['w2'] + p['b2']) ** 2)
+
+  return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+
+def compile_step(mesh, stage, batch=64):
+  state = zerojax.inspect.abstract_train_state(
+    init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
+  )
+  x = jax.ShapeDtypeStruct(
+    (batch, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data'))
+  )
+  return jax.jit(step).lower(state, x).compile(), batch * D * 4 // TWO_LAYER_N
+
+
+SCALARS = 4 + 4  # TrainState.step and Adam's count, int32 each
+
+
+def run_cli(*args, timeout=600, drop=('XLA_FLAGS',)):
+  """`python -m zerojax ARGS`, with the tests' folder importable (models named module:function)."""
+  env = dict(os.environ)
+  for name in drop:
+    env.pop(name, None)
+  env['PYTHONPATH'] = os.pathsep.join(
+    [os.path.dirname(os.path.abspath(__file__))] + env.get('PYTHONPATH', '').split(os.pathsep)
+  )
+  return subprocess.run(
+    [sys.executable, '-m', 'zerojax', *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=timeout,
+  )
+
+
+def mp_step(state, x):
+  plan = zerojax.plan_for(state.tx, state.params)
+
+  def loss(p):
+    p = zerojax.gather(p, plan)
+    h = jnp.tanh(x.astype(p['w1'].dtype) @ p['w1'] + p['b1'])
+    return jnp.mean((h @ p['w2'] + p['b2']).astype(jnp.float32) ** 2)
+
+  return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+
+def collective_ops(text, kind):
+  """(result dtype, result bytes) of each `kind` collective in the HLO."""
+  out = []
+  for line in text.splitlines():
+    found = hlo_lib._collective(line)
+    if found and found[0] == kind:
+      shape = hlo_lib._SHAPE.search(found[2])
+      out.append((shape.group(1), hlo_lib._type_bytes(found[2])))
+  return out
+
+
+# -- NNX: a residual block, and a stack of them scanned with per-layer gathers -----------
+
+
+class Block(nnx.Module):
+  def __init__(self, d, rngs):
+    self.fc1 = nnx.Linear(d, 4 * d, rngs=rngs)
+    self.fc2 = nnx.Linear(4 * d, d, rngs=rngs)
+
+  def __call__(self, x):
+    return x + self.fc2(jnp.tanh(self.fc1(x)))
+
+
+class ScannedNNX(nnx.Module):
+  def __init__(self, d, n_layers, rngs, zero=None):
+    self.zero = zero  # the optimizer from zerojax.zero_stage, or None: no gathers
+
+    @nnx.split_rngs(splits=n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Block(d, rngs)
+
+    self.blocks = make(rngs)
+
+  def __call__(self, x):
+    @nnx.remat
+    def layer(block, x):
+      if self.zero is not None:
+        block = zerojax.nnx.gathered(block, self.zero)
+      return block(x)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(x, block):
+      return layer(block, x)
+
+    return run(x, self.blocks)
+
+
+# ScannedNNX(32, 2) on 16 rows: each result's chain of sums is the rows and two
+# blocks of 32- and 128-wide contractions.
+SCANNED_TERMS = 16 + 2 * (32 + 128)
+
+
+def nnx_train(model, tx, x, steps=5):
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+  for _ in range(steps):
+    step(model, opt)
+  return model, opt

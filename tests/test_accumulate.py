@@ -106,7 +106,7 @@ def compiled_step(mesh, stage, micro):
     k1, k2 = jax.random.split(key)
     return {'w1': jax.random.normal(k1, (D, D)), 'w2': jax.random.normal(k2, (D, D))}
 
-  state = zerojax.abstract_train_state(
+  state = zerojax.inspect.abstract_train_state(
     init, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
   )
 
@@ -122,7 +122,7 @@ def compiled_step(mesh, stage, micro):
   x = jax.ShapeDtypeStruct(
     (64, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data'))
   )
-  return zerojax.count_collectives(jax.jit(step).lower(state, x).compile())
+  return zerojax.inspect.count_collectives(jax.jit(step).lower(state, x).compile())
 
 
 GRAD_BYTES = 2 * D * D * 4

@@ -200,35 +200,35 @@ def test_processes_with_different_device_counts_fail():
 # In-process checks (this suite's 8 faked devices, one process).
 def test_initialize_rejects_bad_arguments():
   with pytest.raises(ValueError, match=r"`coordinator_address`='localhost' is not HOST:PORT"):
-    zerojax.initialize_distributed('localhost', 2, 0)
+    zerojax.distributed.initialize('localhost', 2, 0)
   with pytest.raises(ValueError, match=r'`num_processes` must be a positive int .* got 0'):
-    zerojax.initialize_distributed('127.0.0.1:1234', 0, 0)
+    zerojax.distributed.initialize('127.0.0.1:1234', 0, 0)
   with pytest.raises(ValueError, match=r'`process_id` must be an int in 0..1 .* got 2'):
-    zerojax.initialize_distributed('127.0.0.1:1234', 2, 2)
+    zerojax.distributed.initialize('127.0.0.1:1234', 2, 2)
   with pytest.raises(RuntimeError, match='jax has already started its backend in this process'):
-    zerojax.initialize_distributed('127.0.0.1:1234', 2, 0)
+    zerojax.distributed.initialize('127.0.0.1:1234', 2, 0)
 
 
 def test_check_mesh_names_both_counts():
   mesh = jax.make_mesh((4,), ('data',), devices=jax.devices()[:4])
   with pytest.raises(ValueError) as e:
-    zerojax.check_mesh(mesh)
+    zerojax.distributed.check_mesh(mesh)
   assert str(e.value).startswith(
     "the mesh {'data': 4} has 4 devices but this launch has 8 (1 process(es) x 8 device(s))."
   )
   full = jax.make_mesh((8,), ('data',))
-  assert zerojax.check_mesh(full) is full
+  assert zerojax.distributed.check_mesh(full) is full
 
 
 def test_batch_helpers_one_process():
   mesh = jax.make_mesh((8,), ('data',))
-  assert zerojax.process_batch_slice(32, mesh) == slice(0, 32)
+  assert zerojax.distributed.process_batch_slice(32, mesh) == slice(0, 32)
   with pytest.raises(ValueError, match='the global batch of 30 rows does not divide over the 8'):
-    zerojax.process_batch_slice(30, mesh)
+    zerojax.distributed.process_batch_slice(30, mesh)
   x = np.arange(32 * 3).reshape(32, 3)
-  g = zerojax.global_batch({'x': x}, mesh)['x']
+  g = zerojax.distributed.global_batch({'x': x}, mesh)['x']
   assert g.sharding.spec == jax.sharding.PartitionSpec('data')
-  np.testing.assert_array_equal(zerojax.to_numpy(g), x)
+  np.testing.assert_array_equal(zerojax.distributed.to_numpy(g), x)
 
 
 def test_step_report_scales_to_processes_and_mesh():
@@ -246,7 +246,7 @@ def test_step_report_scales_to_processes_and_mesh():
     return optax.apply_updates(params, updates), state
 
   compiled = jax.jit(step).lower(params, state, *shard_batch(mesh, *batch())).compile()
-  report = zerojax.step_report(compiled, plan=zerojax.plan_for(tx, params))
+  report = zerojax.inspect.step_report(compiled, plan=zerojax.plan_for(tx, params))
   assert report.process_devices == {0: 8}
   assert report.per_process().argument == 8 * report.memory.argument
   assert report.whole_mesh().peak == 8 * report.memory.peak
@@ -274,18 +274,19 @@ def test_initialize_without_a_cluster_says_what_to_pass():
   code = (
     'import zerojax\n'
     'try:\n'
-    '  zerojax.initialize_distributed(timeout_s=20)\n'
+    '  zerojax.distributed.initialize(timeout_s=20)\n'
     'except ValueError as e:\n'
-    '  print("ERROR", e)\n'
+    '  print("NOTE", *[n for n in e.__notes__ if n.startswith("zerojax")])\n'
   )
   proc = subprocess.run(
     [sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=120
   )
   assert proc.returncode == 0, proc.stderr
+  # JAX's own ValueError arrives, with a note from zerojax on what to pass.
   assert proc.stdout.strip() == (
-    'ERROR zerojax.initialize_distributed() found no cluster to join: JAX detects TPU pods,'
-    ' SLURM and Open MPI launches by itself, and none is around this process. Pass the'
-    ' launch explicitly, the same address and count in every process and a distinct id each'
-    " (process 0 hosts the coordinator): zerojax.initialize_distributed('HOST:PORT',"
-    ' num_processes=N, process_id=i). For one process, do not call it.'
+    'NOTE zerojax.distributed.initialize() was called without a launch: JAX detects TPU pods,'
+    ' SLURM and Open MPI launches by itself. Elsewhere pass the launch explicitly, the same'
+    ' address and count in every process and a distinct id each (process 0 hosts the'
+    " coordinator): zerojax.distributed.initialize('HOST:PORT', num_processes=N,"
+    ' process_id=i). For one process, do not call it.'
   )

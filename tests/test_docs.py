@@ -75,7 +75,7 @@ def _json(name):
 
 
 def _search_figures():
-  """The README's sentences about the committed plan searches."""
+  """The sentences of docs/results.md about the committed plan searches."""
   import re
 
   gib = 2**30
@@ -104,34 +104,34 @@ def _search_figures():
   slice64 = _json('search_llama2-70b_v5e-8x8.json')
   win64 = slice64['results'][0]
   return [
-    ('README.md', f'{len(cpu["results"])} candidates): predicted / measured step time'),
-    ('README.md', f'step time {min(ratios):.2f}–{max(ratios):.2f}.'),
+    ('docs/results.md', f'{len(cpu["results"])} candidates): predicted / measured step time'),
+    ('docs/results.md', f'step time {min(ratios):.2f}–{max(ratios):.2f}.'),
     (
-      'README.md',
+      'docs/results.md',
       f'{len(seven["results"])} candidates in {seven["search_seconds"] / 60:.1f} minutes',
     ),
-    ('README.md', f'(at best {refused7:.2f}G needed of the 15.75G usable)'),
+    ('docs/results.md', f'(at best {refused7:.2f}G needed of the 15.75G usable)'),
     (
-      'README.md',
+      'docs/results.md',
       f'{win7["peak_bytes"] / gib:.2f} GiB peak, {win7["ring_bytes"] / win7["floor_bytes"]:.2f}×'
       f' the floor, predicted {win7["predicted_seconds"]["step"]:.2f} s per step',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'stage 3 over the torus axes, {win70["ring_bytes"] / win70["floor_bytes"]:.3f}× the floor,'
       f' {win70["peak_bytes"] / gib:.2f} GiB peak,'
       f' {100 * win70["overlapped_ring_bytes"] / win70["ring_bytes"]:.0f}% of the ring bytes'
       f' overlapped; predicted {p70["step"]:.2f} s per step, of which {p70["compute"]:.2f} s is'
       f' compute at peak ({win70["flops"] / 1e12:,.0f} TFLOP per chip)',
     ),
-    ('README.md', f'of {len(small["results"])} candidates'),
+    ('docs/results.md', f'of {len(small["results"])} candidates'),
     (
-      'README.md',
+      'docs/results.md',
       f'needs {closest[0]:.2f}G of temporaries beside'
       f' {closest[1]["theory_state_bytes"] / gib:.2f} GiB of bf16 parameter shards',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'fits at {win64["peak_bytes"] / gib:.2f} GiB peak with {win64["host_bytes"] / gib:.2f} GiB'
       f' of optimizer state per chip in host memory (of 64 GiB), predicted'
       f' {win64["predicted_seconds"]["step"]:.2f} s per step',
@@ -186,7 +186,7 @@ def _figures():
     f' | {paths[name]["temp vs docs-shard_map"]:.2f}× recipe |'
   )
   path_rows = [
-    ('README.md', row(name))
+    ('docs/results.md', row(name))
     for name in ('zerojax-3 value_and_grad', 'zerojax-3 full-remat', 'zerojax-3 jax.grad')
     + ('zerojax-3 scan_layers',)
   ]
@@ -194,54 +194,54 @@ def _figures():
   path_rows = _search_figures() + path_rows
   return path_rows + [
     (
-      'README.md',
+      'docs/results.md',
       f'takes {full["time vs maxtext-shaped (paired median)"]:.2f}× its step time (paired median),'
       f' {full["peak vs maxtext-shaped"]:.2f}× its peak and {full["ring vs maxtext-shaped"]:.2f}×'
       ' its traffic',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'{vag["time vs maxtext-shaped (paired median)"]:.2f}× the time and'
       f' {vag["ring vs maxtext-shaped"]:.2f}× the traffic for {vag["peak vs maxtext-shaped"]:.2f}×'
       ' its peak',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'| {s2["ring vs docs-shard_map"]:.2f}× the stage-3 traffic |'
       f' {cpu["results"]["zerojax-2 value_and_grad"]["temp_bytes"] / mib:.2f} MiB |',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'{cpu["results"]["zerojax-3 value_and_grad"]["matmuls"]} matmuls against'
       f' {cpu["results"]["maxtext-shaped"]["matmuls"]})',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'held-out loss {held[1]:.4f} with int8 weights and gradients and {held[2]:.4f} with int4'
       f' gradients, against {held[0]:.4f} in full precision'
       f' (+{100 * (held[1] / held[0] - 1):.2f}%, +{100 * (held[2] / held[0] - 1):.1f}%), with'
       f' {ring_q[1]:.3f}× and {ring_q[2]:.3f}× the collective bytes',
     ),
-    ('README.md', f'{q8:.3f}× (int8) and {q4:.3f}× (int4) the ring'),
-    ('README.md', f'the step is {t8:.2f}× and {t4:.2f}× slower'),
+    ('docs/results.md', f'{q8:.3f}× (int8) and {q4:.3f}× (int4) the ring'),
+    ('docs/results.md', f'the step is {t8:.2f}× and {t4:.2f}× slower'),
     ('README.md', f"({demo['wall_seconds']:.0f} s on this project's 2-core machine"),
-    ('README.md', f'runs for {plan["compile_seconds"]:.1f} s, compile included'),
-    ('README.md', f'needs {peak:.2f} GiB of the 16 GiB per chip'),
-    ('README.md', f'move {ratio:.2f}× the 3Ψ(N−1)/N floor'),
-    ('README.md', f'{100 * overlap:.0f}% of the bytes overlapping'),
-    ('README.md', f'the same step moves {flat_ratio:.2f}× the floor'),
+    ('docs/results.md', f'runs for {plan["compile_seconds"]:.1f} s, compile included'),
+    ('docs/results.md', f'needs {peak:.2f} GiB of the 16 GiB per chip'),
+    ('docs/results.md', f'move {ratio:.2f}× the 3Ψ(N−1)/N floor'),
+    ('docs/results.md', f'{100 * overlap:.0f}% of the bytes overlapping'),
+    ('docs/results.md', f'the same step moves {flat_ratio:.2f}× the floor'),
     (
-      'README.md',
+      'docs/results.md',
       f'{100 * pre_overlap:.0f}% of the bytes then overlap compute, for'
       f' {pre["memory"]["peak"] / 2**30:.2f} GiB per chip',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'the step then needs {chunked["memory"]["peak"] / 2**30:.2f} GiB per chip at'
       f' {ch_ring / chunked["zero_floor_bytes"]:.3f}× the floor',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'{100 * sum(ch_over.values()) / ch_ring:.0f}% of the bytes overlap compute'
       f' ({100 * ch_over["all-gather"] / ch_gathered:.0f}% of the gathered ones)',
     ),
@@ -258,7 +258,7 @@ def _figures():
       f'(`benchmarks/results/plan_llama2-70b_v5e-16x16_flat.txt`: {flat_ratio:.2f}×',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'lowers the stage-3 peak from {offload[(3, None, "device")]["peak_bytes"] / mib:.1f} to'
       f' {offload[(3, "opt_state+master", "host")]["peak_bytes"] / mib:.1f} MiB'
       f' ({offload[(3, "opt_state+master", "host")]["peak_vs_no_offload"]:.2f}×; stages 1–2:'
@@ -272,11 +272,11 @@ def _figures():
       f'{cpu["results"]["docs-shard_map"]["ring_bytes"] / mib:.2f} MiB, 24 matmuls',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'takes {cpu["ratios"]["stage3 time vs docs-shard_map (paired median)"]:.2f}× the step time',
     ),
     (
-      'README.md',
+      'docs/results.md',
       f'same peak memory ({cpu["ratios"]["stage3 peak vs docs-shard_map"]:.2f}×) and the same'
       f' traffic ({cpu["ratios"]["stage3 ring bytes vs docs-shard_map"]:.2f}×',
     ),
@@ -315,7 +315,12 @@ OLD_NOTES = 'DESIGN' + '.md'
 
 
 def test_docs_cite_the_projects_own_design_notes():
-  for path in [ROOT / 'README.md', ROOT / 'benchmarks' / 'README.md', ROOT / 'CHANGELOG.md']:
+  for path in [
+    ROOT / 'README.md',
+    ROOT / 'docs' / 'results.md',
+    ROOT / 'benchmarks' / 'README.md',
+    ROOT / 'CHANGELOG.md',
+  ]:
     assert OLD_NOTES not in path.read_text(), path
   for folder in ('zerojax', 'tests', 'examples', 'benchmarks'):
     for path in (ROOT / folder).rglob('*.py'):
@@ -376,3 +381,39 @@ def test_value_and_grad_has_no_function_over_80_lines():
     for node in ast.walk(tree):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         assert node.end_lineno - node.lineno + 1 <= 80, (module, node.name)
+
+
+def test_the_top_level_is_what_the_readme_documents():
+  # The README's API table lists every top-level name, and nothing else is exported.
+  import re
+
+  text = (ROOT / 'README.md').read_text()
+  table = text[text.index('## API') : text.index('Submodules, imported on first use')]
+  documented = set(re.findall(r'`(\w+)`', table))
+  assert documented == set(zerojax.__all__)
+  assert len(zerojax.__all__) <= 20
+  for name in zerojax.SUBMODULES:
+    assert f'`zerojax.{name}`' in text
+
+
+def test_every_moved_name_says_where_it_went_and_the_changelog_lists_it():
+  changelog = (ROOT / 'CHANGELOG.md').read_text()
+  for old, new in zerojax.MOVED.items():
+    with pytest.raises(AttributeError) as e:
+      getattr(zerojax, old)
+    assert str(e.value) == (
+      f'zerojax.{old} is gone since zerojax 0.2: use {new} (see the migration table in'
+      ' CHANGELOG.md).'
+    )
+    assert f'| `zerojax.{old}` | `{new}` |' in changelog
+
+
+def test_import_zerojax_loads_neither_flax_nor_orbax():
+  code = (
+    'import sys, zerojax\n'
+    'print(sorted(m for m in ("flax", "orbax", "orbax.checkpoint") if m in sys.modules))\n'
+  )
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == '[]'

@@ -5,7 +5,7 @@ Two of Flax's examples, as a new user would bring them: the linen MNIST CNN with
 computed from them; and the NNX MNIST CNN with BatchNorm and Dropout, trained with
 `nnx.Optimizer`. Each runs unwrapped on the global batch, then through the one-line
 `zero_stage` wrap (keeping the example's own step) and through `zerojax.value_and_grad` /
-`zerojax.nnx_value_and_grad`, at stages 0-3: losses, metrics and parameters must agree.
+`zerojax.nnx.value_and_grad`, at stages 0-3: losses, metrics and parameters must agree.
 """
 
 import contextlib
@@ -201,9 +201,9 @@ def _check_nnx(model, history, reference):
 @pytest.mark.parametrize('stage', STAGES)
 def test_nnx_mnist_one_line_wrap(stage, auto_mesh, nnx_reference):
   model = NNXCNN(rngs=nnx.Rngs(0))
-  if stage == 3:
-    zerojax.shard_nnx(model, stage=3, mesh=auto_mesh)
   tx = zerojax.zero_stage(optax.adamw(1e-3), stage, mesh=auto_mesh)
+  if stage == 3:
+    zerojax.nnx.shard(model, tx)
   _check_nnx(*_nnx_train(model, tx, mesh=auto_mesh), nnx_reference)
 
 
@@ -211,10 +211,10 @@ def test_nnx_mnist_one_line_wrap(stage, auto_mesh, nnx_reference):
 def test_nnx_mnist_through_nnx_value_and_grad(stage, mesh, nnx_reference):
   # BatchNorm names the ZeRO axis: its statistics are then the global batch's per device.
   model = NNXCNN(rngs=nnx.Rngs(0), axis_name='data')
-  if stage == 3:
-    zerojax.shard_nnx(model, stage=3, mesh=mesh)
   tx = zerojax.zero_stage(optax.adamw(1e-3), stage, mesh=mesh)
-  grad_fn = zerojax.nnx_value_and_grad(_nnx_loss, tx, has_aux=True)
+  if stage == 3:
+    zerojax.nnx.shard(model, tx)
+  grad_fn = zerojax.nnx.value_and_grad(_nnx_loss, tx, has_aux=True)
   model, history = _nnx_train(model, tx, grad_fn, mesh)
   _check_nnx(model, history, nnx_reference)
   params = nnx.state(model, nnx.Param)
@@ -230,11 +230,11 @@ def test_nnx_dropout_draws_per_device(auto_mesh):
   tx = zerojax.zero_stage(optax.adamw(1e-3), 2, mesh=auto_mesh)
 
   def loss(model, batch):
-    h = model.linear1(jnp.ones((batch['images'].shape[0], 64)))
+    h = model.linear1(batch['images'].reshape(batch['images'].shape[0], -1)[:, :64])
     dropped = model.dropout(jnp.ones_like(h)) == 0
     return jnp.mean(h**2), dropped
 
-  grad_fn = zerojax.nnx_value_and_grad(loss, tx, has_aux=True, micro_batches=2)
+  grad_fn = zerojax.nnx.value_and_grad(loss, tx, has_aux=True, micro_batches=2)
   x, y = _sharded(auto_mesh, *(a[0] for a in _data()))
   (_, dropped), _ = nnx.jit(lambda m, b: grad_fn(m, b))(model, {'images': x, 'labels': y})
   parts = np.asarray(dropped).reshape(16, -1)

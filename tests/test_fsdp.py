@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import max_rel_err
+from _models import ScannedNNX, max_rel_err
 from _tolerance import reordered
 from flax import linen as nn
 from jax.sharding import NamedSharding
@@ -35,7 +35,7 @@ def _zerojax_step(mesh, stage, *, layers=4, width=256, per_layer=True, remat=Tru
   ztx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
   gather, policy = (lambda w: w), None
   if stage >= 2 and per_layer:
-    gather = lambda w: zerojax.gather_leaves(w, mesh=mesh)
+    gather = lambda w: zerojax.gather(w, ztx)
     policy = zerojax.recompute_gathers if remat and stage == 3 else None
 
   def loss_fn(params, batch):
@@ -62,14 +62,14 @@ def _compiled(mesh, stage, **kw):
 @pytest.mark.parametrize('stage', [1, 2, 3])
 def test_gradients_reach_their_shards_through_a_reduce_scatter_on_cpu(auto_mesh, stage):
   compiled, psi = _compiled(auto_mesh, stage)
-  stats = zerojax.count_collectives(compiled)
+  stats = zerojax.inspect.count_collectives(compiled)
   layers = 4
   # A reduce-scatter per layer at stages 2-3 (each gather's transpose), one for
   # the whole buffer at stage 1; no all-reduce of gradient size anywhere.
   assert stats['reduce-scatter'] == (layers if stage >= 2 else 1)
   assert stats.result_bytes.get('all-reduce', 0) <= 16  # the loss, a scalar
   # Exactly the floor, up to the loss's scalar all-reduce.
-  floor = zerojax.zero_floor_bytes(stage, psi, N)
+  floor = zerojax.inspect.zero_floor_bytes(stage, psi, N)
   assert floor <= stats.total_ring_bytes <= floor + 16
 
 
@@ -85,22 +85,25 @@ def test_per_layer_value_and_grad_is_the_docs_recipe(auto_mesh):
   # The same matmuls (forward, and two per layer in the backward: no forward recomputed) ...
   assert hlo_ops.matmuls(compiled) == hlo_ops.matmuls(docs) == 3 * layers
   # ... the same collectives, and the same memory.
-  ours, theirs = zerojax.count_collectives(compiled), zerojax.count_collectives(docs)
+  ours, theirs = (
+    zerojax.inspect.count_collectives(compiled),
+    zerojax.inspect.count_collectives(docs),
+  )
   assert (
     ours.counts
     == theirs.counts
     == {'all-gather': 2 * layers, 'reduce-scatter': layers, 'all-reduce': 1}
   )
   assert ours.total_ring_bytes == theirs.total_ring_bytes
-  mine, docs_mem = zerojax.memory_stats(compiled), zerojax.memory_stats(docs)
+  mine, docs_mem = zerojax.inspect.memory_stats(compiled), zerojax.inspect.memory_stats(docs)
   assert mine.argument == docs_mem.argument and mine.temp <= docs_mem.temp * 1.1
 
 
 def test_a_full_checkpoint_runs_the_forward_again(auto_mesh):
   # What the README's recipe did before recompute_gathers: 4 matmuls per layer.
   step, params, opt_state = _zerojax_step(auto_mesh, 3, per_layer=True, remat=True)
-  gather = lambda w: zerojax.gather_leaves(w, mesh=auto_mesh)
   ztx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=auto_mesh)
+  gather = lambda w: zerojax.gather(w, ztx)
 
   def loss_fn(params, batch):
     def body(h, w):
@@ -123,7 +126,7 @@ def test_per_layer_value_and_grad_keeps_temporaries_per_layer(auto_mesh):
   temps = {}
   for layers in (4, 8):
     compiled, _ = _compiled(auto_mesh, stage, layers=layers, width=width)
-    temps[layers] = zerojax.memory_stats(compiled).temp
+    temps[layers] = zerojax.inspect.memory_stats(compiled).temp
   layer_bytes = width * width * 4
   slope = (temps[8] - temps[4]) / 4
   assert slope < layer_bytes / 4, (temps, layer_bytes)
@@ -131,7 +134,7 @@ def test_per_layer_value_and_grad_keeps_temporaries_per_layer(auto_mesh):
   up_front = {}
   for layers in (4, 8):
     compiled, _ = _compiled(auto_mesh, stage, layers=layers, width=width, per_layer=False)
-    up_front[layers] = zerojax.memory_stats(compiled).temp
+    up_front[layers] = zerojax.inspect.memory_stats(compiled).temp
   assert (up_front[8] - up_front[4]) / 4 >= layer_bytes
 
 
@@ -141,7 +144,7 @@ def test_stage_2_carries_gradient_shards_through_the_backward_pass(auto_mesh):
   # backward pass reaches it. Measured against the plain jax.grad step.
   layers, width = 8, 1024
   temp = lambda **kw: (
-    zerojax.memory_stats(_compiled(auto_mesh, 2, layers=layers, width=width, **kw)[0]).temp
+    zerojax.inspect.memory_stats(_compiled(auto_mesh, 2, layers=layers, width=width, **kw)[0]).temp
   )
   per_layer, whole = temp(per_layer=True), temp(per_layer=False)
   ztx = zerojax.zero_stage(optax.adam(1e-3), 2, mesh=auto_mesh)
@@ -153,7 +156,7 @@ def test_stage_2_carries_gradient_shards_through_the_backward_pass(auto_mesh):
 
   params = recipes.init_params(jax.random.key(0), layers, width)
   params = jax.device_put(params, zerojax.plan_for(ztx, params).params)
-  plain = zerojax.memory_stats(
+  plain = zerojax.inspect.memory_stats(
     jax.jit(step).lower(params, ztx.init(params), *_data(auto_mesh, width)).compile()
   ).temp
   psi_bytes = layers * width * width * 4
@@ -186,11 +189,11 @@ class Block(nn.Module):
 
 
 class Deep(nn.Module):
-  mesh: object = None
+  zero: object = None
 
   @nn.compact
   def __call__(self, x):
-    gathered = lambda cls: zerojax.gathered_linen(cls, mesh=self.mesh)
+    gathered = lambda cls: zerojax.linen.gathered(cls, self.zero)
     h = gathered(nn.Dense)(64)(x)
     block = nn.remat(gathered(Block), prevent_cse=False, policy=zerojax.recompute_gathers)
     h, _ = nn.scan(block, variable_axes={'params': 0}, split_rngs={'params': True}, length=4)()(
@@ -200,12 +203,12 @@ class Deep(nn.Module):
 
 
 def test_gathered_linen_gathers_per_layer_inside_value_and_grad(auto_mesh):
-  model = Deep(auto_mesh)
+  ztx = zerojax.zero_stage(optax.adam(1e-2), 3, mesh=auto_mesh)
+  model = Deep(ztx)
   x = jax.random.normal(jax.random.key(1), (32, 16))
   y = jax.random.normal(jax.random.key(2), (32, 8))
   params = model.init(jax.random.key(0), x)['params']
   loss_fn = lambda p, b: jnp.mean((model.apply({'params': p}, b['x']) - b['y']) ** 2)
-  ztx = zerojax.zero_stage(optax.adam(1e-2), 3, mesh=auto_mesh)
   grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=True)
   sharded = jax.device_put(params, zerojax.plan_for(ztx, params).params)
   batch = jax.device_put({'x': x, 'y': y}, NamedSharding(auto_mesh, P('data')))
@@ -215,7 +218,7 @@ def test_gathered_linen_gathers_per_layer_inside_value_and_grad(auto_mesh):
   tol = reordered(32 + 16 + 64 + 4 * 64 + 8)  # rows, Deep's five layers
   assert max_rel_err(jax.device_get(grads), want) <= tol
   assert abs(float(loss) - float(want_loss)) <= tol * abs(float(want_loss))
-  stats = zerojax.count_collectives(fn.lower(sharded, batch).compile())
+  stats = zerojax.inspect.count_collectives(fn.lower(sharded, batch).compile())
   assert stats['reduce-scatter'] >= 4 and stats['all-gather'] >= 8  # each block, twice
 
 
@@ -252,16 +255,15 @@ def test_recompute_gathers_saves_everything_but_gathers():
 
 def test_gathered_nnx_gathers_per_layer_inside_value_and_grad(auto_mesh):
   from flax import nnx
-  from test_layers import ScannedNNX
 
   x = jax.random.normal(jax.random.key(1), (16, 32))
-  model = ScannedNNX(32, 2, nnx.Rngs(0), mesh=auto_mesh)
+  ztx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=auto_mesh)
+  model = ScannedNNX(32, 2, nnx.Rngs(0), zero=ztx)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss_fn(p, b):
     return jnp.mean(nnx.merge(graphdef, p, rest)(b) ** 2)
 
-  ztx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=auto_mesh)
   plan = zerojax.plan_for(ztx, params)
   sharded = jax.device_put(params, plan.params)
   batch = jax.device_put(x, NamedSharding(auto_mesh, P('data')))
@@ -271,4 +273,6 @@ def test_gathered_nnx_gathers_per_layer_inside_value_and_grad(auto_mesh):
   tol = reordered(16 + 2 * (32 + 128))  # rows, ScannedNNX(32, 2)'s blocks
   assert max_rel_err(jax.device_get(grads), want) <= tol
   assert abs(float(loss) - float(want_loss)) <= tol * abs(float(want_loss))
-  assert zerojax.count_collectives(fn.lower(sharded, batch).compile())['reduce-scatter'] >= 4
+  assert (
+    zerojax.inspect.count_collectives(fn.lower(sharded, batch).compile())['reduce-scatter'] >= 4
+  )

@@ -84,4 +84,4 @@ def test_no_tpu_and_the_retired_node_runtime(tmp_path):
     ' use. Pick a TPU VM runtime instead (in Colab: Runtime > Change runtime type > v5e-1,'
     ' v6e-1 or v2-8).'
   )
-  assert zerojax.local_tpu() is None  # this machine
+  assert zerojax.inspect.local_tpu() is None  # this machine

@@ -5,7 +5,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, shard_batch, train_tol
+from _models import (
+  batch,
+  loss_fn,
+  make_init,
+  max_rel_err,
+  mlp_params,
+  mp_step,
+  plain_run,
+  plan_of,
+  shard_batch,
+  train_tol,
+)
 
 import zerojax
 
@@ -45,7 +56,7 @@ def test_memory_kinds_and_numerics(stage, offload, update_on, mesh):
 
   @jax.jit
   def step(params, opt_state):
-    grads = jax.grad(lambda p: loss_fn(zerojax.gather_params(p, plan), x, y))(params)
+    grads = jax.grad(lambda p: loss_fn(zerojax.gather(p, plan), x, y))(params)
     updates, opt_state = ztx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -60,8 +71,8 @@ def test_memory_kinds_and_numerics(stage, offload, update_on, mesh):
 def test_plan_counts_host_bytes(auto_mesh):
   params = mlp_params()
   psi = sum(x.size for x in jax.tree.leaves(params))
-  on = zerojax.make_plan(params, optax.adam(1e-3), stage=1, mesh=auto_mesh, offload='opt_state')
-  off = zerojax.make_plan(params, optax.adam(1e-3), stage=1, mesh=auto_mesh)
+  on = plan_of(params, optax.adam(1e-3), stage=1, mesh=auto_mesh, offload='opt_state')
+  off = plan_of(params, optax.adam(1e-3), stage=1, mesh=auto_mesh)
   assert on.bytes_per_device()['host'] == 8 * psi // 8  # both moments, sharded
   assert on.bytes_per_device()['opt_state'] == off.bytes_per_device()['opt_state'] - 8 * psi // 8
   assert off.bytes_per_device()['host'] == 0
@@ -92,11 +103,15 @@ def test_bad_offload_value(auto_mesh):
   with pytest.raises(ValueError) as e:
     zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh, offload='cpu')
   assert str(e.value).startswith(
-    "`offload` must be one of (None, 'opt_state', 'opt_state+master'), got 'cpu'"
+    "Options(offload=...) must be one of (None, 'opt_state', 'opt_state+master'), got 'cpu'"
   )
-  with pytest.raises(ValueError, match="`update_on` must be 'device' or 'host', got 'gpu'"):
+  with pytest.raises(
+    ValueError, match=r"Options\(update_on=...\) must be 'device' or 'host', got 'gpu'"
+  ):
     zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh, offload='opt_state', update_on='gpu')
-  with pytest.raises(ValueError, match="`update_on='host'` runs the update where offloaded"):
+  with pytest.raises(
+    ValueError, match=r"Options\(update_on='host'\) runs the update where offloaded"
+  ):
     zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh, update_on='host')
 
 
@@ -112,8 +127,6 @@ def test_tpu_device_bytes_drop_by_offloaded_bytes(stage):
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
   from jax.experimental import topologies
   from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-  from test_memory_and_collectives import make_init
-  from test_precision import mp_step
 
   init_fn = make_init(D)  # d = 1024: every shard is whole TPU tiles, so no padding
 
@@ -129,7 +142,7 @@ def test_tpu_device_bytes_drop_by_offloaded_bytes(stage):
     ('opt_state+master', 'device'),
     ('opt_state+master', 'host'),
   ]:
-    state = zerojax.abstract_train_state(
+    state = zerojax.inspect.abstract_train_state(
       init_fn,
       jax.random.key(0),
       tx=zerojax.zero_stage(

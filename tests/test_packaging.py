@@ -54,3 +54,19 @@ def test_ci_oldest_pins_are_the_floors_on_python_3_11():
     name = canonicalize_name(r.name)
     assert name in pins, f'{name} has a floor ({floor}) but no pin in .ci/oldest.txt'
     assert Version(pins[name]) == Version(floor), (name, pins[name], floor)
+
+
+def test_no_test_module_imports_another():
+  # Shared models and helpers live in tests/_models.py (and the small _*.py beside it).
+  import ast
+
+  for path in sorted((ROOT / 'tests').glob('*.py')):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+      names = []
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module]
+      for name in names:
+        assert not name.split('.')[-1].startswith('test_'), f'{path.name} imports {name}'

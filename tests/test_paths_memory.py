@@ -72,7 +72,7 @@ def _zerojax(mesh, stage, path):
 
 
 def _temp(compiled):
-  return zerojax.memory_stats(compiled).temp
+  return zerojax.inspect.memory_stats(compiled).temp
 
 
 @pytest.fixture(scope='module')

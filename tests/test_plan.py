@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, train_tol
+from _models import batch, loss_fn, max_rel_err, mlp_params, plain_run, plan_of, train_tol
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -60,7 +60,7 @@ def test_stage_layouts(explicit_mesh):
   params = mlp_params()
   row = P(None, 'data')  # dense1 kernel (16, 64): its 64 is split
   for stage in range(4):
-    plan = zerojax.make_plan(params, optax.adam(1e-3), stage=stage, mesh=explicit_mesh)
+    plan = plan_of(params, optax.adam(1e-3), stage=stage, mesh=explicit_mesh)
     kernel = lambda t: t['dense1']['kernel'].spec
     assert kernel(plan.params) == (row if stage == 3 else P(None, None))
     assert kernel(plan.grads) == (row if stage >= 2 else P(None, None))
@@ -77,7 +77,7 @@ def test_state_kinds_follow_their_parameter(explicit_mesh):
     optax.multi_transform({'a': optax.sgd(1.0, momentum=0.9), 'b': optax.adagrad(1.0)}, labels),
   )
   multi = optax.MultiSteps(tx, every_k_schedule=2)
-  plan = zerojax.make_plan(params, multi.gradient_transformation(), stage=1, mesh=explicit_mesh)
+  plan = plan_of(params, multi.gradient_transformation(), stage=1, mesh=explicit_mesh)
   s = plan.opt_state
   # MultiSteps accumulator: shaped like params, split like them.
   assert s.acc_grads['w'].spec == P(None, 'data') and s.acc_grads['v'].spec == P('data', None)
@@ -95,7 +95,7 @@ def test_state_kinds_follow_their_parameter(explicit_mesh):
 
 def test_adafactor_factored_statistics(explicit_mesh):
   params = {'w': jnp.zeros((24, 64))}
-  plan = zerojax.make_plan(
+  plan = plan_of(
     params, optax.adafactor(1e-3, min_dim_size_to_factor=8), stage=1, mesh=explicit_mesh
   )
   factored = plan.opt_state[0]
@@ -106,7 +106,7 @@ def test_adafactor_factored_statistics(explicit_mesh):
 
 
 def test_leaves_not_shaped_like_any_parameter(explicit_mesh):
-  plan = zerojax.make_plan(mlp_params(), optax.lbfgs(memory_size=8), stage=1, mesh=explicit_mesh)
+  plan = plan_of(mlp_params(), optax.lbfgs(memory_size=8), stage=1, mesh=explicit_mesh)
   memory = plan.opt_state[0].diff_params_memory['dense1']['kernel']
   assert memory.spec == P(None, None, 'data')  # (8, 16, 64): the 64
 
@@ -124,7 +124,7 @@ def test_tensor_parallel_sharding_is_kept(kind):
     'dense2': {'kernel': P('model', None), 'bias': P()},
   }
   params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), tp))
-  plan = zerojax.make_plan(params, optax.adam(1e-3), stage=3, mesh=mesh)
+  plan = plan_of(params, optax.adam(1e-3), stage=3, mesh=mesh)
   # The ZeRO axis goes to a free dimension; 'model' stays where it was.
   assert specs(plan.params)['dense1']['kernel'] == P('data', 'model')
   assert specs(plan.params)['dense2']['kernel'] == P('model', 'data')
@@ -150,7 +150,7 @@ def test_tensor_parallel_training_matches_optax():
 
   @jax.jit
   def step(params, state):
-    grads = jax.grad(lambda p: loss_fn(zerojax.gather_params(p, plan), x, y))(params)
+    grads = jax.grad(lambda p: loss_fn(zerojax.gather(p, plan), x, y))(params)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -162,9 +162,7 @@ def test_tensor_parallel_training_matches_optax():
 
 def test_axis_tuple_partitions_over_both_axes():
   mesh = jax.make_mesh((2, 4), ('replica', 'data'))
-  plan = zerojax.make_plan(
-    mlp_params(), optax.adam(1e-3), stage=3, mesh=mesh, axis=('replica', 'data')
-  )
+  plan = plan_of(mlp_params(), optax.adam(1e-3), stage=3, mesh=mesh, axis=('replica', 'data'))
   assert plan.num_shards == 8
   assert specs(plan.params)['dense1']['kernel'] == P(None, ('replica', 'data'))
   tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis=('replica', 'data'))
@@ -175,7 +173,7 @@ def test_axis_tuple_partitions_over_both_axes():
 
 def test_param_specs_argument_overrides(explicit_mesh):
   mesh = tp_mesh(AxisType.Explicit)
-  plan = zerojax.make_plan(
+  plan = plan_of(
     mlp_params(),
     optax.adam(1e-3),
     stage=1,
@@ -189,7 +187,7 @@ def test_param_specs_argument_overrides(explicit_mesh):
 
 def test_printed_plan(explicit_mesh):
   params = {'w': jnp.zeros((64, 16)), 'b': jnp.zeros((3,))}
-  plan = zerojax.make_plan(params, optax.adam(1e-3), stage=2, mesh=explicit_mesh)
+  plan = plan_of(params, optax.adam(1e-3), stage=2, mesh=explicit_mesh)
   text = str(plan)
   lines = text.splitlines()
   assert lines[0] == "ZeroPlan: stage 2 over mesh axis 'data' (8 shards) of mesh {'data': 8}"
@@ -228,7 +226,8 @@ def test_printed_plan(explicit_mesh):
     'host': 0,  # nothing offloaded
   }
   assert 'per device: params 4.01 KiB, grads 524 B, opt_state 1.03 KiB; total 5.55 KiB' in text
-  assert "replicated over 'data' (4):" in text
+  # The axis's size, then how many leaves it holds whole (item 7: not a count posing as a size).
+  assert "replicated over 'data' (8 devices): 4 leaves" in lines
   assert (
     "  params['b']: no free dimension of (3,) divides by 8 (small: 12 B < replicate_below_bytes=262144)"
     in lines
@@ -244,7 +243,7 @@ def test_plan_follows_the_dtype_it_is_asked_about(stage, mesh):
   bf16 = zerojax.cast(fp32, jnp.bfloat16)
   psi = sum(x.size for x in jax.tree.leaves(fp32))
   got = zerojax.plan_for(tx, bf16).bytes_per_device()
-  want = zerojax.make_plan(bf16, optax.adam(1e-3), stage=stage, mesh=mesh).bytes_per_device()
+  want = plan_of(bf16, optax.adam(1e-3), stage=stage, mesh=mesh).bytes_per_device()
   assert got == want
   # bf16 parameters: 2 bytes each (whole, or split 8 ways at stage 3), not fp32's 4.
   assert got['params'] == (2 * psi if stage < 3 else 2 * psi // 8)

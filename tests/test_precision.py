@@ -10,6 +10,7 @@ from _models import (
   loss_fn,
   max_rel_err,
   mlp_params,
+  mp_step,
   plain_run,
   shard_batch,
   train_tol,
@@ -36,19 +37,8 @@ def init_fn(key):
   }
 
 
-def mp_step(state, x):
-  plan = zerojax.plan_for(state.tx, state.params)
-
-  def loss(p):
-    p = zerojax.gather_params(p, plan)
-    h = jnp.tanh(x.astype(p['w1'].dtype) @ p['w1'] + p['b1'])
-    return jnp.mean((h @ p['w2'] + p['b2']).astype(jnp.float32) ** 2)
-
-  return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
-
 def abstract_state(mesh, stage, tx=None, param_dtype=jnp.bfloat16):
-  return zerojax.abstract_train_state(
+  return zerojax.inspect.abstract_train_state(
     init_fn,
     jax.random.key(0),
     tx=zerojax.zero_stage(tx or zerojax.mixed_precision(optax.adam(1e-3)), stage, mesh=mesh),
@@ -75,7 +65,7 @@ def test_mixed_precision_argument_bytes_equal_formula(stage, mesh):
   assert state.params['w1'].dtype == jnp.bfloat16
   assert state.opt_state.master['w1'].dtype == jnp.float32
   compiled = jax.jit(mp_step).lower(state, batch_spec(mesh)).compile()
-  mem = zerojax.memory_stats(compiled)
+  mem = zerojax.inspect.memory_stats(compiled)
   assert mem.argument == MIXED_AT_REST[stage] + BATCH_BYTES + SCALARS
   # The master copy is sharded with the optimizer state from stage 1.
   spec = state.opt_state.master['w1'].sharding.spec
@@ -91,11 +81,11 @@ def test_donated_step_aliases_the_whole_state(stage, mesh):
       for x in jax.tree.leaves(state)
     )
     compiled = jax.jit(mp_step, donate_argnums=0).lower(state, batch_spec(mesh)).compile()
-    mem = zerojax.memory_stats(compiled)
+    mem = zerojax.inspect.memory_stats(compiled)
     assert mem.argument == state_bytes + BATCH_BYTES
     assert mem.alias == state_bytes  # updated in place: every byte of state is reused
     undonated = jax.jit(mp_step).lower(state, batch_spec(mesh)).compile()
-    assert zerojax.memory_stats(undonated).alias == 0
+    assert zerojax.inspect.memory_stats(undonated).alias == 0
 
 
 def reference_mixed(tx, steps, dtype):
@@ -128,7 +118,7 @@ def zero_mixed(tx, mesh, stage, steps, dtype, **kwargs):
   @jax.jit
   def step(params, opt_state):
     def loss(p):
-      return loss_fn(zerojax.gather_params(p, plan), x.astype(dtype), y)
+      return loss_fn(zerojax.gather(p, plan), x.astype(dtype), y)
 
     grads = jax.grad(loss)(params)
     updates, opt_state = ztx.update(grads, opt_state, params)
@@ -185,9 +175,9 @@ def test_dynamic_loss_scale_skips_overflow_and_adjusts(stage, mesh):
   @jax.jit
   def step(params, opt_state, poison):
     scale = zerojax.loss_scale(opt_state)
-    grads = jax.grad(
-      lambda p: loss_fn(zerojax.gather_params(p, plan), x.astype(jnp.float16), y) * scale
-    )(params)
+    grads = jax.grad(lambda p: loss_fn(zerojax.gather(p, plan), x.astype(jnp.float16), y) * scale)(
+      params
+    )
     grads = jax.tree.map(lambda g: g * poison.astype(g.dtype), grads)
     updates, opt_state = ztx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -237,7 +227,7 @@ def test_non_finite_gradients_skip_the_step(stage, mesh):
 
   @jax.jit
   def step(params, opt_state, poison):
-    grads = jax.grad(lambda p: loss_fn(zerojax.gather_params(p, plan), x, y))(params)
+    grads = jax.grad(lambda p: loss_fn(zerojax.gather(p, plan), x, y))(params)
     grads = {**grads, 'dense2': jax.tree.map(lambda g: g * poison, grads['dense2'])}
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -254,7 +244,7 @@ def test_non_finite_gradients_skip_the_step(stage, mesh):
 def test_estimate_mixed_precision_and_offload():
   n, psi = 64, 10**6 * 64
   tx = zerojax.mixed_precision(optax.adam(1e-3))
-  est = zerojax.estimate_memory(psi, tx, num_devices=n, dtype=jnp.bfloat16)
+  est = zerojax.inspect.estimate_memory(psi, tx, num_devices=n, dtype=jnp.bfloat16)
   # bf16 params and grads, fp32 master + Adam (K = 12): 16, 4+12/N, 2+14/N, 16/N bytes/param
   # (docs/design.md), plus Adam's 4-byte step count.
   assert [e.total - 4 for e in est] == [
@@ -263,10 +253,12 @@ def test_estimate_mixed_precision_and_offload():
     2 * psi + 14 * psi // n,
     16 * psi // n,
   ]
-  off = zerojax.estimate_memory(psi, tx, num_devices=n, dtype=jnp.bfloat16, offload='opt_state')
+  off = zerojax.inspect.estimate_memory(
+    psi, tx, num_devices=n, dtype=jnp.bfloat16, options=zerojax.Options(offload='opt_state')
+  )
   assert [e.host for e in off] == [8 * psi, 8 * psi // n, 8 * psi // n, 8 * psi // n]
   assert [e.total + e.host for e in off] == [e.total for e in est]
-  assert 'host' in zerojax.format_estimates(off)
+  assert 'host' in zerojax.inspect.format_estimates(off)
 
 
 def test_train_state_plan_counts_compute_dtype(auto_mesh):
@@ -300,7 +292,7 @@ def _one_scaled_sgd_step(mesh, stage, scale, path):
     if path == 'value_and_grad':
       grad_fn = zerojax.value_and_grad(batch_loss, ztx, micro_batches=2)
       return grad_fn(params, data, loss_scale=scale_value)[1]
-    scaled = lambda p: batch_loss(zerojax.gather_params(p, plan), data) * scale_value
+    scaled = lambda p: batch_loss(zerojax.gather(p, plan), data) * scale_value
     return jax.grad(scaled)(params)
 
   @jax.jit

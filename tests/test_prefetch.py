@@ -42,10 +42,10 @@ def _layer(h, layer, gain):
   return h + jnp.tanh(h @ layer['w'] + layer['b']) * gain
 
 
-def _loss_scan(p, x, remat='gathers'):
-  gain = zerojax.gather_leaves(p['gain'])
-  h = zerojax.scan_layers(lambda h, layer: _layer(h, layer, gain), x, p['layers'], remat=remat)
-  return jnp.mean((h @ zerojax.gather_leaves(p['head'])) ** 2)
+def _loss_scan(p, x, *, tx, remat='gathers'):
+  gain = zerojax.gather(p['gain'], tx)
+  h = zerojax.scan_layers(lambda h, layer: _layer(h, layer, gain), x, p['layers'], tx, remat=remat)
+  return jnp.mean((h @ zerojax.gather(p['head'], tx)) ** 2)
 
 
 def _loss_plain(p, x):
@@ -62,7 +62,7 @@ def _run(mesh, layers, quantize=None, stage=3, remat='gathers'):
   )
   plan = zerojax.plan_for(tx, params)
   x = jax.device_put(jax.random.normal(jax.random.key(1), (64, D)), NamedSharding(mesh, P('data')))
-  loss = functools.partial(_loss_scan, remat=remat)
+  loss = functools.partial(_loss_scan, tx=tx, remat=remat)
   fn = jax.jit(zerojax.value_and_grad(loss, tx, per_layer=True))
   placed = jax.device_put(params, plan.params)
   return fn, placed, x, params
@@ -96,7 +96,7 @@ def test_scan_layers_equals_the_plain_gradient(mesh, layers, stage, remat):
 def test_each_layer_is_gathered_again_and_reduce_scattered_once(mesh, remat):
   layers = 5
   fn, placed, x, _ = _run(mesh, layers, remat=remat)
-  stats = zerojax.count_collectives(fn.lower(placed, x).compile())
+  stats = zerojax.inspect.count_collectives(fn.lower(placed, x).compile())
   # Forward: w and b per layer; gain and head once each. Backward: with the
   # activations kept, only w is needed again (h @ w's input gradient), so b's
   # gather is dead code; recomputing the layer needs both again.
@@ -124,7 +124,7 @@ def test_gathered_parameters_are_not_kept_for_the_backward_pass(mesh, remat):
   temps = {}
   for layers in (4, 12):
     fn, placed, x, _ = _run(mesh, layers, remat=remat)
-    temps[layers] = zerojax.memory_stats(fn.lower(placed, x).compile()).temp
+    temps[layers] = zerojax.inspect.memory_stats(fn.lower(placed, x).compile()).temp
   per_layer = (temps[12] - temps[4]) / 8
   assert per_layer < D * D * 4 / 4, temps
 
@@ -138,7 +138,7 @@ def test_scan_layers_with_quantized_collectives(mesh):
     exact['layers']['w']
   )
   assert float(rel) < 0.03
-  stats = zerojax.count_collectives(qfn.lower(qplaced, x).compile())
+  stats = zerojax.inspect.count_collectives(qfn.lower(qplaced, x).compile())
   # w's gradient per layer: an all-to-all of values and one of scales; the
   # biases (below min_size), gain and head stay full-precision reduce-scatters.
   assert stats['all-to-all'] == 2 * 3 and stats['reduce-scatter'] == 3 + 2
@@ -147,9 +147,10 @@ def test_scan_layers_with_quantized_collectives(mesh):
 def test_outside_value_and_grad_it_is_a_plain_rematerialised_scan(mesh):
   params = jax.device_put(_params(3), NamedSharding(mesh, P()))
   x = jnp.ones((8, D))
-  with jax.set_mesh(mesh):  # gather_leaves finds the mesh there
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh)
+  with jax.set_mesh(mesh):  # JAX's own need, outside jit on an Explicit mesh
     got = jax.grad(
-      lambda p: jnp.sum(zerojax.scan_layers(lambda h, layer: _layer(h, layer, 1.0), x, p))
+      lambda p: jnp.sum(zerojax.scan_layers(lambda h, layer: _layer(h, layer, 1.0), x, p, tx))
     )(params['layers'])
   want = jax.grad(
     lambda p: jnp.sum(jax.lax.scan(lambda h, layer: (_layer(h, layer, 1.0), None), x, p)[0])
@@ -165,7 +166,7 @@ def test_layers_of_different_counts_are_refused(mesh):
   x = jax.device_put(jnp.ones((8, D)), NamedSharding(mesh, P('data')))
 
   def loss(p, x):
-    return jnp.sum(zerojax.scan_layers(lambda h, layer: h @ layer['a'], x, p))
+    return jnp.sum(zerojax.scan_layers(lambda h, layer: h @ layer['a'], x, p, tx))
 
   fn = zerojax.value_and_grad(loss, tx, per_layer=True)
   with pytest.raises(ValueError) as info:

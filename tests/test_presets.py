@@ -3,8 +3,8 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from _models import run_cli
 from _tolerance import assert_close, reordered
-from test_estimate_and_report import _run_cli
 
 from zerojax._src import presets
 
@@ -70,7 +70,7 @@ def test_decoder_loss_with_chunked_attention_equals_the_plain_loss():
 
 
 def test_attention_chunk_is_refused_for_a_users_model():
-  proc = _run_cli(
+  proc = run_cli(
     'plan', '--model', '_custom_model:spec', '--topology', 'cpu:8', '--attention-chunk', '16'
   )
   assert proc.returncode != 0

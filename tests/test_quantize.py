@@ -1,6 +1,7 @@
 """ZeRO++ quantized collectives: qwZ (int8 weight gathers) and qgZ (int8/int4 gradient
 reduce-scatters through an all-to-all), against numpy references and exact collectives."""
 
+import functools
 import re
 
 import jax
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import collective_ops
 from _tolerance import assert_close, reordered
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -228,8 +230,8 @@ def _params():
   }
 
 
-def _loss(p, x):
-  p = zerojax.gather_leaves(p, dtype=jnp.bfloat16)
+def _loss(p, x, *, tx):
+  p = zerojax.gather(p, tx, dtype=jnp.bfloat16)
   h = jnp.tanh(x.astype(jnp.bfloat16) @ p['w1']) @ p['w2'] + p['b']
   return jnp.mean(h.astype(jnp.float32) ** 2)
 
@@ -243,7 +245,7 @@ def _step(mesh, stage, quantize, **options):
     jax.random.normal(jax.random.key(7), (64, 256)),
     NamedSharding(mesh, P(options.get('axis', 'data'))),
   )
-  fn = jax.jit(zerojax.value_and_grad(_loss, tx, per_layer=stage >= 2))
+  fn = jax.jit(zerojax.value_and_grad(functools.partial(_loss, tx=tx), tx, per_layer=stage >= 2))
   return fn, params, x, plan
 
 
@@ -252,31 +254,22 @@ def _hlo(mesh, stage, quantize, **options):
   return fn.lower(params, x).compile().as_text()
 
 
-def _ops(text, kind):
-  """(result dtype, result bytes) of each `kind` collective in the HLO."""
-  out = []
-  for line in text.splitlines():
-    found = hlo._collective(line)
-    if found and found[0] == kind:
-      shape = hlo._SHAPE.search(found[2])
-      out.append((shape.group(1), hlo._type_bytes(found[2])))
-  return out
-
-
 def test_quantized_gathers_move_int8_and_scales(mesh):
   exact = _hlo(mesh, 3, None)
   quant = _hlo(mesh, 3, zerojax.Quantize(weights='int8', grads=None))
   big = 256 * 512  # the two matrices' elements, gathered once each
   # Exact: the bf16 matrices (which XLA:CPU gathers widened to float32) and the bias.
-  assert sorted(_ops(exact, 'all-gather')) == [('f32', 256 * 4)] + [('f32', big * 4)] * 2
-  gathered = _ops(quant, 'all-gather')
+  assert sorted(collective_ops(exact, 'all-gather')) == [('f32', 256 * 4)] + [('f32', big * 4)] * 2
+  gathered = collective_ops(quant, 'all-gather')
   # Per matrix: its int8 values and its float32 scales (one per 256 values).
   assert sorted(gathered) == sorted([('f32', 256 * 4)] + [('s8', big), ('f32', big // 256 * 4)] * 2)
   matrices = sum(b for _, b in gathered) - 256 * 4
   assert matrices / (2 * big * 2) <= 0.53  # int8 + scales against bf16: 0.508
   # The gradients stay full-precision reduce-scatters (no all-to-all).
-  assert not _ops(quant, 'all-to-all')
-  assert len(_ops(quant, 'reduce-scatter')) == len(_ops(exact, 'reduce-scatter'))
+  assert not collective_ops(quant, 'all-to-all')
+  assert len(collective_ops(quant, 'reduce-scatter')) == len(
+    collective_ops(exact, 'reduce-scatter')
+  )
 
 
 @pytest.mark.parametrize('fmt, packed, limit', [('int8', 's8', 0.27), ('int4', 'u8', 0.14)])
@@ -285,11 +278,13 @@ def test_quantized_gradients_move_an_all_to_all_of_blocks(mesh, fmt, packed, lim
   quant = _hlo(mesh, 2, zerojax.Quantize(weights=None, grads=fmt))
   big = 256 * 512
   # Exact: each matrix's gradient is one float32 reduce-scatter into its shard.
-  assert sorted(b for _, b in _ops(exact, 'reduce-scatter') if b > 1024) == [big * 4 // N] * 2
+  assert (
+    sorted(b for _, b in collective_ops(exact, 'reduce-scatter') if b > 1024) == [big * 4 // N] * 2
+  )
   # Quantized: an all-to-all of the values and one of the scales per matrix,
   # and no full-precision reduce-scatter of them.
-  assert all(b <= 1024 for _, b in _ops(quant, 'reduce-scatter'))
-  moved = _ops(quant, 'all-to-all')
+  assert all(b <= 1024 for _, b in collective_ops(quant, 'reduce-scatter'))
+  moved = collective_ops(quant, 'all-to-all')
   per_value = 1 if fmt == 'int8' else 0.5
   assert sorted(moved) == sorted([(packed, int(big * per_value)), ('f32', big // 256 * 4)] * 2)
   ratio = sum(b for _, b in moved) / (2 * big * 4)
@@ -300,9 +295,11 @@ def test_quantize_none_leaves_the_program_unchanged(mesh):
   for stage in (1, 2, 3):
     default = _hlo(mesh, stage, None)
     fn, params, x, _ = _step(mesh, stage, None)
-    assert 's8[' not in default and not _ops(default, 'all-to-all')
+    assert 's8[' not in default and not collective_ops(default, 'all-to-all')
     tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)  # no quantize option at all
-    plain = jax.jit(zerojax.value_and_grad(_loss, tx, per_layer=stage >= 2))
+    plain = jax.jit(
+      zerojax.value_and_grad(functools.partial(_loss, tx=tx), tx, per_layer=stage >= 2)
+    )
     assert _canonical(plain.lower(params, x).compile().as_text()) == _canonical(default)
 
 
@@ -416,7 +413,7 @@ def test_plan_lists_what_stays_full_precision(mesh):
       3,
       'int8',
       TypeError,
-      '`quantize` must be a zerojax.Quantize or None, got str;'
+      'Options(quantize=...) must be a zerojax.Quantize or None, got str;'
       " e.g. zerojax.Quantize(weights='int8', grads='int4').",
     ),
   ],
@@ -462,7 +459,7 @@ def test_recompute_gathers_regathers_quantized_weights(mesh):
 
   def loss(p, x):
     def body(h, layer):
-      w = zerojax.gather_leaves(layer)['w']
+      w = zerojax.gather(layer, tx)['w']
       return jnp.tanh(h @ w), None
 
     body = jax.checkpoint(body, policy=zerojax.recompute_gathers)
@@ -471,7 +468,7 @@ def test_recompute_gathers_regathers_quantized_weights(mesh):
 
   x = jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P('data')))
   fn = jax.jit(zerojax.value_and_grad(loss, tx, per_layer=True))
-  stats = zerojax.count_collectives(fn.lower(layers, x).compile())
+  stats = zerojax.inspect.count_collectives(fn.lower(layers, x).compile())
   # Per layer and pass: the int8 values and the scales, forward and backward.
   assert stats['all-gather'] == 4 * 2 * 2
   assert stats['all-to-all'] == 0
@@ -480,8 +477,12 @@ def test_recompute_gathers_regathers_quantized_weights(mesh):
 def test_step_report_shows_quantized_traffic_against_the_full_precision_floor(mesh):
   fn, params, x, plan = _step(mesh, 3, zerojax.Quantize(grads='int4'))
   exact_fn, *_ = _step(mesh, 3, None)
-  quantized = zerojax.step_report(fn.lower(params, x).compile(), plan=plan, bytes_per_param=2)
-  exact = zerojax.step_report(exact_fn.lower(params, x).compile(), plan=plan, bytes_per_param=2)
+  quantized = zerojax.inspect.step_report(
+    fn.lower(params, x).compile(), plan=plan, bytes_per_param=2
+  )
+  exact = zerojax.inspect.step_report(
+    exact_fn.lower(params, x).compile(), plan=plan, bytes_per_param=2
+  )
   text = str(quantized)
   assert (
     'ZeRO++ quantized collectives (weights int8, gradients int4, blocks of 256, on 2 of 3'
@@ -497,7 +498,7 @@ def test_gather_params_outside_value_and_grad_refuses_a_quantized_plan(mesh):
   params = _params()
   plan = zerojax.plan_for(tx, params)
   with pytest.raises(ValueError) as info:
-    zerojax.gather_params(jax.device_put(params, plan.params), plan)
+    zerojax.gather(jax.device_put(params, plan.params), plan)
   assert str(info.value) == (
     'this plan asks for ZeRO++ quantized collectives (quantize=...), which zerojax places'
     ' itself inside zerojax.value_and_grad; here the compiler would gather in full'
@@ -523,7 +524,13 @@ def test_whole_tree_gather_is_quantized_too(mesh):
 
   fn = jax.jit(zerojax.value_and_grad(loss, tx))
   text = fn.lower(placed, x).compile().as_text()
-  assert sorted(d for d, _ in _ops(text, 'all-gather')) == ['f32', 'f32', 'f32', 's8', 's8']
+  assert sorted(d for d, _ in collective_ops(text, 'all-gather')) == [
+    'f32',
+    'f32',
+    'f32',
+    's8',
+    's8',
+  ]
   _, grads = fn(placed, x)
   _, exact = jax.value_and_grad(loss)(params, np.asarray(x))
   rel = jnp.linalg.norm(grads['w1'] - exact['w1']) / jnp.linalg.norm(exact['w1'])

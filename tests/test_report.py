@@ -53,7 +53,7 @@ def loop_module(backend_config: str, start: str = 'constant(0)') -> str:
 
 def test_while_with_known_trip_count_counts_each_iteration():
   text = loop_module(', backend_config={"known_trip_count":{"n":"5"}}')
-  stats = zerojax.count_collectives(text)
+  stats = zerojax.inspect.count_collectives(text)
   assert stats['all-reduce'] == 5
   assert stats.result_bytes['all-reduce'] == 5 * 32
   assert stats.exact
@@ -61,7 +61,7 @@ def test_while_with_known_trip_count_counts_each_iteration():
 
 def test_while_trip_count_from_condition_and_known_start_and_step():
   text = loop_module(', backend_config={"known_init_step":{"init":"0","step":"2"}}')
-  stats = zerojax.count_collectives(text)
+  stats = zerojax.inspect.count_collectives(text)
   assert stats['all-reduce'] == 3  # i = 0, 2, 4 < 6
   assert stats.exact
 
@@ -69,16 +69,16 @@ def test_while_trip_count_from_condition_and_known_start_and_step():
 def test_while_trip_count_from_the_loop_itself():
   # The TPU compiler's form: no backend config; `i` starts at a constant in the
   # initial tuple, the body adds a constant, the condition compares with one.
-  stats = zerojax.count_collectives(loop_module(''))
+  stats = zerojax.inspect.count_collectives(loop_module(''))
   assert stats['all-reduce'] == 6  # i = 0..5 < 6
   assert stats.exact
-  assert zerojax.count_collectives(loop_module('', 'constant(4)'))['all-reduce'] == 2
+  assert zerojax.inspect.count_collectives(loop_module('', 'constant(4)'))['all-reduce'] == 2
 
 
 def test_while_without_trip_count_says_so_and_does_not_guess():
   text = loop_module('', start='parameter(1)')  # starts where the program is called
   with pytest.warns(CollectiveCountWarning, match='while loop %w in %main has no known trip'):
-    stats = zerojax.count_collectives(text)
+    stats = zerojax.inspect.count_collectives(text)
   assert stats['all-reduce'] == 1  # counted once per step, flagged as a lower bound
   assert not stats.exact
   assert stats.uncertain == (
@@ -105,7 +105,7 @@ def test_nested_loops_multiply_their_trip_counts():
       '  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1'
     ),
   )
-  stats = zerojax.count_collectives(text)
+  stats = zerojax.inspect.count_collectives(text)
   assert stats['all-reduce'] == 12 and stats['all-gather'] == 3
   assert stats.result_bytes['all-gather'] == 3 * 128
 
@@ -144,7 +144,9 @@ def test_nested_loops_multiply_their_trip_counts():
 def test_async_start_counts_once_with_the_bytes_it_delivers(line, kind, nbytes):
   start = '  ' + line.replace('%s', '%start') + ', ' + GROUPS
   done = f'  ROOT %done = f32[8]{{0}} {kind}-done(%start)'
-  stats = zerojax.count_collectives(module(f'  %p = f32[8]{{0}} parameter(0)\n{start}\n{done}'))
+  stats = zerojax.inspect.count_collectives(
+    module(f'  %p = f32[8]{{0}} parameter(0)\n{start}\n{done}')
+  )
   assert stats.counts == {kind: 1}
   assert stats.result_bytes == {kind: nbytes}
 
@@ -155,7 +157,7 @@ def test_variadic_all_reduce_is_one_op_with_all_its_bytes():
     '  ROOT %ar = (f32[8]{0}, bf16[16]{0}) all-reduce(%p, %q), replica_groups={{0,1,2,3}},'
     ' to_apply=%add'
   )
-  stats = zerojax.count_collectives(text)
+  stats = zerojax.inspect.count_collectives(text)
   assert stats.counts == {'all-reduce': 1}
   assert stats.result_bytes == {'all-reduce': 32 + 32}
   # Integer bytes times (N-1)/N in float64: approx only for the division's rounding.
@@ -176,7 +178,7 @@ def test_conditional_with_equal_branches_counts_once():
     branch('b1', ar),
     entry=module('  ROOT %c = f32[8]{0} conditional(%i, %p, %p), branch_computations={%b0, %b1}'),
   )
-  stats = zerojax.count_collectives(text)
+  stats = zerojax.inspect.count_collectives(text)
   assert stats.counts == {'all-reduce': 1} and stats.exact
 
 
@@ -190,7 +192,7 @@ def test_conditional_with_different_branches_counts_the_costliest_and_says_so():
     ),
   )
   with pytest.warns(CollectiveCountWarning, match='3 branches run different collectives'):
-    stats = zerojax.count_collectives(text)
+    stats = zerojax.inspect.count_collectives(text)
   assert stats.counts == {'all-reduce': 1}  # not all-reduce + all-gather
   assert not stats.exact
 
@@ -204,7 +206,7 @@ def test_tpu_fused_all_reduce_scatter_counts_as_one_reduce_scatter():
     " replica_groups=mesh['x'=8] {'x'}\n"
     '  ROOT %r = f32[8]{0} copy(%rs.1)'
   )
-  stats = zerojax.count_collectives(text)
+  stats = zerojax.inspect.count_collectives(text)
   assert stats.counts == {'reduce-scatter': 1}
   assert stats.ring_bytes['reduce-scatter'] == 32 * 7
 
@@ -225,7 +227,7 @@ def test_tpu_fused_all_reduce_scatter_takes_its_group_from_inside():
     '  ROOT %rs = f32[16]{0} fusion(%p), kind=kCustom, calls=%all-reduce-scatter\n'
     '}\n'
   )
-  stats = zerojax.count_collectives(text)
+  stats = zerojax.inspect.count_collectives(text)
   assert stats.counts == {'reduce-scatter': 1}
   assert stats.ring_bytes['reduce-scatter'] == 64 * 3  # S(n-1) with n = 4, not 16
 
@@ -260,7 +262,7 @@ def test_tpu_async_collective_counts_once_at_its_start():
     ' dimensions={0}, to_apply=%add\n'
     '}\n'
   )
-  stats = zerojax.count_collectives(text)
+  stats = zerojax.inspect.count_collectives(text)
   assert stats.counts == {'all-gather': 1, 'reduce-scatter': 1}
   # The continuation's matmul runs between the start and its done: overlapped.
   assert stats.overlapped_ring_bytes == {'all-gather': 256 * 7 / 8}
@@ -276,7 +278,7 @@ def test_async_collective_overlaps_compute_scheduled_before_its_done(between, ov
     '  %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add\n'
     '  ROOT %r = f32[8]{0} copy(%ar)'
   )
-  stats = zerojax.count_collectives(text)
+  stats = zerojax.inspect.count_collectives(text)
   assert stats.counts == {'all-gather': 1, 'all-reduce': 1}
   gather_ring = 256 * 7 / 8
   assert stats.overlapped_ring_bytes == ({'all-gather': gather_ring} if overlapped else {})
@@ -304,7 +306,7 @@ def test_compiled_scan_counts_a_gather_per_layer(mesh8):
     (layers, 64, 64), jnp.float32, sharding=NamedSharding(mesh8, PartitionSpec(None, 'data'))
   )
   x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh8, PartitionSpec()))
-  stats = zerojax.count_collectives(jax.jit(f).lower(ws, x).compile())
+  stats = zerojax.inspect.count_collectives(jax.jit(f).lower(ws, x).compile())
   assert stats['all-gather'] == layers
   assert stats.result_bytes['all-gather'] == layers * 64 * 64 * 4
   assert stats.exact
@@ -329,10 +331,10 @@ def psum_loop(mesh, trips):
 def test_compiled_loops_with_static_and_dynamic_trip_counts(mesh8):
   x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=NamedSharding(mesh8, PartitionSpec()))
   static = jax.jit(lambda x: psum_loop(mesh8, 7)(None, x)).lower(x).compile()
-  stats = zerojax.count_collectives(static)
+  stats = zerojax.inspect.count_collectives(static)
   assert stats['all-reduce'] == 7 and stats.exact
   n = jax.ShapeDtypeStruct((), jnp.int32)
   dynamic = jax.jit(psum_loop(mesh8, None)).lower(n, x).compile()
   with pytest.warns(CollectiveCountWarning, match='no known trip count'):
-    stats = zerojax.count_collectives(dynamic)
+    stats = zerojax.inspect.count_collectives(dynamic)
   assert stats['all-reduce'] == 1 and not stats.exact

@@ -17,7 +17,7 @@ def _labels(params):
   }
 
 
-# Wrappers and settings that discovery (test_optimizers.py) does not build, at every
+# Wrappers and settings that discovery (test_zero_stage.py) does not build, at every
 # stage: the discovered optimizers themselves are tested there.
 OPTIMIZERS = {
   'adam': lambda: optax.adam(1e-2),
@@ -74,8 +74,10 @@ def test_layouts_after_init_and_update(stage, mesh):
 
 def test_zero_and_plain_differ_only_in_layout(auto_mesh):
   tx = zerojax.zero_stage(optax.adam(1e-2), 1, mesh=auto_mesh)
-  assert zerojax.unwrap(tx).init is not tx.init
-  assert zerojax.config_of(tx).stage == 1
+  config = zerojax.config_of(tx)
+  assert config.inner.init is not tx.init
+  assert config.stage == 1 and config.mesh == auto_mesh
+  assert config.options == zerojax.Options()
   assert zerojax.config_of(optax.adam(1e-2)) is None
 
 
@@ -140,7 +142,7 @@ def test_init_writes_only_shards(stage, mesh):
   tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
   plan = zerojax.plan_for(tx, params)
   compiled = jax.jit(tx.init).lower(params).compile()
-  mem = zerojax.memory_stats(compiled)
+  mem = zerojax.inspect.memory_stats(compiled)
   shards = plan.bytes_per_device()['opt_state']
   assert shards == 2 * 4 * 1024 * 1024 // 8 + 4  # mu and nu split 8 ways, and the count
   # XLA:CPU adds the output tuple's index table: 8 bytes per output buffer.

@@ -1,102 +1,113 @@
-"""zerojax: ZeRO (the Zero Redundancy Optimizer) for JAX, as sharding layouts."""
+"""zerojax: ZeRO (the Zero Redundancy Optimizer) for JAX, as sharding layouts.
 
-from zerojax._src.checkpoint import Checkpointer as Checkpointer
-from zerojax._src.checkpoint import export_params as export_params
-from zerojax._src.checkpoint import format_checkpoint as format_checkpoint
-from zerojax._src.checkpoint import restore_train_state as restore_train_state
-from zerojax._src.distributed import check_mesh as check_mesh
-from zerojax._src.distributed import global_batch as global_batch
-from zerojax._src.distributed import initialize as initialize_distributed
-from zerojax._src.distributed import process_batch_slice as process_batch_slice
-from zerojax._src.distributed import to_numpy as to_numpy
-from zerojax._src.estimate import MemoryEstimate as MemoryEstimate
-from zerojax._src.estimate import estimate_memory as estimate_memory
-from zerojax._src.estimate import format_estimates as format_estimates
+The core is here; framework adapters, checkpoints, inspection and planning, and
+multi-process helpers live in submodules, imported when first used:
+`zerojax.linen`, `zerojax.nnx`, `zerojax.checkpoint`, `zerojax.inspect`,
+`zerojax.distributed`.
+"""
+
+import importlib as _importlib
+
 from zerojax._src.gather import ShardedLeaf as ShardedLeaf
-from zerojax._src.gather import gather_params as gather_params
+from zerojax._src.gather import gather as gather
 from zerojax._src.gather import recompute_gathers as recompute_gathers
 from zerojax._src.grad import value_and_grad as value_and_grad
-from zerojax._src.hlo import CollectiveStats as CollectiveStats
-from zerojax._src.hlo import count_collectives as count_collectives
-from zerojax._src.layers import gather_leaves as gather_leaves
-from zerojax._src.layers import gathered_linen as gathered_linen
-from zerojax._src.layers import gathered_nnx as gathered_nnx
-from zerojax._src.logical import logical_param_specs as logical_param_specs
-from zerojax._src.nnx_state import create_nnx_model as create_nnx_model
-from zerojax._src.nnx_state import nnx_plan as nnx_plan
-from zerojax._src.nnx_state import nnx_value_and_grad as nnx_value_and_grad
-from zerojax._src.nnx_state import shard_nnx as shard_nnx
+from zerojax._src.options import Options as Options
 from zerojax._src.plan import ZeroPlan as ZeroPlan
 from zerojax._src.precision import DynamicLossScale as DynamicLossScale
 from zerojax._src.precision import cast as cast
 from zerojax._src.precision import loss_scale as loss_scale
 from zerojax._src.precision import mixed_precision as mixed_precision
 from zerojax._src.prefetch import scan_layers as scan_layers
-from zerojax._src.presets import ModelSpec as ModelSpec
 from zerojax._src.quantize import Quantize as Quantize
+from zerojax._src.reduction import Sum as Sum
 from zerojax._src.reduction import WeightedMean as WeightedMean
-from zerojax._src.report import MemoryStats as MemoryStats
-from zerojax._src.report import StepReport as StepReport
-from zerojax._src.report import memory_stats as memory_stats
-from zerojax._src.report import step_report as step_report
-from zerojax._src.report import zero_floor_bytes as zero_floor_bytes
-from zerojax._src.search import SearchReport as SearchReport
-from zerojax._src.search import search_plans as search_plans
-from zerojax._src.tpu import local_tpu as local_tpu
-from zerojax._src.train_state import abstract_train_state as abstract_train_state
 from zerojax._src.train_state import create_train_state as create_train_state
 from zerojax._src.transform import ZeroConfig as ZeroConfig
 from zerojax._src.transform import config_of as config_of
-from zerojax._src.transform import make_plan as make_plan
 from zerojax._src.transform import plan_for as plan_for
-from zerojax._src.transform import unwrap as unwrap
 from zerojax._src.version import __version__ as __version__
 from zerojax._src.zero_stage import zero_stage as zero_stage
 
 __all__ = [
+  # Wrap an optimizer (or a Flax TrainState), with its options, config and plan.
+  'zero_stage',
+  'Options',
+  'ZeroConfig',
+  'config_of',
+  'ZeroPlan',
+  'plan_for',
+  'create_train_state',
+  # Gradients, and how a loss's values combine over devices.
   'value_and_grad',
-  'search_plans',
-  'SearchReport',
-  'nnx_value_and_grad',
   'WeightedMean',
-  'Checkpointer',
-  'export_params',
-  'format_checkpoint',
-  'restore_train_state',
-  'check_mesh',
-  'global_batch',
-  'initialize_distributed',
-  'process_batch_slice',
-  'to_numpy',
-  'DynamicLossScale',
+  'Sum',
+  # Gathering stage-3 parameters where they are used, layer by layer.
+  'gather',
+  'ShardedLeaf',
+  'recompute_gathers',
+  'scan_layers',
+  # Precision and ZeRO++ quantized collectives.
+  'mixed_precision',
   'cast',
   'loss_scale',
-  'mixed_precision',
-  'logical_param_specs',
-  'MemoryEstimate',
-  'StepReport',
-  'estimate_memory',
-  'format_estimates',
-  'step_report',
-  'zero_floor_bytes',
-  'CollectiveStats',
-  'MemoryStats',
-  'count_collectives',
-  'memory_stats',
-  'local_tpu',
-  'ZeroConfig',
-  'ZeroPlan',
-  'ModelSpec',
+  'DynamicLossScale',
   'Quantize',
-  'abstract_train_state',
-  'config_of',
-  'create_train_state',
-  'gather_params',
-  'recompute_gathers',
-  'ShardedLeaf',
-  'scan_layers',
-  'make_plan',
-  'plan_for',
-  'unwrap',
-  'zero_stage',
 ]
+
+SUBMODULES = ('linen', 'nnx', 'checkpoint', 'inspect', 'distributed')
+
+# Names of zerojax 0.x before one name per concept, and where each went (CHANGELOG: 0.2.0).
+MOVED = {
+  'gather_params': 'zerojax.gather(params, tx)',
+  'gather_leaves': 'zerojax.gather(tree, tx)',
+  'gathered_linen': 'zerojax.linen.gathered(ModuleClass, tx)',
+  'gathered_nnx': 'zerojax.nnx.gathered(module, tx)',
+  'logical_param_specs': 'zerojax.linen.logical_param_specs',
+  'create_nnx_model': 'zerojax.nnx.create_model(make_model, tx)',
+  'shard_nnx': 'zerojax.nnx.shard(model, tx)',
+  'nnx_plan': 'zerojax.plan_for(tx, nnx.state(model, nnx.Param))',
+  'nnx_value_and_grad': 'zerojax.nnx.value_and_grad',
+  'make_plan': 'zerojax.plan_for(zerojax.zero_stage(tx, stage, mesh=mesh), params)',
+  'unwrap': 'zerojax.config_of(tx).inner',
+  'abstract_train_state': 'zerojax.inspect.abstract_train_state',
+  'Checkpointer': 'zerojax.checkpoint.Checkpointer',
+  'restore_train_state': 'zerojax.checkpoint.restore_train_state',
+  'export_params': 'zerojax.checkpoint.export_params',
+  'format_checkpoint': 'zerojax.checkpoint.format_checkpoint',
+  'initialize_distributed': 'zerojax.distributed.initialize',
+  'check_mesh': 'zerojax.distributed.check_mesh',
+  'global_batch': 'zerojax.distributed.global_batch',
+  'process_batch_slice': 'zerojax.distributed.process_batch_slice',
+  'to_numpy': 'zerojax.distributed.to_numpy',
+  'estimate_memory': 'zerojax.inspect.estimate_memory',
+  'MemoryEstimate': 'zerojax.inspect.MemoryEstimate',
+  'format_estimates': 'zerojax.inspect.format_estimates',
+  'memory_stats': 'zerojax.inspect.memory_stats',
+  'MemoryStats': 'zerojax.inspect.MemoryStats',
+  'step_report': 'zerojax.inspect.step_report',
+  'StepReport': 'zerojax.inspect.StepReport',
+  'zero_floor_bytes': 'zerojax.inspect.zero_floor_bytes',
+  'count_collectives': 'zerojax.inspect.count_collectives',
+  'CollectiveStats': 'zerojax.inspect.CollectiveStats',
+  'search_plans': 'zerojax.inspect.search_plans',
+  'SearchReport': 'zerojax.inspect.SearchReport',
+  'ModelSpec': 'zerojax.inspect.ModelSpec',
+  'local_tpu': 'zerojax.inspect.local_tpu',
+}
+
+
+def __getattr__(name: str):
+  # PEP 562: the submodules are imported when first used (orbax and flax only then).
+  if name in SUBMODULES:
+    return _importlib.import_module(f'zerojax.{name}')
+  if name in MOVED:
+    raise AttributeError(
+      f'zerojax.{name} is gone since zerojax 0.2: use {MOVED[name]} (see the migration table in'
+      ' CHANGELOG.md).'
+    )
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__() -> list[str]:
+  return sorted([*__all__, *SUBMODULES, '__version__'])

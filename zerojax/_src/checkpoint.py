@@ -16,12 +16,9 @@ garbage. Leaves padded under policy='pad' are saved unpadded.
 
 from __future__ import annotations
 
-import atexit
 import glob
 import os
-import re
 import shutil
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +30,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from zerojax._src import distributed, transform
+from zerojax._src import distributed, runtime, transform
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import train_state as train_state_lib
@@ -185,7 +182,7 @@ class Checkpointer:
       another job may be saving into `directory`.
 
   >>> import tempfile, jax, jax.numpy as jnp, zerojax
-  >>> with zerojax.Checkpointer(tempfile.mkdtemp(), async_save=False) as ckpt:
+  >>> with zerojax.checkpoint.Checkpointer(tempfile.mkdtemp(), async_save=False) as ckpt:
   ...   _ = ckpt.save(3, {'w': jnp.ones((8, 4))})
   ...   restored, _ = ckpt.restore({'w': jax.ShapeDtypeStruct((8, 4), jnp.float32)})
   >>> float(restored['w'].sum())
@@ -221,7 +218,7 @@ class Checkpointer:
     # save on them, and interpreter shutdown stops them before any atexit
     # hook runs (the save would stay `N.orbax-checkpoint-tmp`). This is the
     # hook concurrent.futures itself uses; hooks run newest first.
-    _before_thread_pools_stop(self._finalizer)
+    runtime.before_thread_pools_stop(self._finalizer)
 
   # --- Writing.
   def save(self, step: int, state: Any, *, extra: dict | None = None, force: bool = False) -> bool:
@@ -320,7 +317,7 @@ class Checkpointer:
 
     Args:
       target: a train state or pytree laid out as wanted: arrays, or
-        ShapeDtypeStructs with shardings (e.g. `zerojax.abstract_train_state`
+        ShapeDtypeStructs with shardings (e.g. `zerojax.inspect.abstract_train_state`
         on another mesh or stage). Each device reads only its own shards.
       step: which checkpoint; default the latest committed one.
       extra: the structure of the saved `extra` (arrays or ShapeDtypeStructs);
@@ -364,9 +361,13 @@ class Checkpointer:
         args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted)),
       )['state']
     except Exception as e:  # TensorStore: truncated, missing or undecodable files
-      if not isinstance(e, (OSError, ValueError)) and 'TensorStore' not in str(e):
-        raise
-      raise _unreadable(e, step, self.directory, wanted, self.all_steps()) from e
+      e.add_note(
+        f'zerojax: checkpoint step {step} in {self.directory} could not be read from'
+        f' {os.path.join(self.directory, str(step), "state")} (its files are damaged, or it'
+        f' was not written by this model and optimizer). Restore another step (committed:'
+        f' {self.all_steps()}) or save it again.'
+      )
+      raise
     _verify(meta, out, self.directory, step)
     out = _decode_keys(out, meta['prng_keys'])
     restored = out['state']
@@ -392,35 +393,6 @@ class Checkpointer:
 def _finish(manager: Any) -> None:
   manager.wait_until_finished()
   manager.close()
-
-
-def _before_thread_pools_stop(fn: Callable[[], Any]) -> None:
-  register = getattr(threading, '_register_atexit', atexit.register)
-  register(fn)
-
-
-def _orbax_names(tree: Any) -> dict[str, str]:
-  """orbax's name of each leaf (keys joined by '.') -> its pytree path."""
-  names = {}
-  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    keys = [getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))) for k in path]
-    names['.'.join(map(str, keys))] = jax.tree_util.keystr(path)
-  return names
-
-
-def _unreadable(e: Exception, step: int, directory: str, wanted: Any, steps: list) -> Exception:
-  """The error for a file orbax or TensorStore could not read, naming the array."""
-  text = str(e)
-  found = re.findall(r"'path': '([^'/][^']*)/'", text)
-  array = _orbax_names(wanted).get(found[-1]) if found else None
-  first = text.split(' See full TensorStore details')[0].strip().splitlines()[0][:300].rstrip('.')
-  kind = type(e) if isinstance(e, (OSError, ValueError)) else ValueError
-  return kind(
-    f'checkpoint step {step} in {directory} could not be read from'
-    f' {os.path.join(directory, str(step), "state")}'
-    + (f': the array {array} is damaged (a truncated or partly written file)' if array else '')
-    + f'; {type(e).__name__}: {first}. Restore another step (committed: {steps}) or save it again.'
-  )
 
 
 def _logical_struct(x: jax.ShapeDtypeStruct, pad: tuple[int, int], rep: Any):
@@ -596,7 +568,7 @@ def restore_train_state(
 ) -> tuple[Any, dict]:
   """Restores a train state into `tx`'s stage and mesh, whatever it was saved on.
 
-  Builds the target abstractly (`zerojax.abstract_train_state`), then reads each
+  Builds the target abstractly (`zerojax.inspect.abstract_train_state`), then reads each
   device's shards straight into it. `tx` is the optimizer wrapped by
   `zerojax.zero_stage` for the new layout; `kwargs` (`apply_fn`, `param_dtype`,
   ...) are as for `create_train_state`.

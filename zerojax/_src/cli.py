@@ -88,7 +88,7 @@ def _load_model(args) -> Any:
     if not isinstance(spec, presets.ModelSpec):
       raise SystemExit(
         f'error: --model {args.model} returned a {type(spec).__name__}; it must return a'
-        ' zerojax.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
+        ' zerojax.inspect.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
       )
     return spec
   import jax.numpy as jnp
@@ -97,7 +97,7 @@ def _load_model(args) -> Any:
     args.model,
     seq_len=args.seq_len,
     compute_dtype=jnp.dtype(args.compute_dtype),
-    remat=not args.no_remat,
+    remat='none' if args.no_remat else 'full',
     per_layer=not args.gather_all,
     prefetch_next=args.prefetch,
     attention_chunk=args.attention_chunk,
@@ -112,6 +112,56 @@ def _csv(kind):
       raise argparse.ArgumentTypeError(f'expected a comma-separated list, got {text!r}') from None
 
   return parse
+
+
+def _none_or(choices):
+  """A parser for one of `choices`, where 'none' on the command line is None in zerojax (no
+  offload, no quantization)."""
+
+  def parse(text: str) -> str | None:
+    if text != 'none' and text not in choices:
+      raise argparse.ArgumentTypeError(
+        f'unknown {text!r}; choose from {", ".join(["none", *choices])}'
+      )
+    return None if text == 'none' else text
+
+  return parse
+
+
+# `plan` flags that only a --search reads, and those only a single plan reads: given to the
+# other, each is an error, not ignored.
+SEARCH_ONLY = (
+  'stages', 'layouts', 'micro_batches', 'remats', 'prefetch_options', 'offloads', 'update_ons',
+  'quantizes', 'batches_per_chip', 'mixed_precision', 'hbm_gib', 'max_candidates', 'out',
+)  # fmt: skip
+SINGLE_ONLY = (
+  'stage',
+  'batch_per_chip',
+  'no_remat',
+  'gather_all',
+  'mesh',
+  'grad',
+  'prefetch',
+  'json',
+)
+
+
+def _check_plan_flags(parser: argparse.ArgumentParser, p: argparse.ArgumentParser, args) -> None:
+  """Refuses a `plan` flag that the chosen mode (a single plan or --search) does not read."""
+  flag = lambda name: '--' + name.replace('_', '-')
+  unread = SINGLE_ONLY if args.search else SEARCH_ONLY
+  given = [flag(n) for n in unread if getattr(args, n) != p.get_default(n)]
+  if given:
+    if args.search:
+      parser.error(
+        f'plan --search does not read {", ".join(given)}: those set a single plan. Give the'
+        ' search its space instead (--stages, --layouts, --batches-per-chip, --remats,'
+        ' --prefetch-options, --out), or drop --search.'
+      )
+    parser.error(
+      f'{", ".join(given)} set the space of plan --search; a single plan does not read them.'
+      ' Add --search, or set the plan with --stage, --batch-per-chip, --mesh, --no-remat.'
+    )
 
 
 def _on_off(text: str) -> bool:
@@ -207,7 +257,7 @@ def cmd_plan(args) -> int:
   from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
   from zerojax._src import report as report_lib
-  from zerojax._src import train_state, transform
+  from zerojax._src import train_state, transform, zero_stage
 
   devices, hbm_gib = _devices(args.topology)
   n = len(devices)
@@ -228,7 +278,7 @@ def cmd_plan(args) -> int:
   state = train_state.abstract_train_state(
     spec.init_fn,
     key,
-    tx=transform.zero_optimizer(_optimizer(args.optimizer), args.stage, mesh=mesh, axis=axis),
+    tx=zero_stage.zero_stage(_optimizer(args.optimizer), args.stage, mesh=mesh, axis=axis),
   )
   plan = transform.plan_for(state.tx, state.params)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
@@ -316,6 +366,7 @@ def cmd_estimate(args) -> int:
   import jax.numpy as jnp
 
   from zerojax._src import estimate, precision, presets
+  from zerojax._src.options import Options
 
   if args.model:
     if args.model not in presets.PRESETS:
@@ -337,7 +388,7 @@ def cmd_estimate(args) -> int:
     if not isinstance(params, int):
       params = precision.cast(params, dtype)
   estimates = estimate.estimate_memory(
-    params, tx, num_devices=args.devices, dtype=dtype, offload=args.offload
+    params, tx, num_devices=args.devices, dtype=dtype, options=Options(offload=args.offload)
   )
   print(estimate.format_estimates(estimates))
   return 0
@@ -354,7 +405,7 @@ def cmd_inspect(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-  from zerojax._src import presets
+  from zerojax._src import presets, search
 
   parser = argparse.ArgumentParser(prog='python -m zerojax', description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='command', required=True)
@@ -365,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument(
     '--model',
     default='gpt2-small',
-    help=f'a preset {sorted(presets.PRESETS)} or module:function returning a zerojax.ModelSpec',
+    help=f'a preset {sorted(presets.PRESETS)} or module:function returning a zerojax.inspect.ModelSpec',
   )
   p.add_argument(
     '--topology', default='v5e:2x4', help='TPU topology (v5e:16x16, v4:2x2x1, ...) or cpu:N'
@@ -422,10 +473,10 @@ def main(argv: list[str] | None = None) -> int:
                  help='gathers (recompute_gathers), full (jax.checkpoint), none')  # fmt: skip
   s.add_argument('--prefetch-options', type=_csv(_on_off), default=(False, True),
                  help='on, off: scan_layers prefetch of the next layer (stage 3)')  # fmt: skip
-  s.add_argument('--offloads', type=_csv(str), default=('none',),
+  s.add_argument('--offloads', type=_csv(_none_or(('opt_state', 'opt_state+master'))), default=(None,),
                  help='none, opt_state, opt_state+master (host memory)')  # fmt: skip
   s.add_argument('--update-ons', type=_csv(str), default=('device',), help='device, host')
-  s.add_argument('--quantizes', type=_csv(str), default=('none',),
+  s.add_argument('--quantizes', type=_csv(_none_or(tuple(q for q in search.QUANTIZE if q))), default=(None,),
                  help='ZeRO++: none, g8, g4 (gradients), w8g8, w8g4 (weights too, stage 3)')  # fmt: skip
   s.add_argument('--batches-per-chip', type=_csv(int), default=(1,), help='sequences per chip')
   s.add_argument('--mixed-precision', action='store_true',
@@ -459,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
   i.add_argument('--step', type=int, default=None, help='default: the latest committed step')
   i.set_defaults(func=cmd_inspect)
   args = parser.parse_args(argv)
+  if args.command == 'plan':
+    _check_plan_flags(parser, p, args)
 
   _configure_jax(getattr(args, 'topology', ''))
   return args.func(args)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any
@@ -22,6 +21,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zerojax._src import mesh as mesh_lib
+from zerojax._src import runtime
 
 # Exit status of a process whose start-up timed out (the message is on stderr).
 TIMEOUT_EXIT_CODE = 75
@@ -125,7 +125,7 @@ def initialize(
   if _backend_started():
     raise RuntimeError(
       'jax has already started its backend in this process, so it can no longer join'
-      ' other processes. Call zerojax.initialize_distributed(...) before any other jax'
+      ' other processes. Call zerojax.distributed.initialize(...) before any other jax'
       ' call (jax.devices(), creating arrays, jit).'
     )
   platforms = os.environ.get('JAX_PLATFORMS', '') or str(jax.config.jax_platforms or '')
@@ -155,14 +155,13 @@ def initialize(
     if done.wait(max(deadline - time.monotonic(), 0.0)):
       return
     where = f' at {coordinator_address}' if explicit else ''
-    sys.stderr.write(
+    runtime.exit_from_watchdog(  # the main thread is blocked inside JAX's runtime
       f'zerojax: {who}: not all processes joined the coordinator{where} within'
       f' {timeout_s} s. Check that {num_processes or "all"} processes were launched,'
       ' each with the same num_processes and coordinator address and its own'
-      ' process_id, and that none of them failed at start-up.\n'
+      ' process_id, and that none of them failed at start-up.\n',
+      TIMEOUT_EXIT_CODE,
     )
-    sys.stderr.flush()
-    os._exit(TIMEOUT_EXIT_CODE)  # the main thread is blocked inside the runtime
 
   threading.Thread(target=watchdog, name='zerojax-init-watchdog', daemon=True).start()
   try:
@@ -175,16 +174,16 @@ def initialize(
       shutdown_timeout_seconds=min(timeout_s, 300),
     )
   except ValueError as e:
-    if explicit or 'coordinator_address' not in str(e):
-      raise
-    # No TPU pod, SLURM or Open MPI environment for JAX to read the launch from.
-    raise ValueError(
-      'zerojax.initialize_distributed() found no cluster to join: JAX detects TPU pods,'
-      ' SLURM and Open MPI launches by itself, and none is around this process. Pass the'
-      ' launch explicitly, the same address and count in every process and a distinct'
-      ' id each (process 0 hosts the coordinator): zerojax.initialize_distributed('
-      "'HOST:PORT', num_processes=N, process_id=i). For one process, do not call it."
-    ) from e
+    if not explicit:
+      # JAX found no TPU pod, SLURM or Open MPI environment to read the launch from.
+      e.add_note(
+        'zerojax.distributed.initialize() was called without a launch: JAX detects TPU pods,'
+        ' SLURM and Open MPI launches by itself. Elsewhere pass the launch explicitly, the same'
+        ' address and count in every process and a distinct id each (process 0 hosts the'
+        " coordinator): zerojax.distributed.initialize('HOST:PORT', num_processes=N,"
+        ' process_id=i). For one process, do not call it.'
+      )
+    raise
   finally:
     done.set()
   counts = np.bincount([d.process_index for d in jax.devices()], minlength=jax.process_count())

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import AbstractMesh, AxisType
 
-from zerojax._src import rules, transform
+from zerojax._src import options as options_lib
+from zerojax._src import plan as plan_lib
+from zerojax._src import transform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,55 +53,56 @@ def estimate_memory(
   num_devices: int,
   stages: Sequence[int] = (0, 1, 2, 3),
   dtype: Any = jnp.float32,
-  policy: rules.Policy = 'replicate',
-  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-  offload: str | None = None,
+  options: options_lib.Options | None = None,
 ) -> list[MemoryEstimate]:
   """Per-device bytes of params, grads and optimizer state for each stage.
 
   Like DeepSpeed's `estimate_zero{2,3}_model_states_mem_needs`, for any optax
   optimizer: its state is evaluated abstractly (`jax.eval_shape`), so factored,
   masked or multi-step states are counted as they really are. Nothing is
-  allocated and no device is needed.
+  allocated and no device is needed: the plan is made on an abstract mesh of
+  `num_devices` devices along `options.axis`.
 
   Args:
     params: a parameter tree (arrays or ShapeDtypeStructs), or a parameter
-      count (then one flat vector of `dtype`).
-    tx: the optax optimizer (not wrapped).
+      count (then one flat vector of `dtype`, padded to a multiple of
+      `num_devices`).
+    tx: the optax optimizer (not wrapped). For mixed precision pass
+      `zerojax.mixed_precision(tx)` and `dtype=jnp.bfloat16`.
     num_devices: devices on the ZeRO axis, N.
     stages: which stages to estimate.
     dtype: parameter dtype when `params` is a count.
-    policy: for leaves that do not divide by N: 'replicate' (default: count
-      them whole, as they would be), 'pad' or 'error'.
-    replicate_below_bytes: see `zerojax.zero_stage`.
-    offload: see `zerojax.zero_stage`; offloaded bytes are reported as `host`.
-      For mixed precision pass `zerojax.mixed_precision(tx)` and
-      `dtype=jnp.bfloat16`.
+    options: the `zerojax.Options` the run will use (its `policy`,
+      `replicate_below_bytes`, `offload`, ...); offloaded bytes are reported
+      as `host`; default `zerojax.Options()`. Its `axis` must be one axis name.
 
   Returns:
     One `MemoryEstimate` per stage.
 
   >>> import optax, zerojax
-  >>> est = zerojax.estimate_memory(10**9, optax.adam(1e-3), num_devices=64)
+  >>> est = zerojax.inspect.estimate_memory(10**9, optax.adam(1e-3), num_devices=64)
   >>> [round(e.total / 1e9, 2) for e in est]  # fp32 Adam: 16, 8+8/N, 4+12/N, 16/N bytes per param
   [16.0, 8.13, 4.19, 0.25]
   """
+  options = options_lib.Options() if options is None else options
+  if not isinstance(options, options_lib.Options):
+    raise TypeError(
+      f'options must be a zerojax.Options, got {type(options).__name__}: e.g.'
+      " estimate_memory(params, tx, num_devices=8, options=zerojax.Options(policy='pad'))."
+    )
+  if not isinstance(options.axis, str):
+    raise ValueError(
+      f'estimate_memory lays the model out over one axis of num_devices devices; got'
+      f' Options(axis={options.axis!r}). Pass one name, e.g. Options(axis="data").'
+    )
   if isinstance(params, int):
     params = {'params': jax.ShapeDtypeStruct((params,), jnp.dtype(dtype))}
-    policy = 'pad' if policy == 'replicate' else policy
-  mesh = AbstractMesh((num_devices,), ('data',), axis_types=(AxisType.Auto,))
+    options = options.replace(policy='pad')
+  mesh = AbstractMesh((num_devices,), (options.axis,), axis_types=(AxisType.Auto,))
   out = []
   for stage in stages:
-    plan = transform.make_plan(
-      params,
-      tx,
-      stage=stage,
-      mesh=mesh,
-      policy=policy,
-      replicate_below_bytes=replicate_below_bytes,
-      offload=offload,
-    )
-    sizes = plan.bytes_per_device()
+    config = transform.make_config(tx, stage, mesh, options)
+    sizes = plan_lib.build_plan(params, config).bytes_per_device()
     out.append(
       MemoryEstimate(
         stage, num_devices, sizes['params'], sizes['grads'], sizes['opt_state'], sizes['host']

@@ -21,8 +21,6 @@ computes except its gathered parameters, which the backward pass gathers again.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 from typing import Any
@@ -32,13 +30,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zerojax._src import jaxprs, rules
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
-from zerojax._src import rules
 
 # The name of every gathered parameter, for jax.checkpoint policies.
-GATHERED = 'zerojax_gathered'
+GATHERED = jaxprs.GATHERED
 
 # What a gather is made of: its name, the explicit all-gather of a manual
 # region, the layout changes the compiler turns into all-gathers.
@@ -53,7 +51,7 @@ def recompute_gathers(prim, *args, **params) -> bool:
   live only while the layer runs, and activations are kept as without
   rematerialisation. Use it where the layer loop rematerialises:
 
-      block = nn.remat(zerojax.gathered_linen(Block), policy=zerojax.recompute_gathers)
+      block = nn.remat(zerojax.linen.gathered(Block, tx), policy=zerojax.recompute_gathers)
       jax.checkpoint(layer_fn, policy=zerojax.recompute_gathers)
 
   A full `jax.checkpoint` (no policy) saves less memory per layer at the cost of
@@ -68,45 +66,8 @@ def recompute_gathers(prim, *args, **params) -> bool:
   # an identity: saving its operand would keep the same bytes). jax's own
   # save_anything_except_these_names saves everything in jax 0.10.
   if prim.name == 'custom_vjp_call':  # a gather with its own gradient (ZeRO++ qwZ, qgZ)
-    return not _gathers(params.get('call_jaxpr'))
+    return not jaxprs.is_gather(params.get('call_jaxpr'))
   return prim.name not in _GATHER_PRIMITIVES
-
-
-def sub_jaxprs(eqn: Any):
-  """The jaxprs (open or closed) among an equation's parameters: bodies, branches, calls."""
-  for value in eqn.params.values():
-    for sub in value if isinstance(value, (tuple, list)) else (value,):
-      if hasattr(sub, 'eqns') or hasattr(getattr(sub, 'jaxpr', None), 'eqns'):
-        yield sub
-
-
-def _gathers(jaxpr: Any) -> bool:
-  """Whether a (closed) jaxpr is a gather: it runs an all_gather, and no loop
-  (a `custom_vjp` layer loop such as `scan_layers` computes, it does not gather)."""
-  found = False
-  jaxpr = getattr(jaxpr, 'jaxpr', jaxpr)
-  for eqn in getattr(jaxpr, 'eqns', ()):
-    name = eqn.primitive.name
-    if name in ('scan', 'while'):
-      return False
-    found = found or name == 'all_gather' or name == 'name' and eqn.params['name'] == GATHERED
-    for sub in sub_jaxprs(eqn):
-      found = found or _gathers(sub)
-  return found
-
-
-def count_gathers(jaxpr: Any, in_loop: bool = False) -> tuple[int, int]:
-  """All-gathers in a (closed) jaxpr: (outside any loop, inside a scan or while loop)."""
-  outside = inside = 0
-  for eqn in getattr(getattr(jaxpr, 'jaxpr', jaxpr), 'eqns', ()):
-    name = eqn.primitive.name
-    if name == 'all_gather':
-      inside, outside = (inside + 1, outside) if in_loop else (inside, outside + 1)
-    loop = in_loop or name in ('scan', 'while')
-    for sub in sub_jaxprs(eqn):
-      o, i = count_gathers(sub, loop)
-      outside, inside = outside + o, inside + i
-  return outside, inside
 
 
 @jax.tree_util.register_dataclass
@@ -115,8 +76,8 @@ class ShardedLeaf:
   """One device's shard of a parameter split over ZeRO axes, inside a manual region.
 
   `zerojax.value_and_grad(..., per_layer=True)` hands the loss function these
-  in place of stage-3 parameters; `gather_leaves`, `gathered_linen`,
-  `gathered_nnx` and `gather_params` turn them into whole arrays where the
+  in place of stage-3 parameters; `zerojax.gather` (and its linen and NNX
+  adapters) turns them into whole arrays where the
   model uses them. Scanning over a stacked parameter slices `shard` and keeps
   the rest, so the split dimension is found again from `ndim`.
 
@@ -187,8 +148,8 @@ def ungathered(path: str) -> TypeError:
   return TypeError(
     f'parameter {path} was used without being gathered: inside'
     ' zerojax.value_and_grad(..., per_layer=True) split parameters arrive as shards,'
-    ' and each layer gathers its own. Wrap the module with zerojax.gathered_linen'
-    ' (linen) or zerojax.gathered_nnx (NNX), call zerojax.gather_leaves on the'
+    ' and each layer gathers its own. Wrap the module with zerojax.linen.gathered'
+    ' (linen) or zerojax.nnx.gathered (NNX), call zerojax.gather on the'
     ' parameters before use, or pass per_layer=False to gather everything up front.'
   )
 
@@ -251,26 +212,132 @@ def gather_manual(tree: Any, dtype: Any = None) -> Any:
   return jax.tree.map(one, tree, is_leaf=is_sharded_leaf)
 
 
-# True while zerojax.value_and_grad traces a loss per device (inside its
-# shard_map): gathers there are explicit, and leaves that are not ShardedLeafs
-# are whole on every device already.
-_PER_DEVICE = contextvars.ContextVar('zerojax_per_device', default=False)
+def _manual(axes: tuple[str, ...]) -> bool:
+  """Whether the ZeRO axes are manual here (inside `value_and_grad`'s per-device loss, or any
+  `jax.shard_map` over them): each device then holds its leaves whole, or as `ShardedLeaf`s."""
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  return bool(axes) and all(a in manual for a in axes)
 
 
-@contextlib.contextmanager
-def per_device_region():
-  token = _PER_DEVICE.set(True)
-  try:
-    yield
-  finally:
-    _PER_DEVICE.reset(token)
+def resolve(zero: Any) -> tuple[Any, tuple[str, ...], plan_lib.ZeroPlan | None]:
+  """(mesh, ZeRO axes, plan or None) of a `ZeroPlan`, a `ZeroConfig` or a zero-wrapped tx."""
+  from zerojax._src import transform
+
+  if isinstance(zero, plan_lib.ZeroPlan):
+    return zero.mesh, zero.axes, zero
+  config = zero if isinstance(zero, transform.ZeroConfig) else transform.config_of(zero)
+  if config is None:
+    raise TypeError(
+      'zerojax.gather(tree, zero): `zero` says which mesh axes to gather over: the optimizer'
+      ' made by zerojax.zero_stage, its zerojax.config_of(tx), or its plan'
+      f' (zerojax.plan_for(tx, params)); got {type(zero).__name__}.'
+    )
+  return config.mesh, config.axes, None
 
 
-def gathers_explicitly(tree: Any) -> bool:
-  """Whether `tree` is to be gathered explicitly (inside value_and_grad's per-device loss)."""
-  return _PER_DEVICE.get() or any(
-    isinstance(x, ShardedLeaf) for x in jax.tree.leaves(tree, is_leaf=is_sharded_leaf)
+def gather(
+  tree: Any,
+  zero: Any,
+  *,
+  dtype: Any = None,
+  layouts: Any = None,
+  scanned: bool = False,
+) -> Any:
+  """All-gathers ZeRO-sharded parameters over the ZeRO axes, for use.
+
+  Only the ZeRO axes are gathered; tensor-parallel axes stay. The gradient of
+  the gather is a reduce-scatter back into the shards. Called on the whole
+  parameter tree it gathers everything at once: simple, but then the whole
+  model is live on every device. For ZeRO-3 memory savings, call it per layer
+  inside the layer loop (one layer's slice of a scanned stack), under
+  `jax.checkpoint(..., policy=zerojax.recompute_gathers)`, so each layer's
+  parameters are gathered just before use and dropped after (and gathered
+  again in the backward pass). `zerojax.linen.gathered` and
+  `zerojax.nnx.gathered` are this function applied to a module's parameters.
+
+  Where it runs decides how:
+
+  - inside `zerojax.value_and_grad`'s per-device loss, split parameters are
+    `zerojax.ShardedLeaf`s and are all-gathered explicitly; other leaves are
+    whole on every device already;
+  - anywhere else, each leaf is laid out without the ZeRO axes and the
+    compiler places the all-gather. Its layout over the other mesh axes is
+    the plan's (when `zero` is a plan and `tree` is its whole parameter tree,
+    or from `layouts`), else the array's own (Explicit axes, or placed
+    arrays). Traced on Auto axes of a mesh with other axes, the array carries
+    none: that is an error, not a guess.
+
+  Args:
+    tree: the parameters to gather (a whole tree, or one layer's slice).
+    zero: which axes: the optimizer from `zerojax.zero_stage`, its
+      `zerojax.config_of(tx)`, or its plan (`zerojax.plan_for(tx, params)`).
+    dtype: cast floating leaves to this compute dtype *before* gathering, so
+      the all-gather moves the smaller type (e.g. `jnp.bfloat16`).
+    layouts: the plan's NamedShardings for `tree` when it is a subtree of the
+      parameters, e.g. `plan.params['layers']`.
+    scanned: `tree` is one layer of a stack (as `jax.lax.scan` slices it) and
+      `layouts` describe the stack.
+
+  Returns:
+    `tree`, whole over the ZeRO axes.
+
+  >>> import jax, jax.numpy as jnp, optax, zerojax
+  >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
+  >>> tx = zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh)
+  >>> params = jax.device_put({'w': jnp.ones((64, 16))}, zerojax.plan_for(tx, {'w': jnp.ones((64, 16))}).params)
+  >>> params['w'].sharding.spec, zerojax.gather(params, tx)['w'].sharding.spec
+  (P('data', None), P(None, None))
+  """
+  mesh, axes, plan = resolve(zero)
+  leaves = jax.tree.leaves(tree, is_leaf=is_sharded_leaf)
+  if any(isinstance(x, ShardedLeaf) for x in leaves) or _manual(axes):
+    return gather_manual(tree, dtype)
+  if plan is not None and plan.quantize is not None:
+    raise ValueError(
+      'this plan asks for ZeRO++ quantized collectives (quantize=...), which zerojax places'
+      ' itself inside zerojax.value_and_grad; here the compiler would gather in full'
+      ' precision. Differentiate with zerojax.value_and_grad(loss_fn, tx, per_layer=True),'
+      ' or build the optimizer without quantize.'
+    )
+  if layouts is None and plan is not None:
+    if jax.tree.structure(tree) == jax.tree.structure(plan.params):
+      layouts = plan.params
+  if layouts is not None:
+    shardings = jax.tree.map(
+      lambda s: _without_zero_axes(s, axes, drop_leading=scanned),
+      layouts,
+      is_leaf=lambda s: isinstance(s, NamedSharding),
+    )
+  else:
+    if scanned:
+      raise ValueError('zerojax.gather(..., scanned=True) describes `layouts`: pass them too.')
+    shardings = _own_layouts(tree, mesh, axes)
+  return gather_to(tree, shardings, mesh, dtype)
+
+
+def _own_layouts(tree: Any, mesh: Any, axes: tuple[str, ...]) -> Any:
+  """Each leaf's layout without the ZeRO axes, read from the leaf itself.
+
+  Raises:
+    ValueError: a leaf traced on Auto axes (no layout to read) where the mesh
+      has other axes it could be split over.
+  """
+  hidden = not mesh_lib.any_explicit(mesh) and any(
+    mesh.shape[a] > 1 for a in mesh.axis_names if a not in axes
   )
+
+  def one(path, x):
+    if hidden and isinstance(x, jax.core.Tracer):
+      raise ValueError(
+        f'zerojax.gather: params{jax.tree_util.keystr(path)} is traced on Auto mesh axes, where'
+        ' arrays carry no layout, and the mesh has other axes than the ZeRO ones, so its'
+        ' layout over them cannot be read. Pass the plan for the whole parameter tree'
+        ' (zerojax.gather(params, zerojax.plan_for(tx, params))), or layouts=plan.params[...]'
+        ' for a part of it, or use a mesh with Explicit axes.'
+      )
+    return NamedSharding(mesh, rules.normalize_spec(plan_lib.spec_of(x), x.ndim, mesh, axes))
+
+  return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def _without_zero_axes(sharding: NamedSharding, axes, *, drop_leading: bool) -> NamedSharding:
@@ -281,64 +348,6 @@ def _without_zero_axes(sharding: NamedSharding, axes, *, drop_leading: bool) -> 
   return NamedSharding(
     mesh, rules.normalize_spec(PartitionSpec(*entries), len(entries), mesh, axes)
   )
-
-
-def gather_params(
-  params: Any,
-  plan: plan_lib.ZeroPlan,
-  *,
-  layouts: Any = None,
-  scanned: bool = False,
-  dtype: jnp.dtype | None = None,
-) -> Any:
-  """All-gathers ZeRO-sharded parameters over the plan's axes, for use.
-
-  Only the ZeRO axes are gathered; tensor-parallel axes stay. The gradient of
-  the gather is a reduce-scatter back into the shards. Called on the whole
-  parameter tree it gathers everything at once: simple, but then the full
-  model is live on every device. For ZeRO-3 memory savings, call it per layer
-  inside the layer loop instead (`scanned=True`), under `jax.checkpoint`, so
-  each layer's parameters are gathered just before use and dropped after (and
-  gathered again in the backward pass).
-
-  Args:
-    params: the parameters to gather (a whole tree, or one layer's slice).
-    plan: the `ZeroPlan` (e.g. `zerojax.plan_for(state.tx, state.params)`).
-    layouts: the plan's NamedShardings for `params` when `params` is a subtree,
-      e.g. `plan.params['layers']`; defaults to `plan.params`.
-    scanned: `params` is one layer of arrays stacked along a leading layer
-      axis (as `jax.lax.scan` slices them); `layouts` describe the stack.
-    dtype: cast floating leaves to this compute dtype *before* gathering, so
-      the all-gather moves the smaller type (e.g. `jnp.bfloat16`).
-
-  Returns:
-    `params` laid out without the ZeRO axes.
-
-  >>> import jax, jax.numpy as jnp, optax, zerojax
-  >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
-  >>> params = {'w': jnp.ones((64, 16))}
-  >>> plan = zerojax.make_plan(params, optax.adam(1e-3), stage=3, mesh=mesh)
-  >>> full = zerojax.gather_params(jax.device_put(params, plan.params), plan)
-  >>> full['w'].sharding.is_fully_replicated
-  True
-  """
-  if gathers_explicitly(params):  # inside value_and_grad's per-device loss
-    return gather_manual(params, dtype)
-  if getattr(plan, 'quantize', None) is not None:
-    raise ValueError(
-      'this plan asks for ZeRO++ quantized collectives (quantize=...), which zerojax places'
-      ' itself inside zerojax.value_and_grad; here the compiler would gather in full'
-      ' precision. Differentiate with zerojax.value_and_grad(loss_fn, tx, per_layer=True),'
-      ' or build the optimizer without quantize.'
-    )
-  mesh = plan.mesh
-  layouts = plan.params if layouts is None else layouts
-  full = jax.tree.map(
-    lambda s: _without_zero_axes(s, plan.axes, drop_leading=scanned),
-    layouts,
-    is_leaf=lambda s: isinstance(s, NamedSharding),
-  )
-  return gather_to(params, full, mesh, dtype)
 
 
 def gather_to(tree: Any, shardings: Any, mesh, dtype: Any = None) -> Any:

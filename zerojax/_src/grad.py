@@ -10,8 +10,7 @@ reduction is placed here rather than left to the compiler:
 - stages 2-3: each micro-batch's gradient is reduce-scattered (`psum_scatter`,
   a real reduce-scatter even on CPU) into an accumulator holding one shard;
 - with `per_layer=True` the loss sees split parameters as `ShardedLeaf`s and
-  the model's own gathers (`gathered_linen`, `gathered_nnx`, `gather_leaves`,
-  `gather_params`) are explicit all-gathers whose transposes reduce-scatter
+  the model's own gathers (`zerojax.gather` and its linen and NNX adapters) are explicit all-gathers whose transposes reduce-scatter
   each layer's gradient as the backward pass reaches it.
 
 What the per-device parts mean for the whole batch (scalar means,
@@ -25,22 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-import flax.errors
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zerojax._src import gather as gather_lib
+from zerojax._src import jaxprs, reduction, transform
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
-from zerojax._src import reduction, transform
 
 # A split: the dimension and the mesh axes (in the spec's order) it is split over.
 Split = tuple[int, tuple[str, ...]]
@@ -181,36 +178,28 @@ def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], l
   return diff, rebuild
 
 
-def _linen_param_path(message: str) -> str | None:
-  """`params['scope']['name']` of the parameter a linen ScopeParamShapeError names."""
-  found = re.search(r'For parameter "([^"]+)" in "([^"]*)"', message)
-  if found is None:
-    return None
-  name, scope = found.groups()
-  return 'params' + ''.join(f"['{p}']" for p in scope.split('/') if p) + f"['{name}']"
-
-
 def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
-  """The loss of one part as (total, weight, aux), with a message for captured batch arrays."""
+  """The loss of one part as (total, weight, aux). What the loss raises keeps its type, with a
+  note on what zerojax changed around it: shards in place of split parameters, and part of the
+  batch in place of the whole."""
   try:
-    with gather_lib.per_device_region():
-      out = loss_fn(jax.tree.unflatten(treedef, rebuild(diff)), mb, *args)
-  except flax.errors.ScopeParamShapeError as e:
-    # linen compares a parameter's shape before using it: a shard fails there.
-    path = _linen_param_path(str(e))
-    if path not in {route.path for route in r.leaves if route.model_split is not None}:
-      raise
-    raise gather_lib.ungathered(path) from e
-  except TypeError as e:
-    if 'incompatible shapes' not in str(e) and 'shapes must' not in str(e):
-      raise
+    out = loss_fn(jax.tree.unflatten(treedef, rebuild(diff)), mb, *args)
+  except Exception as e:
     rows = jax.tree.leaves(mb)[0].shape[0]
-    raise ValueError(
-      f'zerojax.value_and_grad: the loss failed on one part of the batch ({rows} rows) with'
-      f' "{e}". Inside value_and_grad the loss sees one device\'s micro-batch, while an array'
-      " it closes over keeps the whole batch's rows. Pass batch-shaped arrays (weights,"
-      ' masks, targets) inside `batch`, so they are split with it.'
-    ) from e
+    split = [route.path for route in r.leaves if route.model_split is not None]
+    if split:
+      e.add_note(
+        f'zerojax.value_and_grad(per_layer=True) handed the loss {len(split)} split'
+        f' parameter(s) as shards ({", ".join(split[:3])}{", ..." if len(split) > 3 else ""}),'
+        ' for each layer to gather: wrap linen blocks in zerojax.linen.gathered, NNX layers in'
+        ' zerojax.nnx.gathered, or call zerojax.gather on the parameters before use.'
+      )
+    e.add_note(
+      f'zerojax.value_and_grad ran the loss on one part of the batch ({rows} rows: one'
+      " device's micro-batch). An array the loss closes over keeps the whole batch's rows:"
+      ' pass batch-shaped arrays (weights, masks, targets) inside `batch`.'
+    )
+    raise
   loss, aux = out if r.has_aux else (out, None)
   total, weight = reduction.as_weighted(loss)
   return total, weight, aux  # weight None: a plain mean, one per part
@@ -226,10 +215,23 @@ def _check_loss(r: Routes, loss_fn, treedef, flat_params, mb, args, meta: dict) 
 
   closed, shapes = jax.make_jaxpr(one_part, return_shape=True)(flat_params, mb)
   num_params, num_batch = len(flat_params), len(jax.tree.leaves(mb))
-  outputs = [True] + [False] * (len(closed.jaxpr.outvars) - 1)
-  reduction.check_normalisation(closed, num_params, num_batch, outputs)
   _, weight, aux = shapes
   meta['weighted'] = weight is not None
+  if not reduction.depends_on_batch(reduction.output_deps(closed, num_params, num_batch)[0]):
+    raise ValueError(
+      'zerojax.value_and_grad: the loss does not read the `batch` it is given. It runs on each'
+      " device's part of the batch, so a loss that closes over a batch instead would run the"
+      ' whole of it on every device. Compute the loss from its `batch` argument:'
+      ' loss_fn(params, batch), called as fn(params, batch).'
+    )
+  # The scalar loss, and scalar aux values (means over the rows under the same rule).
+  outputs = [True] + [False] * meta['weighted']
+  if r.has_aux:
+    meta['aux_kinds'] = reduction.aux_kinds(aux, jax.tree.leaves(mb)[0].shape[0])
+    meta['aux_treedef'] = jax.tree.structure(aux, is_leaf=reduction.is_combined)
+    outputs += reduction.checked_aux_outputs(meta['aux_kinds'])
+  outputs += [False] * (len(closed.jaxpr.outvars) - len(outputs))
+  reduction.check_normalisation(closed, num_params, num_batch, outputs)
   if meta['weighted'] and reduction.depends_on_params(
     reduction.output_deps(closed, num_params, num_batch)[1]
   ):
@@ -239,14 +241,11 @@ def _check_loss(r: Routes, loss_fn, treedef, flat_params, mb, args, meta: dict) 
     )
   if r.stage == 3 and any(route.model_split is not None for route in r.leaves):
     _warn_unrolled(closed)
-  if r.has_aux:
-    meta['aux_kinds'] = reduction.aux_kinds(aux, jax.tree.leaves(mb)[0].shape[0])
-    meta['aux_treedef'] = jax.tree.structure(aux, is_leaf=reduction.is_weighted_mean)
 
 
 def _warn_unrolled(closed: Any) -> None:
   """Per-layer gathers save memory only inside a layer loop: says so when there is none."""
-  outside, inside = gather_lib.count_gathers(closed)
+  outside, inside = jaxprs.count_gathers(closed)
   if outside >= 2 and inside == 0:
     warnings.warn(
       f'zerojax.value_and_grad(per_layer=True): the loss gathers {outside} split parameters,'
@@ -289,18 +288,31 @@ def _reduce_micro(r: Routes, route: LeafRoute, g: jax.Array) -> jax.Array:
   return g
 
 
-def _psum_by_layer(x: jax.Array, axes: Any) -> jax.Array:
-  """All-reduces a stacked leaf (3 or more dimensions) one leading index at a time,
-  each result written back in place: a whole-leaf all-reduce would hold a second
-  buffer of the leaf's size (XLA gives a collective its own output)."""
-  if x.ndim < 3 or x.shape[0] < 2:
+# A whole gradient all-reduced at stage 0 or 1 gets its own output buffer on XLA:CPU, so a
+# large leaf would be held twice. Leaves of three or more dimensions (stacked layers, most
+# often) larger than this are all-reduced in place in slices along their first dimension, each
+# slice at most this size where the first dimension allows; smaller leaves at once, as plain
+# data parallelism does (an attention kernel is not a loop of tiny all-reduces).
+PSUM_SLICE_BYTES = 4 << 20
+
+
+def _psum_in_slices(x: jax.Array, axes: Any) -> jax.Array:
+  """All-reduces `x`, in slices of whole leading indices if it is large (see PSUM_SLICE_BYTES)."""
+  nbytes = x.size * x.dtype.itemsize
+  if x.ndim < 3 or nbytes <= PSUM_SLICE_BYTES:
     return jax.lax.psum(x, axes)
+  n = x.shape[0]
+  # The fewest slices of at most PSUM_SLICE_BYTES that divide the first dimension evenly.
+  slices = next((d for d in range(2, n + 1) if n % d == 0 and nbytes // d <= PSUM_SLICE_BYTES), n)
+  if slices == 1:
+    return jax.lax.psum(x, axes)
+  size = n // slices
 
   def one(i, x):
-    layer = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(x, jax.lax.psum(layer, axes), i, 0)
+    part = jax.lax.dynamic_slice_in_dim(x, i * size, size, 0)
+    return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.psum(part, axes), i * size, 0)
 
-  return jax.lax.fori_loop(0, x.shape[0], one, x)
+  return jax.lax.fori_loop(0, slices, one, x)
 
 
 def _reduce_final(r: Routes, route: LeafRoute, acc: jax.Array) -> jax.Array:
@@ -309,7 +321,7 @@ def _reduce_final(r: Routes, route: LeafRoute, acc: jax.Array) -> jax.Array:
     return acc
   if route.scatter is not None and r.stage == 1:
     return _reduce_scatter(route, acc, r.axes)
-  return _psum_by_layer(acc, _axis_arg(r.axes))
+  return _psum_in_slices(acc, _axis_arg(r.axes))
 
 
 def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, scale):
@@ -391,6 +403,14 @@ def _row_axes(batch: Any, axes: tuple[str, ...]) -> tuple[str, ...]:
   return axes
 
 
+_NO_BATCH = (
+  'zerojax.value_and_grad(loss_fn, tx) returns fn(params, batch, *args): it splits'
+  ' `batch` over the devices and runs loss_fn(params, batch, *args) on each part, so the'
+  ' batch is an argument, not something the loss closes over. Write the loss as'
+  ' loss_fn(params, batch) and call fn(params, batch).'
+)
+
+
 def value_and_grad(
   loss_fn: Callable[..., Any],
   tx: optax.GradientTransformation,
@@ -432,7 +452,7 @@ def value_and_grad(
     has_aux: `loss_fn` returns `(loss, aux)`.
     per_layer: stages 2-3: hand `loss_fn` each split parameter as a
       `zerojax.ShardedLeaf` for the model to gather layer by layer
-      (`gathered_linen`, `gathered_nnx`, `gather_leaves`, `gather_params`),
+      (`zerojax.gather`, `zerojax.linen.gathered`, `zerojax.nnx.gathered`),
       each gather's gradient reduce-scattered as the backward pass reaches it.
       A split parameter used without a gather raises a TypeError naming it.
 
@@ -452,23 +472,31 @@ def value_and_grad(
       trace time, a loss or aux whose parts cannot be combined exactly.
   """
   config = transform.require_config(tx)
-  if per_layer and (config.stage < 2 or config.param_axis is not None):
+  if per_layer and (config.stage < 2 or config.options.param_axis is not None):
     raise ValueError(
       '`per_layer=True` is for stages 2-3 with parameters split over all of the ZeRO axes'
-      f' (got stage {config.stage}, param_axis={config.param_axis!r}); stages 0-1 keep'
+      f' (got stage {config.stage}, param_axis={config.options.param_axis!r}); stages 0-1 keep'
       ' whole gradients by design, and under hpZ (param_axis) use per_layer=False.'
     )
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
     raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
   options = dict(micro_batches=micro_batches, reduce_dtype=reduce_dtype, has_aux=has_aux)
-  return functools.partial(_step, config, loss_fn, per_layer, options)
+
+  def grad_fn(params, *batch_and_args, loss_scale=None):
+    if not batch_and_args:
+      raise TypeError(_NO_BATCH)
+    return _step(
+      config, loss_fn, per_layer, options, params, *batch_and_args, loss_scale=loss_scale
+    )
+
+  return grad_fn
 
 
 def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=None):
   """What `value_and_grad`'s function does: routes, then the per-device step in shard_map."""
   mesh, axes, m = config.mesh, config.axes, options['micro_batches']
   _check_batch(batch, mesh_lib.axes_size(mesh, axes), m)
-  reduction.warn_raw_keys(args)
+  reduction.check_raw_keys(args)
   leaves, treedef = jax.tree.flatten(params)
   routes, plan = _leaf_routes(
     config, params, per_layer=per_layer, reduce_dtype=options['reduce_dtype']

@@ -430,7 +430,7 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
     A `CollectiveStats`.
 
   >>> import zerojax
-  >>> stats = zerojax.count_collectives(
+  >>> stats = zerojax.inspect.count_collectives(
   ...     'ENTRY %main (p: f32[8]) -> f32[8] {\\n'
   ...     '  %p = f32[8]{0} parameter(0)\\n'
   ...     '  ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add\\n'

@@ -10,44 +10,60 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from zerojax._src import gather as gather_lib
 from zerojax._src import grad as grad_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import reduction, transform
 
 
-def nnx_plan(
-  model: nnx.Module,
-  tx: optax.GradientTransformation | None = None,
-  *,
-  stage: int = 3,
-  **options: Any,
-) -> plan_lib.ZeroPlan:
-  """The `ZeroPlan` of an NNX model's `nnx.Param`s (and of `tx`'s state, if given).
+def gathered(module: nnx.Module, zero: Any, *, dtype: Any = None) -> nnx.Module:
+  """A copy of an NNX module with its `nnx.Param`s gathered (`zerojax.gather`), for use.
 
-  `options` are `zerojax.zero_stage`'s (mesh, axis, policy, param_specs, ...).
+  Call it on a layer inside the scanned (and rematerialised) function, so the
+  gathered copy lives only while that layer runs. Gradients flow back to the
+  original sharded parameters as reduce-scatters.
+
+  Args:
+    module: the NNX module (a layer, or the whole model).
+    zero: which axes to gather over: the optimizer from `zerojax.zero_stage`,
+      its `zerojax.config_of(tx)`, or its plan.
+    dtype: compute dtype to cast parameters to before the gather.
   """
-  transform.check_option_names(options, 'nnx_plan')
-  return transform.make_plan(nnx.state(model, nnx.Param), tx, stage=stage, **options)
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  params = gather_lib.gather(params, zero, dtype=dtype)
+  return nnx.merge(graphdef, params, rest)
 
 
-def shard_nnx(model: nnx.Module, *, stage: int = 3, **options: Any) -> nnx.Module:
-  """Places an existing NNX model's parameters in their ZeRO layout, in place.
+def _plan(tx: optax.GradientTransformation, model: nnx.Module, where: str) -> plan_lib.ZeroPlan:
+  config = transform.config_of(tx)
+  if config is None:
+    raise TypeError(
+      f'zerojax.nnx.{where} takes the optimizer wrapped by zerojax.zero_stage, which holds the'
+      ' ZeRO stage and options: tx = zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh).'
+    )
+  return config.plan(nnx.state(model, nnx.Param))
+
+
+def shard(model: nnx.Module, tx: optax.GradientTransformation) -> nnx.Module:
+  """Places an existing NNX model's parameters in the layout of `tx`'s plan, in place.
 
   At stage 3 the `nnx.Param`s are split over the ZeRO axes; below stage 3 they
-  are replicated (their other axes kept). `options` are `zerojax.zero_stage`'s.
-  Returns `model`.
+  are replicated (their other axes kept). Returns `model`.
+
+  Args:
+    model: the NNX model.
+    tx: the optimizer from `zerojax.zero_stage`: its stage and options decide.
   """
-  transform.check_option_names(options, 'shard_nnx')
-  plan = nnx_plan(model, stage=stage, **options)
+  plan = _plan(tx, model, 'shard')
   nnx.update(model, jax.device_put(nnx.state(model, nnx.Param), plan.params))
-  return _guard_explicit_stage3(model, plan)
+  return model
 
 
-def create_nnx_model(
-  make_model: Callable[[], nnx.Module], *, stage: int = 3, **options: Any
+def create_model(
+  make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation
 ) -> nnx.Module:
-  """Creates an NNX model directly in its ZeRO layout.
+  """Creates an NNX model directly in the layout of `tx`'s plan.
 
   The model is first created abstractly (`nnx.eval_shape`: nothing
   allocated), its plan computed, and then created for real inside one jitted
@@ -56,17 +72,15 @@ def create_nnx_model(
 
   Args:
     make_model: builds the model, e.g. `lambda: GPT(cfg, rngs=nnx.Rngs(0))`.
-    stage: the ZeRO stage (3 splits the parameters).
-    **options: `zerojax.zero_stage`'s options (mesh, axis, policy, ...), named
-      and checked in one place.
+    tx: the optimizer from `zerojax.zero_stage`: its stage and options decide
+      the layout (stage 3 splits the parameters).
 
   Returns:
     The model, with `nnx.Param`s carrying the plan's shardings.
   """
-  transform.check_option_names(options, 'create_nnx_model')
   abstract = nnx.eval_shape(make_model)
-  plan = nnx_plan(abstract, stage=stage, **options)
-  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  plan = _plan(tx, abstract, 'create_model')
+  graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
   rest_shardings = jax.tree.map(lambda _: mesh_lib.replicated(plan.mesh), rest)
 
   def create():
@@ -77,47 +91,11 @@ def create_nnx_model(
     )(p)
     return p, r
 
-  del params
   p, r = jax.jit(create, out_shardings=(plan.params, rest_shardings))()
-  return _guard_explicit_stage3(nnx.merge(graphdef, p, r), plan)
+  return nnx.merge(graphdef, p, r)
 
 
-_GUARDED: dict[type, type] = {}
-
-
-def _guard_explicit_stage3(model: nnx.Module, plan: plan_lib.ZeroPlan) -> nnx.Module:
-  """At stage 3 on an Explicit mesh, calling the model names the fix for JAX's sharding
-  type error (its parameters rest split, and each layer must gather its own)."""
-  if plan.stage < 3 or not mesh_lib.any_explicit(plan.mesh):
-    return model
-  cls = type(model)
-  if cls not in _GUARDED and not getattr(cls, '_zerojax_guarded', False):
-    call = cls.__call__
-
-    def guarded_call(self, *args, **kwargs):
-      try:
-        return call(self, *args, **kwargs)
-      except Exception as e:
-        # jax does not export the class; its name is stable and public in messages.
-        if type(e).__name__ != 'ShardingTypeError':
-          raise
-        raise ValueError(
-          f'{cls.__name__} failed on ZeRO stage-3 parameters, which rest split over the'
-          f" Explicit mesh: {e}\nGather each layer's parameters where it runs, with"
-          ' zerojax.gathered_nnx(layer) inside the (scanned, rematerialised) forward pass or'
-          ' zerojax.gathered_nnx(model) for the whole model at once, and differentiate with'
-          ' zerojax.nnx_value_and_grad(loss_fn, tx): its loss runs per device, where the batch'
-          ' and the gathered parameters are local. Or use a mesh with Auto axes.'
-        ) from e
-
-    namespace = {'__call__': guarded_call, '_zerojax_guarded': True}
-    namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
-    _GUARDED[cls] = type(cls)(cls.__name__, (cls,), namespace)
-  model.__class__ = _GUARDED.get(cls, cls)
-  return model
-
-
-def nnx_value_and_grad(
+def value_and_grad(
   loss_fn: Callable[..., Any], tx: optax.GradientTransformation, *, has_aux: bool = False, **options
 ) -> Callable[..., Any]:
   """`zerojax.value_and_grad` for an NNX model: `loss_fn(model, batch, *args)`.

@@ -15,7 +15,7 @@ from zerojax._src import rules, validation
 
 
 class PlanOptions(Protocol):
-  """What a plan is built from: the options of `zerojax.zero_stage` (its `ZeroConfig`).
+  """What a plan is built from: a `ZeroConfig` (`zerojax.config_of(tx)`).
 
   A protocol, so that this module needs nothing from the transform built on it.
   """
@@ -24,27 +24,7 @@ class PlanOptions(Protocol):
   stage: int
   mesh: Mesh
   axes: tuple[str, ...]
-  policy: str
-  replicate_below_bytes: int
-  param_specs: Any
-  param_axis: Any
-  offload: str | None
-  quantize: Any
-
-
-STAGES = (0, 1, 2, 3)
-
-
-def check_stage(stage: Any) -> int:
-  if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or stage not in STAGES:
-    raise ValueError(f'`stage` must be 0, 1, 2 or 3 (the ZeRO stages), got {stage!r}.')
-  return int(stage)
-
-
-def check_policy(policy: Any) -> str:
-  if policy not in rules.POLICIES:
-    raise ValueError(f'`policy` must be one of {rules.POLICIES}, got {policy!r}.')
-  return policy
+  options: Any  # zerojax.Options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +117,7 @@ class ZeroPlan:
     return format_plan(self)
 
 
-def _fmt_bytes(n: int) -> str:
+def fmt_bytes(n: int) -> str:
   for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
     if n < 1024 or unit == 'TiB':
       return f'{n:.0f} {unit}' if unit == 'B' else f'{n:.2f} {unit}'
@@ -186,16 +166,16 @@ def format_plan(plan: ZeroPlan) -> str:
   total = sum(totals.values())
   lines.append(
     'per device: '
-    + ', '.join(f'{k} {_fmt_bytes(v)}' for k, v in totals.items())
-    + f'; total {_fmt_bytes(total)}'
-    + (f'; in host memory (offloaded) {_fmt_bytes(host)}' if host else '')
+    + ', '.join(f'{k} {fmt_bytes(v)}' for k, v in totals.items())
+    + f'; total {fmt_bytes(total)}'
+    + (f'; in host memory (offloaded) {fmt_bytes(host)}' if host else '')
   )
   reps = plan.replicated()
   if reps:
-    lines.append(f'replicated over {axes!r} ({len(reps)}):')
+    lines.append(f'replicated over {axes!r} ({plan.num_shards} devices): {len(reps)} leaves')
     lines.extend(f'  {g}{p}: {why}' for g, p, why in reps)
   else:
-    lines.append(f'replicated over {axes!r}: none')
+    lines.append(f'replicated over {axes!r} ({plan.num_shards} devices): no leaves')
   param_rows = [r for r in plan.rows if r.group == 'params']
   if plan.quantize is not None:
     q = plan.quantize
@@ -256,7 +236,7 @@ def build_plan(
   ShapeDtypeStructs) and the optimizer state is evaluated abstractly, unless
   `opt_state` is given to lay out instead.
   """
-  param_axes = order_axes(config.mesh, config.axes, config.param_axis)[1]
+  param_axes = order_axes(config.mesh, config.axes, config.options.param_axis)[1]
   leaf_rule = _leaf_rule_for(config)
   param_leaves, opt_shapes = _param_rules(params, config, leaf_rule)
   state_leaves, state_padding = _state_rules(param_leaves, opt_shapes, config, leaf_rule, opt_state)
@@ -266,7 +246,7 @@ def build_plan(
 
 def _leaf_rule_for(config: PlanOptions):
   # Padding only matters where something is split: from stage 1 up.
-  pad = config.policy == 'pad' and config.stage >= 1
+  pad = config.options.policy == 'pad' and config.stage >= 1
 
   def rule_for(shape, dtype, base):
     return rules.leaf_rule(
@@ -275,7 +255,7 @@ def _leaf_rule_for(config: PlanOptions):
       base,
       mesh=config.mesh,
       axes=config.axes,
-      replicate_below_bytes=config.replicate_below_bytes,
+      replicate_below_bytes=config.options.replicate_below_bytes,
       pad=pad,
     )
 
@@ -286,8 +266,8 @@ def _param_rules(params, config: PlanOptions, rule_for) -> tuple[_Leaves, list]:
   """A rule per parameter (keeping its tensor-parallel layout), and the shapes the
   optimizer sees (padded where the policy pads)."""
   abstract = validation.abstract_arrays(params, 'params')
-  if config.param_specs is not None:
-    specs = validation.broadcast_prefix(config.param_specs, params, 'param_specs')
+  if config.options.param_specs is not None:
+    specs = validation.broadcast_prefix(config.options.param_specs, params, 'param_specs')
   else:
     specs = jax.tree.map(spec_of, params)
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
@@ -338,7 +318,7 @@ def _check_splittable(param_leaves: _Leaves, state_leaves: _Leaves, config: Plan
   for (path, _), rule in zip(state_leaves.entries, state_leaves.rules):
     if rule.indivisible and rule.dim is None and must['opt_state']:
       offending.append(('opt_state', path, rule))
-  if not offending or config.policy != 'error':
+  if not offending or config.options.policy != 'error':
     return
   n = mesh_lib.axes_size(config.mesh, config.axes)
   axis = config.axes[0] if len(config.axes) == 1 else config.axes
@@ -414,7 +394,7 @@ def _assemble(
     )
   s_rest = []
   for (path, x), rule in zip(state_leaves.entries, state_leaves.rules):
-    host = _offloaded(path, x, config.offload)
+    host = _offloaded(path, x, config.options.offload)
     s_rest.append(named(layout(rule, must['opt_state']), HOST if host else None))
     rows.append(
       PlanRow(
@@ -443,8 +423,8 @@ def _assemble(
     ),
     param_axes=hpz,
     state_padding=tuple(state_padding),
-    quantize=config.quantize,
-    unquantized=_unquantized(param_leaves, config.quantize),
+    quantize=config.options.quantize,
+    unquantized=_unquantized(param_leaves, config.options.quantize),
   )
 
 
@@ -461,18 +441,7 @@ def _unquantized(param_leaves: _Leaves, quantize) -> tuple[str | None, ...]:
   return tuple(out)
 
 
-OFFLOAD = (None, 'opt_state', 'opt_state+master')
 HOST = 'pinned_host'
-
-
-def check_offload(offload: Any) -> str | None:
-  if offload not in OFFLOAD:
-    raise ValueError(
-      f'`offload` must be one of {OFFLOAD}, got {offload!r}: None keeps everything on'
-      " device, 'opt_state' moves the optimizer state to host memory, 'opt_state+master'"
-      ' also the mixed_precision master copy.'
-    )
-  return offload
 
 
 def order_axes(

@@ -35,11 +35,10 @@ def scan_layers(
   body: Callable[[Any, Any], Any],
   init: Any,
   layers: Any,
+  zero: Any,
   *,
   dtype: Any = None,
   prefetch: bool = True,
-  mesh: Any = None,
-  axis: Any = 'data',
   remat: str = 'gathers',
 ) -> Any:
   """Runs `body(carry, layer)` over stacked layer parameters; returns the last carry.
@@ -56,16 +55,17 @@ def scan_layers(
 
   Anywhere else (`prefetch=False`, or parameters that are not ShardedLeafs) it
   is `jax.lax.scan` over `jax.checkpoint(body, policy=...)` (the `remat`
-  policy) with each layer gathered by `gather_leaves`.
+  policy) with each layer gathered by `zerojax.gather`.
 
   Args:
     body: `(carry, layer) -> carry`, the same pytree structure in and out.
     init: the first carry (e.g. the embedded tokens).
     layers: the stacked parameters, a leading dimension of one size (the
       layer count) on every leaf.
+    zero: which axes the layers are split over: the optimizer from
+      `zerojax.zero_stage`, its `zerojax.config_of(tx)`, or its plan.
     dtype: compute dtype the parameters are cast to before they are gathered.
     prefetch: issue layer i+1's gather before layer i runs.
-    mesh, axis: for the plain scan outside `value_and_grad` (see `gather_leaves`).
     remat: what the backward pass computes again. 'gathers' (default): only
       the gathers; each layer's activations are kept, as under
       `zerojax.recompute_gathers` (no forward matmul runs twice). 'full': the
@@ -80,10 +80,9 @@ def scan_layers(
   leaves, treedef = jax.tree.flatten(layers, is_leaf=gather_lib.is_sharded_leaf)
   sharded = [gather_lib.is_sharded_leaf(x) for x in leaves]
   if not prefetch or not any(sharded):
-    from zerojax._src import layers as layers_lib
 
     def plain(carry, layer):
-      gathered = layers_lib.gather_leaves(layer, mesh=mesh, axis=axis, dtype=dtype)
+      gathered = gather_lib.gather(layer, zero, dtype=dtype)
       return body(carry, gathered), None
 
     policy = gather_lib.recompute_gathers if remat == 'gathers' else None

@@ -160,9 +160,13 @@ def plan_gather(plan: plan_lib.ZeroPlan, compute_dtype=None) -> GatherFn:
 
   def gather_fn(tree, group: str, scanned: bool):
     layouts = plan.params['layers'] if group == 'layers' else {k: plan.params[k] for k in tree}
-    return gather.gather_params(tree, plan, layouts=layouts, scanned=scanned, dtype=compute_dtype)
+    return gather.gather(tree, plan, layouts=layouts, scanned=scanned, dtype=compute_dtype)
 
   return gather_fn
+
+
+# What a block recomputes in the backward pass (the plan search's `remat` too).
+REMAT = ('gathers', 'full', 'none')
 
 
 def decoder_loss(
@@ -173,7 +177,7 @@ def decoder_loss(
   plan: plan_lib.ZeroPlan | None = None,
   gather_fn: GatherFn | None = None,
   compute_dtype=jnp.bfloat16,
-  remat: bool | str = True,
+  remat: str = 'full',
   per_layer: bool = True,
   prefetch_next: bool = False,
   attention_chunk: int | None = None,
@@ -189,10 +193,10 @@ def decoder_loss(
       scanned) -> tree that lays parameters out for use.
     compute_dtype: dtype of the matrix multiplies (parameters are cast before
       they are gathered).
-    remat: rematerialise each block in the backward pass: True (or 'full')
-      drops its gathered parameters and activations and recomputes them;
-      'gathers' (`zerojax.recompute_gathers`) drops only the gathered
-      parameters and gathers them again; False keeps everything.
+    remat: what each block recomputes in the backward pass: 'full' (the
+      default) drops its gathered parameters and activations and recomputes
+      them; 'gathers' (`zerojax.recompute_gathers`) drops only the gathered
+      parameters and gathers them again; 'none' keeps everything.
     per_layer: gather each block's parameters inside the scan; False gathers
       the whole model up front (simple, and ZeRO-3 then saves nothing at peak).
     prefetch_next: inside `zerojax.value_and_grad(per_layer=True)` with
@@ -202,6 +206,8 @@ def decoder_loss(
     attention_chunk: compute attention this many queries at a time
       (`chunked_attention`; one chunk's scores live at a time); None: at once.
   """
+  if remat not in REMAT:
+    raise ValueError(f'decoder_loss: remat must be one of {REMAT}, got {remat!r}.')
   if plan is not None:
     gather_fn = plan_gather(plan, compute_dtype)
   if gather_fn is not None and not per_layer:
@@ -226,9 +232,12 @@ def decoder_loss(
 
   if (
     prefetch_next
-    and gather_fn is not None
-    and remat
-    and gather.gathers_explicitly(params['layers'])
+    and plan is not None
+    and remat != 'none'
+    and any(
+      gather.is_sharded_leaf(x)
+      for x in jax.tree.leaves(params['layers'], is_leaf=gather.is_sharded_leaf)
+    )
   ):
     # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
     # loop, with layer i+1's gather issued while layer i computes.
@@ -236,11 +245,12 @@ def decoder_loss(
       lambda x, layer: _block(cfg, x, cast(layer), attention_chunk),
       x,
       params['layers'],
+      plan,
       dtype=compute_dtype,
-      remat='gathers' if remat == 'gathers' else 'full',
+      remat=remat,
     )
   else:
-    if remat:
+    if remat != 'none':
       policy = gather.recompute_gathers if remat == 'gathers' else None
       body = jax.checkpoint(body, policy=policy or jax.checkpoint_policies.nothing_saveable)
     x, _ = jax.lax.scan(body, x, params['layers'])
@@ -262,15 +272,15 @@ class ModelSpec:
     name: for reports.
     init_fn: key -> parameter tree.
     loss_fn: (params, batch, plan) -> scalar loss; gathers its own parameters
-      (e.g. `zerojax.gather_params(params, plan)`, or per layer).
+      (e.g. `zerojax.gather(params, plan)`, or per layer).
     batch: a function of the global batch size returning the batch's
       ShapeDtypeStruct (without sharding).
 
   >>> import jax, jax.numpy as jnp, zerojax
-  >>> spec = zerojax.ModelSpec(
+  >>> spec = zerojax.inspect.ModelSpec(
   ...     name='linear',
   ...     init_fn=lambda key: {'w': jax.random.normal(key, (64, 64))},
-  ...     loss_fn=lambda p, x, plan: jnp.mean(x @ zerojax.gather_params(p, plan)['w']),
+  ...     loss_fn=lambda p, x, plan: jnp.mean(x @ zerojax.gather(p, plan)['w']),
   ...     batch=lambda rows: jax.ShapeDtypeStruct((rows, 64), jnp.float32))
   >>> spec.batch(16).shape
   (16, 64)
@@ -287,7 +297,7 @@ def decoder_spec(
   *,
   seq_len: int | None = None,
   compute_dtype=jnp.bfloat16,
-  remat: bool | str = True,
+  remat: str = 'full',
   per_layer: bool = True,
   prefetch_next: bool = False,
   attention_chunk: int | None = None,

@@ -21,7 +21,6 @@ device and micro-batch draws its own numbers (`fold_keys`).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 from jax.typing import ArrayLike
+
+from zerojax._src import jaxprs
 
 
 class WeightedMean(NamedTuple):
@@ -56,8 +57,34 @@ class WeightedMean(NamedTuple):
     return jnp.asarray(self.total) / jnp.asarray(self.weight)
 
 
+class Sum(NamedTuple):
+  """A sum over the rows of the batch given, such as a count of tokens.
+
+  Return it as an aux leaf from a loss for `zerojax.value_and_grad`: the
+  result is `total` summed over every device and micro-batch, which is what
+  the same sum is on the whole batch.
+
+  >>> import jax.numpy as jnp, zerojax
+  >>> mask = jnp.array([1.0, 1.0, 0.0])
+  >>> zerojax.Sum(jnp.sum(mask)).value
+  Array(2., dtype=float32)
+  """
+
+  total: ArrayLike
+
+  @property
+  def value(self) -> jax.Array:
+    """`total`: the sum on this batch alone (for an unwrapped step)."""
+    return jnp.asarray(self.total)
+
+
 def is_weighted_mean(x: Any) -> bool:
   return isinstance(x, WeightedMean)
+
+
+def is_combined(x: Any) -> bool:
+  """A leaf that says how its parts combine (`WeightedMean` or `Sum`)."""
+  return isinstance(x, (WeightedMean, Sum))
 
 
 def as_weighted(loss: Any) -> tuple[jax.Array, jax.Array | None]:
@@ -80,18 +107,26 @@ def as_weighted(loss: Any) -> tuple[jax.Array, jax.Array | None]:
 
 
 def aux_kinds(aux: Any, rows: int) -> list[str]:
-  """For each aux leaf: 'rows' (per-row values) or 'mean' (a WeightedMean).
+  """For each aux leaf, how its parts combine.
+
+  'rows' (leading dimension the rows: concatenated), 'mean' (a WeightedMean),
+  'sum' (a Sum), or 'scalar' (a plain scalar: a mean over the rows, under the
+  same rule as a scalar loss, and checked for the same division).
 
   Raises:
-    ValueError: naming every leaf that is neither, with the fix.
+    ValueError: naming every leaf that is none of these, with the fix.
   """
-  flat = jax.tree_util.tree_flatten_with_path(aux, is_leaf=is_weighted_mean)[0]
+  flat = jax.tree_util.tree_flatten_with_path(aux, is_leaf=is_combined)[0]
   kinds, bad = [], []
   for path, x in flat:
     shape = tuple(getattr(x, 'shape', np.shape(x)))
     if is_weighted_mean(x):
       kinds.append('mean')
-    elif shape and shape[0] == rows:
+    elif isinstance(x, Sum):
+      kinds.append('sum')
+    elif not shape:
+      kinds.append('scalar')
+    elif shape[0] == rows:
       kinds.append('rows')
     else:
       kinds.append('')
@@ -99,22 +134,35 @@ def aux_kinds(aux: Any, rows: int) -> list[str]:
   if bad:
     raise ValueError(
       'zerojax.value_and_grad(has_aux=True): the loss runs per device on'
-      f' {rows} rows at a time, and these aux values are not per-row, so they cannot be'
-      f" combined into the global batch's: {', '.join(bad)}. Return per-row values"
-      f' (leading dimension {rows}, e.g. the correct predictions, not their mean; they'
-      ' come back with every row of the batch), or a zerojax.WeightedMean(total, weight)'
-      ' of sums over the rows (WeightedMean(x, 1.0) for a mean over the rows).'
+      f' {rows} rows at a time, and these aux values are neither per-row nor scalars, so'
+      f" they cannot be combined into the global batch's: {', '.join(bad)}. Return per-row"
+      f' values (leading dimension {rows}; they come back with every row of the batch), a'
+      ' scalar mean over the rows, a zerojax.Sum(total) of a sum over the rows, or a'
+      ' zerojax.WeightedMean(total, weight) of sums over the rows.'
     )
   return kinds
 
 
+def checked_aux_outputs(kinds: list[str]) -> list[bool]:
+  """Per flattened aux output (a WeightedMean is two), whether it is a plain scalar: those
+  are means over the rows, and are checked for a division by a batch count as the loss is."""
+  flags = []
+  for kind in kinds:
+    flags += [False, False] if kind == 'mean' else [kind == 'scalar']
+  return flags
+
+
 def stack_aux(aux: Any, kinds: list[str]) -> Any:
   """One part's aux as arrays to carry through the micro-batch loop."""
-  flat, treedef = jax.tree.flatten(aux, is_leaf=is_weighted_mean)
+  flat, treedef = jax.tree.flatten(aux, is_leaf=is_combined)
   out = []
   for x, kind in zip(flat, kinds):
     if kind == 'mean':
       out.append((jnp.asarray(x.total, jnp.float32), jnp.asarray(x.weight, jnp.float32)))
+    elif kind == 'scalar':
+      out.append((jnp.asarray(x, jnp.float32), jnp.ones((), jnp.float32)))
+    elif kind == 'sum':
+      out.append(jnp.asarray(x.total))
     else:
       out.append(x)
   return jax.tree.unflatten(treedef, out)
@@ -124,15 +172,17 @@ def finish_aux(stacked: Any, treedef: Any, kinds: list[str], axes: Any) -> tuple
   """Per-device aux outputs after the loop: (values, is-per-row flags).
 
   Per-row leaves are the micro-batches' rows in order (shard_map concatenates
-  the devices'); WeightedMeans are summed over micro-batches and devices, then
-  divided.
+  the devices'); WeightedMeans and scalars are summed over micro-batches and
+  devices, then divided; Sums are summed.
   """
   flat = treedef.flatten_up_to(stacked)
   out = []
   for x, kind in zip(flat, kinds):
-    if kind == 'mean':
+    if kind in ('mean', 'scalar'):
       total, weight = (jax.lax.psum(jnp.sum(v, axis=0), axes) for v in x)
       out.append(total / weight)
+    elif kind == 'sum':
+      out.append(jax.lax.psum(jnp.sum(x, axis=0), axes))
     else:
       out.append(x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]))
   return out, [k == 'rows' for k in kinds]
@@ -145,17 +195,23 @@ def is_key(x: Any) -> bool:
   return jax.dtypes.issubdtype(getattr(x, 'dtype', None), jax.dtypes.prng_key)
 
 
-def warn_raw_keys(args: Any) -> None:
-  """Warns about leaves that look like legacy uint32 keys: they cannot be told from data."""
-  for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
-    if getattr(x, 'dtype', None) == jnp.uint32 and np.shape(x) == (2,):
-      warnings.warn(
-        f'zerojax.value_and_grad: args{jax.tree_util.keystr(path)} looks like a raw uint32 PRNG'
-        ' key (jax.random.PRNGKey). It is passed to every device and micro-batch unchanged,'
-        ' so they would all draw the same numbers. Pass a typed key (jax.random.key, or'
-        " jax.random.wrap_key_data(key)) and value_and_grad folds in each part's index.",
-        stacklevel=4,
-      )
+def check_raw_keys(args: Any) -> None:
+  """Refuses leaves that look like legacy uint32 keys: they cannot be told from data, and
+  passed unchanged they would give every device and micro-batch the same numbers."""
+  found = [
+    f'args{jax.tree_util.keystr(path)}'
+    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]
+    if getattr(x, 'dtype', None) == jnp.uint32 and np.shape(x) == (2,)
+  ]
+  if found:
+    raise TypeError(
+      f'zerojax.value_and_grad: {", ".join(found)} is a uint32[2] array, the form of a legacy'
+      ' jax.random.PRNGKey. The loss runs once per device and micro-batch, and value_and_grad'
+      " folds each part's index into typed keys only: a legacy key cannot be told from data,"
+      ' and passed unchanged it would give every part the same numbers (the same dropout'
+      ' mask). Pass jax.random.key(seed), or jax.random.wrap_key_data(key) for a key you'
+      ' already have. If it is data, not a key, give it another dtype or shape.'
+    )
 
 
 def fold_keys(args: Any, index: jax.Array) -> Any:
@@ -165,61 +221,7 @@ def fold_keys(args: Any, index: jax.Array) -> Any:
 
 # -- batch-dependent normalisation ----------------------------------------------
 
-_PARAMS, _BATCH = 1, 2
-
-
-def _sub_jaxpr(eqn: Any) -> Any:
-  """The inner jaxpr of a call whose operands map one to one onto its inputs."""
-  inner = eqn.params.get('jaxpr', eqn.params.get('call_jaxpr'))
-  inner = getattr(inner, 'jaxpr', inner)
-  if inner is not None and len(inner.invars) == len(eqn.invars):
-    return inner
-  return None
-
-
-def _deps(jaxpr: Any, in_deps: list[int]) -> dict:
-  """Forward pass: for each variable, which of params/batch it depends on (bit flags)."""
-  env = dict(zip(jaxpr.invars, in_deps))
-  read = lambda v: 0 if isinstance(v, core.Literal) else env.get(v, 0)
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    inner = _sub_jaxpr(eqn)
-    if inner is not None:
-      inner_env = _deps(inner, ins)
-      outs = [0 if isinstance(v, core.Literal) else inner_env.get(v, 0) for v in inner.outvars]
-    else:
-      outs = [int(np.bitwise_or.reduce(ins)) if ins else 0] * len(eqn.outvars)
-    env.update(zip(eqn.outvars, outs))
-  return env
-
-
-def _live(jaxpr: Any, live_out: list[bool]) -> set:
-  """Backward pass: the variables some live output is computed from."""
-  live = {v for v, keep in zip(jaxpr.outvars, live_out) if keep and not isinstance(v, core.Literal)}
-  for eqn in reversed(jaxpr.eqns):
-    if any(v in live for v in eqn.outvars):
-      live.update(v for v in eqn.invars if not isinstance(v, core.Literal))
-  return live
-
-
-def _find_divisions(jaxpr: Any, in_deps: list[int], live_out: list[bool]) -> list[str]:
-  env, live = _deps(jaxpr, in_deps), _live(jaxpr, live_out)
-  read = lambda v: 0 if isinstance(v, core.Literal) else env.get(v, 0)
-  found = []
-  for eqn in jaxpr.eqns:
-    if not any(v in live for v in eqn.outvars):
-      continue
-    if eqn.primitive.name == 'div':
-      divisor = eqn.invars[1]
-      if read(divisor) == _BATCH and int(np.prod(divisor.aval.shape)) == 1:
-        found.append(
-          f'{eqn.invars[0].aval.str_short(short_dtypes=True)} / {divisor.aval.str_short(short_dtypes=True)}'
-        )
-    inner = _sub_jaxpr(eqn)
-    if inner is not None:
-      inner_live = [v in live for v in eqn.outvars]
-      found += _find_divisions(inner, [read(v) for v in eqn.invars], inner_live)
-  return found
+_PARAMS, _BATCH = jaxprs.PARAMS, jaxprs.BATCH
 
 
 def check_normalisation(closed: Any, num_params: int, num_batch: int, outputs: list[bool]) -> None:
@@ -239,7 +241,7 @@ def check_normalisation(closed: Any, num_params: int, num_batch: int, outputs: l
   jaxpr = closed.jaxpr
   rest = len(jaxpr.invars) - num_params - num_batch
   in_deps = [_PARAMS] * num_params + [_BATCH] * num_batch + [0] * rest
-  found = _find_divisions(jaxpr, in_deps, outputs)
+  found = jaxprs.divisions_by(jaxpr, in_deps, outputs, _BATCH)
   if found:
     raise ValueError(
       'zerojax.value_and_grad: the loss divides by a value computed from its batch'
@@ -255,8 +257,12 @@ def output_deps(closed: Any, num_params: int, num_batch: int) -> list[int]:
   """For each output of `closed`: whether it depends on the parameters (bit 1) and batch (bit 2)."""
   jaxpr = closed.jaxpr
   rest = len(jaxpr.invars) - num_params - num_batch
-  env = _deps(jaxpr, [_PARAMS] * num_params + [_BATCH] * num_batch + [0] * rest)
+  env = jaxprs.dependencies(jaxpr, [_PARAMS] * num_params + [_BATCH] * num_batch + [0] * rest)
   return [0 if isinstance(v, core.Literal) else env.get(v, 0) for v in jaxpr.outvars]
+
+
+def depends_on_batch(deps: int) -> bool:
+  return bool(deps & _BATCH)
 
 
 def depends_on_params(deps: int) -> bool:

@@ -122,16 +122,18 @@ def compile_with_text(lowered: Any) -> tuple[Any, str]:
 
   The text is `as_text()`'s where it can print the program. Some jax and
   libtpu pairs (jax 0.10 with libtpu 0.0.52) cannot print v5p and v6e programs
-  that hold asynchronous updates (an XLA RET_CHECK on their arity); for those
-  the text is read from XLA's dump (`dumped_hlo_text`).
+  that hold asynchronous updates (an XLA RET_CHECK on their arity); where
+  `as_text()` fails, the text is read from XLA's dump (`dumped_hlo_text`).
   """
   compiled = lowered.compile()
   try:
     return compiled, compiled.as_text()
   except jax.errors.JaxRuntimeError as e:
-    if 'RET_CHECK' not in str(e):
-      raise
-  return dumped_hlo_text(lowered)
+    try:
+      return dumped_hlo_text(lowered)
+    except Exception as dump_error:
+      e.add_note(f"zerojax: reading the program from XLA's dump failed too: {dump_error}")
+      raise e from None
 
 
 def dumped_hlo_text(lowered: Any) -> tuple[Any, str]:
@@ -168,7 +170,7 @@ def step_report(
 
   Args:
     compiled: `jax.jit(step).lower(*args).compile()`; the arguments may be
-      ShapeDtypeStructs (e.g. from `zerojax.abstract_train_state`).
+      ShapeDtypeStructs (e.g. from `zerojax.inspect.abstract_train_state`).
     plan: the step's `ZeroPlan`, to compare traffic with the ZeRO floor.
     bytes_per_param: bytes per parameter in the floor (4 for fp32 gradients).
     hlo_text: the program's optimized HLO, where `compiled.as_text()` cannot

@@ -5,20 +5,17 @@
 compiled candidate's FLOPs, ring bytes, overlap and host transfers into
 seconds: compute at peak FLOP/s, collectives at one torus axis's ICI bandwidth
 less what overlaps compute, host transfers at the host link's bandwidth.
-`traced_flops` counts the FLOPs on the traced step, every loop iteration.
+`jaxprs.traced_flops` counts the FLOPs on the traced step, every loop iteration.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-
-from zerojax._src import gather as gather_lib
 
 GiB = 2**30
 
@@ -135,38 +132,3 @@ def calibrate_cpu(num_devices: int, size: int = 1024, repeats: int = 5) -> Chip:
     f' (elementwise), {latency * 1e6:.0f} us per all-reduce; shared by {num_devices} faked devices',
     collective_latency=latency,
   )  # fmt: skip
-
-
-def traced_flops(jaxpr: Any) -> float:
-  """Matmul and convolution FLOPs of a traced step, per device, loops counted per iteration.
-
-  XLA's `cost_analysis()` counts a `while` body once, so a scanned model's FLOPs
-  come out about one layer's worth; this walks the jaxpr instead: a scan's body
-  counts `length` times, rematerialised code as often as it runs. Inside
-  `shard_map` shapes are per device, which is where `value_and_grad` runs the
-  model; operations outside it count at their global size.
-
-  Raises:
-    ValueError: a `while` loop with a matmul inside (its trip count is not in the
-      jaxpr, and it is not guessed).
-  """
-  total = 0.0
-  for eqn in getattr(jaxpr, 'jaxpr', jaxpr).eqns:
-    name = eqn.primitive.name
-    if name == 'dot_general':
-      (lhs_contract, _), _ = eqn.params['dimension_numbers']
-      lhs = eqn.invars[0].aval.shape
-      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
-    elif name == 'conv_general_dilated':
-      rhs = eqn.invars[1].aval.shape  # kernel: out features, in features / groups, window...
-      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs[1:])
-    elif name == 'scan':
-      total += eqn.params['length'] * traced_flops(eqn.params['jaxpr'])
-    elif name == 'while':
-      if traced_flops(eqn.params['body_jaxpr']):
-        raise ValueError('a while loop with matmuls: its trip count is not in the jaxpr')
-    elif name == 'cond':
-      total += max(traced_flops(b) for b in eqn.params['branches'])
-    else:
-      total += sum(traced_flops(sub) for sub in gather_lib.sub_jaxprs(eqn))
-  return total

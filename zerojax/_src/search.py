@@ -31,25 +31,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax._src import runtime
+from zerojax._src.jaxprs import traced_flops
+from zerojax._src.options import Options
+from zerojax._src.presets import REMAT
 from zerojax._src.roofline import (
   CHIPS,
   Chip,
   calibrate_cpu,
   host_transfer_bytes,
   predict,
-  traced_flops,
 )
 
 QUANTIZE = {
-  'none': None,
+  None: None,
   'g8': dict(weights=None, grads='int8'),
   'g4': dict(weights=None, grads='int4'),
   'w8g8': dict(weights='int8', grads='int8'),
   'w8g4': dict(weights='int8', grads='int4'),
 }
-REMAT = ('gathers', 'full', 'none')
 LAYOUTS = ('flat', 'torus', 'hpz')
-OFFLOADS = ('none', 'opt_state', 'opt_state+master')
+OFFLOADS = (None, 'opt_state', 'opt_state+master')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +67,9 @@ class Candidate:
     remat: 'gathers' (`zerojax.recompute_gathers`: only gathers run again),
       'full' (each block recomputed) or 'none'.
     prefetch: gather block i+1 while block i computes (`zerojax.scan_layers`).
-    offload: 'none', 'opt_state' or 'opt_state+master' (host memory).
+    offload: None, 'opt_state' or 'opt_state+master' (host memory), as `zerojax.Options`.
     update_on: where an offloaded optimizer update runs: 'device' or 'host'.
-    quantize: ZeRO++ collectives: 'none', 'g8', 'g4', 'w8g8', 'w8g4'.
+    quantize: ZeRO++ collectives: None, 'g8', 'g4', 'w8g8', 'w8g4' (see `QUANTIZE`).
     batch_per_chip: sequences per chip per step.
   """
 
@@ -76,18 +78,18 @@ class Candidate:
   micro_batches: int = 1
   remat: str = 'full'
   prefetch: bool = False
-  offload: str = 'none'
+  offload: str | None = None
   update_on: str = 'device'
-  quantize: str = 'none'
+  quantize: str | None = None
   batch_per_chip: int = 1
 
   def label(self) -> str:
     parts = [f's{self.stage}', self.layout, f'b{self.batch_per_chip}']
     parts += [f'mb{self.micro_batches}'] if self.micro_batches > 1 else []
     parts += [f'remat:{self.remat}'] + (['prefetch'] if self.prefetch else [])
-    if self.offload != 'none':
+    if self.offload is not None:
       parts.append(f'offload:{self.offload}@{self.update_on}')
-    return ' '.join(parts + ([f'q:{self.quantize}'] if self.quantize != 'none' else []))
+    return ' '.join(parts + ([f'q:{self.quantize}'] if self.quantize is not None else []))
 
   def reasons(self) -> list[str]:
     """Every reason this combination cannot run (empty: it can)."""
@@ -97,9 +99,9 @@ class Candidate:
       (self.prefetch and (self.stage != 3 or self.remat == 'none'),
        'prefetch is for stage 3 with remat'),
       (self.layout == 'hpz' and self.stage != 3, 'hpz splits stage-3 parameters'),
-      (self.layout == 'hpz' and (self.prefetch or self.quantize != 'none'),
+      (self.layout == 'hpz' and (self.prefetch or self.quantize is not None),
        'hpz runs without per-layer gathers'),
-      (self.update_on == 'host' and self.offload == 'none', "update_on='host' needs an offload"),
+      (self.update_on == 'host' and self.offload is None, "update_on='host' needs an offload"),
       (self.quantize in ('w8g8', 'w8g4') and self.stage != 3,
        'quantized weights are gathered at stage 3 only'),
     ]  # fmt: skip
@@ -149,9 +151,9 @@ def candidate_space(
   micro_batches: Sequence[int] = (1,),
   remat: Sequence[str] = ('gathers', 'full'),
   prefetch: Sequence[bool] = (False, True),
-  offload: Sequence[str] = ('none',),
+  offload: Sequence[str | None] = (None,),
   update_on: Sequence[str] = ('device',),
-  quantize: Sequence[str] = ('none',),
+  quantize: Sequence[str | None] = (None,),
   batch_per_chip: Sequence[int] = (1,),
   grid_dims: int = 2,
 ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
@@ -223,24 +225,24 @@ def _spec(target: Target, c: Candidate):
     target.model,
     seq_len=target.seq_len,
     compute_dtype=jnp.dtype(target.compute_dtype),
-    remat={'gathers': 'gathers', 'full': True, 'none': False}[c.remat],
+    remat=c.remat,
     prefetch_next=c.prefetch,
     attention_chunk=target.attention_chunk,
   )
 
 
-def zero_options(c: Candidate, names: tuple[str, ...]) -> dict[str, Any]:
-  """The `zero_stage` options of a candidate, for a mesh with axes `names`."""
+def zero_options(c: Candidate, names: tuple[str, ...]) -> Options:
+  """The `zerojax.Options` of a candidate, for a mesh with axes `names`."""
   from zerojax._src import quantize as quantize_lib
 
-  options: dict[str, Any] = {'axis': names[0] if len(names) == 1 else names}
-  if c.layout == 'hpz':
-    options['param_axis'] = names[-1]
-  if c.offload != 'none':
-    options.update(offload=c.offload, update_on=c.update_on)
-  if QUANTIZE[c.quantize] is not None:
-    options['quantize'] = quantize_lib.Quantize(**QUANTIZE[c.quantize], min_size=1 << 16)
-  return options
+  q = QUANTIZE[c.quantize]
+  return Options(
+    axis=names[0] if len(names) == 1 else names,
+    param_axis=names[-1] if c.layout == 'hpz' else None,
+    offload=c.offload,
+    update_on=c.update_on if c.offload is not None else 'device',
+    quantize=None if q is None else quantize_lib.Quantize(**q, min_size=1 << 16),
+  )
 
 
 def lower_candidate(target: Target, c: Candidate):
@@ -256,14 +258,14 @@ def lower_candidate(target: Target, c: Candidate):
   inner = target.optimizer()
   if target.mixed_precision:
     inner = precision.mixed_precision(inner)
-  tx = transform.zero_optimizer(inner, c.stage, mesh=mesh, **options)
+  tx = transform.zero_optimizer(transform.make_config(inner, c.stage, mesh, options))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   extra = {'param_dtype': jnp.bfloat16} if target.mixed_precision else {}
   state = train_state.abstract_train_state(spec.init_fn, key, tx=tx, **extra)
   plan = transform.plan_for(state.tx, state.params)
   rows = spec.batch(c.batch_per_chip * len(target.devices))
   batch = jax.ShapeDtypeStruct(
-    rows.shape, rows.dtype, sharding=NamedSharding(mesh, PartitionSpec(options['axis']))
+    rows.shape, rows.dtype, sharding=NamedSharding(mesh, PartitionSpec(options.axis))
   )
   grad_fn = grad_lib.value_and_grad(
     lambda p, b: spec.loss_fn(p, b, plan),
@@ -299,21 +301,6 @@ def _cost(compiled) -> tuple[float, float]:
   return float(flops), float(cost.get('bytes accessed', 0.0))
 
 
-def _oom_summary(message: str) -> str:
-  """The compiler's own figure from an out-of-memory error, e.g. 'needs 15.85G of 15.75G'."""
-  import re
-
-  found = re.search(
-    r'required for ([^(]*)\(([\d.]+\w?)\) exceeds available HBM \(([\d.]+\w?)\)', message
-  )
-  if found:
-    return f'{found.group(1).strip()} need {found.group(2)} of {found.group(3)} (compiler)'
-  found = re.search(r'Used ([\d.]+\w?) of ([\d.]+\w?) hbm', message)
-  if found:
-    return f'needs {found.group(1)} of {found.group(2)} (compiler)'
-  return message.splitlines()[0][:120]
-
-
 def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
   """Theory first (states at rest, host bytes), then the compiled program's own figures."""
   from zerojax._src import report as report_lib
@@ -340,10 +327,10 @@ def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
   try:
     compiled, text = report_lib.compile_with_text(traced.lower())
   except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses what cannot fit
-    if 'RESOURCE_EXHAUSTED' not in str(e):
+    if not runtime.is_out_of_memory(e):
       raise
     result.compile_seconds = time.perf_counter() - start
-    result.status = 'over HBM: ' + _oom_summary(str(e))
+    result.status = 'over HBM: ' + runtime.out_of_memory_summary(str(e))
     return result
   result.compile_seconds = time.perf_counter() - start
   report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit, hlo_text=text)
@@ -503,7 +490,7 @@ def search_plans(
 
   Args:
     model: a preset name ('tiny', 'llama2-7b', ...) or a function `(remat, prefetch)`
-      returning a `zerojax.ModelSpec`.
+      returning a `zerojax.inspect.ModelSpec`.
     topology: a TPU topology ('v5e:2x4', 'v5p:2x2x1', 'v6e:4x4'; needs libtpu) or 'cpu:N'
       (the faked CPU devices, where each fitting candidate's step is also run and timed).
     optimizer: makes the optax optimizer; default `optax.adamw(1e-4)`.

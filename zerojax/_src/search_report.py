@@ -23,10 +23,12 @@ def winner_code(report: SearchReport) -> str:
     names = ('x', 'y', 'z')[: len(t.grid)]
     mesh = f'mesh = jax.make_mesh({tuple(t.grid)}, {names})'
   options = zero_options(c, names)
-  args = [f'stage={c.stage}', 'mesh=mesh', f'axis={options.pop("axis")!r}']
-  quantize = options.pop('quantize', None)
-  args += [f'{k}={v!r}' for k, v in options.items()]
-  if quantize is not None:
+  args = [f'stage={c.stage}', 'mesh=mesh', f'axis={options.axis!r}']
+  if options.param_axis is not None:
+    args.append(f'param_axis={options.param_axis!r}')
+  if options.offload is not None:
+    args += [f'offload={options.offload!r}', f'update_on={options.update_on!r}']
+  if options.quantize is not None:
     q = QUANTIZE[c.quantize]
     args.append(f'quantize=zerojax.Quantize(weights={q["weights"]!r}, grads={q["grads"]!r})')
   inner = 'optax.adamw(lr)'

@@ -2,69 +2,42 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import optax
-from flax.training import train_state as flax_train_state
 
 from zerojax._src import mesh as mesh_lib
-from zerojax._src import precision, transform, validation
+from zerojax._src import options as options_lib
+from zerojax._src import plan as plan_lib
+from zerojax._src import precision, rules, transform, validation
 
-State = TypeVar('State', bound=flax_train_state.TrainState)
+State = TypeVar('State')
 
 
 def is_train_state(obj: Any) -> bool:
   """Whether `obj` looks like a flax TrainState (params, opt_state and tx fields)."""
-  return isinstance(obj, flax_train_state.TrainState) or all(
-    hasattr(obj, f) for f in ('params', 'opt_state', 'tx', 'replace')
-  )
+  return all(hasattr(obj, f) for f in ('params', 'opt_state', 'tx', 'replace'))
 
 
-def guard_apply_fn(apply_fn: Callable[..., Any] | None, stage: int) -> Callable[..., Any] | None:
-  """At stage 3, `apply_fn` whose sharding errors name the fix (gathering the parameters).
+def checked_tx(state: Any) -> Any:
+  """The optimizer of a train state, checked to be an optax transformation.
 
-  Parameters rest split over the ZeRO axes at stage 3. On an Explicit mesh,
-  applying the model to them directly is a sharding type error inside jax
-  (e.g. `dot_general ... produces an illegally sharded result`); the wrapper
-  re-raises it saying how to gather them. Anything else passes through.
+  Raises:
+    TypeError: `state.tx` is not an optax transformation.
   """
-  if apply_fn is None or stage < 3 or getattr(apply_fn, '_zerojax_guarded', False):
-    return apply_fn
-
-  @functools.wraps(apply_fn)
-  def apply(*args, **kwargs):
-    try:
-      return apply_fn(*args, **kwargs)
-    except Exception as e:
-      # jax does not export the class; its name is stable and public in messages.
-      if type(e).__name__ != 'ShardingTypeError':
-        raise
-      raise ValueError(
-        f'apply_fn failed on ZeRO stage-3 parameters, which rest split over the mesh: {e}\n'
-        'Gather them where they are used: the whole model at once with'
-        " state.apply_fn({'params': zerojax.gather_params(state.params,"
-        ' zerojax.plan_for(state.tx, state.params))}, x), or layer by layer (less memory)'
-        ' by wrapping the scanned block in zerojax.gathered_linen (Flax linen),'
-        ' zerojax.gathered_nnx (NNX) or zerojax.gather_leaves (a parameter pytree).'
-      ) from e
-
-  apply._zerojax_guarded = True
-  return apply
-
-
-def zero_train_state(state: State, stage: int, **options: Any) -> State:
-  """Re-lays out a train state for ZeRO `stage`; see `zerojax.zero_stage`."""
   if not transform.is_transformation(state.tx):
     raise TypeError(
       f'`train_state.tx` must be an optax GradientTransformation, got'
       f' {type(state.tx).__name__}: {state.tx!r:.80}. Create the state with'
       ' TrainState.create(apply_fn=..., params=..., tx=optax.adam(1e-3)).'
     )
-  tx = transform.zero_optimizer(state.tx, stage, **options)
+  return state.tx
+
+
+def zero_train_state(state: State, tx: optax.GradientTransformation) -> State:
+  """`state` re-laid out for `tx`, its optimizer wrapped by zero_stage; see `zerojax.zero_stage`."""
   plan = transform.plan_for(tx, state.params)
   # Every check runs before anything is placed, so a failure leaves no
   # half-placed state behind.
@@ -77,11 +50,38 @@ def zero_train_state(state: State, stage: int, **options: Any) -> State:
       f' {jax.tree.structure(plan.opt_state)}. Build the state with'
       ' TrainState.create, or pass the optimizer that made opt_state.'
     )
+  _refuse_regathering(state.params, plan)
   params, opt_state = jax.device_put((state.params, state.opt_state), (plan.params, plan.opt_state))
-  replace = dict(tx=tx, params=params, opt_state=opt_state)
-  if hasattr(state, 'apply_fn'):
-    replace['apply_fn'] = guard_apply_fn(state.apply_fn, stage)
-  return state.replace(**replace)
+  return state.replace(tx=tx, params=params, opt_state=opt_state)
+
+
+def _refuse_regathering(params: Any, plan: Any) -> None:
+  """Refuses to make whole, at stage 1 or 2, parameters that already rest split over the ZeRO
+  axes (an FSDP layout): that would raise their memory per device without a word."""
+  if plan.stage not in (1, 2):
+    return
+  axes = set(plan.axes)
+  split, now, after = [], 0, 0
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (path, x), target in zip(flat, jax.tree.leaves(plan.params)):
+    sharding = getattr(x, 'sharding', None)
+    spec = getattr(sharding, 'spec', None)
+    splits = lambda spec: any(axes & set(rules.spec_axes(e)) for e in spec)
+    if spec is None or not splits(spec) or splits(target.spec):
+      continue
+    split.append(f'params{jax.tree_util.keystr(path)}')
+    now += rules.bytes_per_device(x.shape, x.dtype, spec, plan.mesh)
+    after += rules.bytes_per_device(x.shape, x.dtype, target.spec, plan.mesh)
+  if split:
+    raise ValueError(
+      f'zerojax.zero_stage(state, {plan.stage}): {validation.count(len(split), "parameter", "parameters")}'
+      f' already rest split over {plan.axes[0] if len(plan.axes) == 1 else plan.axes!r}'
+      f' ({", ".join(split[:3])}{", ..." if len(split) > 3 else ""}), as FSDP lays them out;'
+      f' stage {plan.stage} keeps parameters whole on every device, which would raise them from'
+      f' {plan_lib.fmt_bytes(now)} to {plan_lib.fmt_bytes(after)} per device. Use stage 3, which keeps them'
+      ' split and gathers them where they are used; or, to hold them whole on purpose,'
+      ' place them replicated (jax.device_put(params, NamedSharding(mesh, P()))) first.'
+    )
 
 
 # `stage` and the ZeRO options: the parameters of the one function that checks them.
@@ -94,7 +94,7 @@ def require_zero_tx(tx: Any, fields: dict, where: str) -> transform.ZeroConfig:
     TypeError: `tx` was not made by `zero_stage`, or ZeRO options were passed
       to the builder.
   """
-  misplaced = [name for name in ('stage', *transform.OPTION_NAMES) if name in fields]
+  misplaced = [name for name in ('stage', 'mesh', *options_lib.NAMES) if name in fields]
   config = transform.config_of(tx)
   if config is None or misplaced:
     got = f' (got {", ".join(f"{n}=" for n in misplaced)})' if misplaced else ''
@@ -112,29 +112,31 @@ def _layout(
   *,
   tx: optax.GradientTransformation | None = None,
   apply_fn: Callable[..., Any] | None = None,
-  state_class: type[State] = flax_train_state.TrainState,
+  state_class: type[State] | None = None,
   param_dtype: Any = None,
+  where: str,
   **fields: Any,
 ):
   """The jittable builder of a zero train state, and the state's shardings.
 
   Its keyword arguments are those of `create_train_state` (documented there).
   """
-  config = require_zero_tx(tx, fields, 'create_train_state/abstract_train_state')
+  config = require_zero_tx(tx, fields, where)
+  if state_class is None:
+    from flax.training import train_state as flax_train_state
+
+    state_class = flax_train_state.TrainState
   abstract_params = jax.eval_shape(init_fn, *init_args)
   if param_dtype is not None:  # the plan's accounting uses the dtype the state will hold
     abstract_params = precision.cast(abstract_params, param_dtype)
   plan = config.plan(abstract_params)
-  stage = config.stage
 
   def build(*args):
     params = init_fn(*args)
     params = mesh_lib.run_in_layout(
       lambda p: mesh_lib.constrain(p, plan.params, config.mesh), config.mesh, plan.params
     )(params)
-    state = state_class.create(
-      apply_fn=guard_apply_fn(apply_fn, stage), params=params, tx=tx, **fields
-    )
+    state = state_class.create(apply_fn=apply_fn, params=params, tx=tx, **fields)
     if param_dtype is not None:  # mixed precision: tx.init saw the full-precision values
       state = state.replace(params=precision.cast(state.params, param_dtype))
     return state
@@ -152,7 +154,7 @@ def create_train_state(
   *init_args: Any,
   tx: optax.GradientTransformation,
   apply_fn: Callable[..., Any] | None = None,
-  state_class: type[State] = flax_train_state.TrainState,
+  state_class: type[State] | None = None,
   param_dtype: Any = None,
   **fields: Any,
 ) -> State:
@@ -170,7 +172,7 @@ def create_train_state(
     *init_args: arguments of `init_fn` (e.g. a PRNG key).
     tx: the optimizer from `zerojax.zero_stage(optax_tx, stage, mesh=..., ...)`.
     apply_fn: the model's apply function, stored in the state.
-    state_class: a TrainState class or subclass.
+    state_class: a TrainState class or subclass; default flax's `TrainState`.
     param_dtype: if given (e.g. `jnp.bfloat16`), the state's parameters are
       cast to it after `tx.init` has seen them at full precision: with
       `zerojax.mixed_precision(tx)` the fp32 master copy lives in the
@@ -191,6 +193,9 @@ def create_train_state(
   ...     tx=zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh))
   >>> state.params['w'].sharding.spec
   P('data', None)
+
+  `zerojax.inspect.abstract_train_state` takes the same arguments and
+  allocates nothing.
   """
   build, _, shardings = _layout(
     init_fn,
@@ -199,34 +204,47 @@ def create_train_state(
     apply_fn=apply_fn,
     state_class=state_class,
     param_dtype=param_dtype,
+    where='zerojax.create_train_state',
     **fields,
   )
   return jax.jit(build, out_shardings=shardings)(*init_args)
 
 
 def abstract_train_state(
-  init_fn: Callable[..., optax.Params], *init_args: Any, **options: Any
+  init_fn: Callable[..., optax.Params],
+  *init_args: Any,
+  tx: optax.GradientTransformation,
+  apply_fn: Callable[..., Any] | None = None,
+  state_class: type[State] | None = None,
+  param_dtype: Any = None,
+  **fields: Any,
 ) -> State:
-  """Like `create_train_state`, but allocates nothing.
+  """`zerojax.create_train_state`, allocating nothing.
 
-  Every array leaf is a `jax.ShapeDtypeStruct` carrying its planned sharding,
-  ready for `jax.jit(step).lower(state, batch).compile()`: check memory and
-  collectives of a model of any size, or for a TPU topology with no TPU. Arguments
-  as for `create_train_state`; `init_args` may be ShapeDtypeStructs.
+  Every array leaf is a `jax.ShapeDtypeStruct` carrying its planned sharding
+  on the optimizer's mesh, ready for `jax.jit(step).lower(state,
+  batch).compile()`: check the memory and collectives of a model of any size,
+  or for a TPU topology with no TPU. Arguments as for `create_train_state`;
+  `init_args` may be ShapeDtypeStructs.
 
   >>> import jax, optax, zerojax
   >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
-  >>> state = zerojax.abstract_train_state(
+  >>> state = zerojax.inspect.abstract_train_state(
   ...     lambda k: {'w': jax.random.normal(k, (1 << 16, 1 << 14))}, jax.random.key(0),
   ...     tx=zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh))
   >>> state.params['w'].sharding.spec, state.params['w'].dtype
   (P('data', None), dtype('float32'))
   """
-  _, abstract_state, shardings = _layout(init_fn, init_args, **options)
+  _, abstract_state, shardings = _layout(
+    init_fn,
+    init_args,
+    tx=tx,
+    apply_fn=apply_fn,
+    state_class=state_class,
+    param_dtype=param_dtype,
+    where='zerojax.inspect.abstract_train_state',
+    **fields,
+  )
   return jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
   )
-
-
-# One signature for both builders: abstract_train_state takes what create_train_state takes.
-abstract_train_state.__signature__ = inspect.signature(create_train_state)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import inspect
 from typing import Any
 
 import jax
@@ -15,46 +14,32 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zerojax._src import compat, rules, validation
 from zerojax._src import mesh as mesh_lib
+from zerojax._src import options as options_lib
 from zerojax._src import plan as plan_lib
-from zerojax._src import quantize as quantize_lib
 
 _CONFIG_ATTR = '_zerojax_config'
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ZeroConfig:
-  """What a zero-wrapped optimizer was built with.
+  """What a zero-wrapped optimizer was built with: `zerojax.config_of(tx)`.
 
   Attributes:
     inner: the optax transformation that was wrapped.
     stage: the ZeRO stage.
     mesh: the device mesh.
-    axes: the ZeRO mesh axes.
-    policy: the policy for large leaves that cannot be split.
-    replicate_below_bytes: the size under which such leaves are replicated.
-    param_specs: the tensor-parallel PartitionSpecs given, if any.
-    param_axis: the hpZ parameter axes, if any (see `zerojax.zero_stage`).
-    offload: which optimizer state lives in host memory, if any.
-    update_on: where the optimizer update runs: 'device' or 'host'.
-    quantize: ZeRO++ quantized collectives (`zerojax.Quantize`), or None.
+    options: the `zerojax.Options` it was built with.
+    axes: the ZeRO mesh axes, checked against `mesh` (hpZ's parameter axes first).
   """
 
   inner: optax.GradientTransformation
   stage: int
   mesh: Mesh
+  options: options_lib.Options
   axes: tuple[str, ...]
-  policy: str
-  replicate_below_bytes: int
-  param_specs: Any = None
-  param_axis: Any = None
-  offload: str | None = None
-  update_on: str = 'device'
-  quantize: Any = None
-  # Plans already computed, keyed by everything that decides one: the tree,
-  # each leaf's shape, dtype and own layout (least recently used dropped past
-  # `_PLAN_CACHE_SIZE`). Under an Auto mesh a jitted `update` cannot see its
-  # arguments' tensor-parallel layouts, so a traced tree reuses the plan derived
-  # from concrete parameters of the same tree, shapes and dtypes.
+  # Plans already computed, keyed by everything that decides one: the tree and
+  # each leaf's shape, dtype and layout over the other mesh axes (the least
+  # recently used dropped past `_PLAN_CACHE_SIZE`).
   _plans: collections.OrderedDict = dataclasses.field(
     default_factory=collections.OrderedDict, repr=False
   )
@@ -62,23 +47,47 @@ class ZeroConfig:
   def plan(
     self, params: optax.Params, opt_state: optax.OptState | None = None
   ) -> plan_lib.ZeroPlan:
-    """The `ZeroPlan` of this optimizer for `params`."""
+    """The `ZeroPlan` of this optimizer for `params`.
+
+    Traced on Auto axes, arrays carry no layout, so the tensor-parallel layout
+    of `params` cannot be read from them. It is then the one recorded when
+    parameters of the same tree, shapes and dtypes were last seen placed (by
+    `init`, `create_train_state` or `plan` on arrays). Where the mesh has no
+    other axes to split over, there is nothing to read.
+
+    Raises:
+      ValueError: traced on Auto axes, and the same shapes were seen placed
+        in more than one layout: pass `Options(param_specs=...)`.
+    """
     key = self._signature(params)
     cached = self._plans.get(key)
-    traced = _has_tracers(params)
-    if cached is None and traced and not mesh_lib.any_explicit(self.mesh):
-      blind = key[:2]
-      cached = next((p for k, p in reversed(self._plans.items()) if k[:2] == blind), None)
     if cached is not None:
-      if key in self._plans:
-        self._plans.move_to_end(key)
+      self._plans.move_to_end(key)
       return cached
+    if self._layouts_hidden(params):
+      seen = {k[2]: p for k, p in self._plans.items() if k[:2] == key[:2]}
+      if len(seen) == 1:
+        return next(iter(seen.values()))
+      if len(seen) > 1:
+        raise ValueError(
+          'zerojax: these parameters are traced on Auto mesh axes, where arrays carry no'
+          f' layout, and parameters of the same shapes were placed in {len(seen)} different'
+          ' tensor-parallel layouts before, so which one these have cannot be told. Give the'
+          ' layout: zero_stage(..., param_specs=...), or use a mesh with Explicit axes.'
+        )
     plan = plan_lib.build_plan(params, self, opt_state)
-    if not traced:
+    if not _has_tracers(params):
       self._plans[key] = plan
       while len(self._plans) > _PLAN_CACHE_SIZE:
         self._plans.popitem(last=False)
     return plan
+
+  def _layouts_hidden(self, params: Any) -> bool:
+    """Whether layouts over other mesh axes may exist but cannot be seen on `params`."""
+    if self.options.param_specs is not None or mesh_lib.any_explicit(self.mesh):
+      return False
+    others = [a for a in self.mesh.axis_names if a not in self.axes and self.mesh.shape[a] > 1]
+    return bool(others) and _has_tracers(params)
 
   def _signature(self, tree: Any) -> tuple:
     """(tree structure, (shape, dtype) per leaf, layout per leaf): what a plan depends on.
@@ -264,49 +273,6 @@ def require_config(tx: Any) -> ZeroConfig:
   return config
 
 
-def make_plan(
-  params: optax.Params,
-  tx: optax.GradientTransformation | None = None,
-  *,
-  stage: int,
-  opt_state: optax.OptState | None = None,
-  **options: Any,
-) -> plan_lib.ZeroPlan:
-  """Computes the ZeRO layouts of `params`, their grads, and `tx`'s state.
-
-  Nothing is allocated: shapes are read from `params` (arrays, tracers or
-  `jax.ShapeDtypeStruct`s; leaves already sharded over other mesh axes keep
-  those axes) and the optimizer state is evaluated abstractly. The same plan as
-  `plan_for(zero_stage(tx, stage, **options), params)`.
-
-  Args:
-    params: the parameter tree.
-    tx: the optax transformation whose state to lay out (unwrapped); None for
-      parameters and gradients only.
-    stage: the ZeRO stage, 0 to 3.
-    opt_state: an optimizer state to lay out instead of evaluating `tx.init`.
-    **options: the options of `zerojax.zero_stage` (`mesh`, `axis`, `policy`,
-      `replicate_below_bytes`, `param_specs`, `param_axis`, `offload`).
-
-  Returns:
-    A `ZeroPlan`.
-
-  Raises:
-    ValueError: bad `stage`, `axis` or `policy`; no mesh; or, under
-      policy='error', leaves that must be split but cannot be.
-    TypeError: non-array leaves in `params`; an unknown option.
-
-  >>> import jax, jax.numpy as jnp, optax, zerojax
-  >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
-  >>> plan = zerojax.make_plan({'w': jnp.zeros((64, 16))}, optax.adam(1e-3),
-  ...                          stage=1, mesh=mesh)
-  >>> plan.opt_state[0].mu['w'].spec
-  P('data', None)
-  """
-  config = make_config(optax.identity() if tx is None else tx, stage, **options)
-  return plan_lib.build_plan(params, config, opt_state)
-
-
 def plan_for(tx: optax.GradientTransformation, params: optax.Params) -> plan_lib.ZeroPlan:
   """The plan a zero-wrapped optimizer uses for `params`.
 
@@ -321,88 +287,30 @@ def plan_for(tx: optax.GradientTransformation, params: optax.Params) -> plan_lib
   return config.plan(params)
 
 
-def make_config(
-  tx: optax.GradientTransformation,
-  stage: int,
-  *,
-  mesh: Mesh | None = None,
-  axis: mesh_lib.AxisName = 'data',
-  policy: rules.Policy = 'error',
-  replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES,
-  param_specs: Any = None,
-  param_axis: mesh_lib.AxisName | None = None,
-  offload: str | None = None,
-  update_on: str = 'device',
-  quantize: quantize_lib.Quantize | None = None,
-) -> ZeroConfig:
-  """Checks the options of `zero_stage` (documented there) and returns its `ZeroConfig`.
+def make_config(tx: Any, stage: Any, mesh: Mesh | None, options: options_lib.Options) -> ZeroConfig:
+  """The `ZeroConfig` of `tx` wrapped for `stage` on `mesh` (default: `jax.set_mesh`'s).
 
-  The one place where ZeRO options are named and validated: `zero_stage` and
-  every builder that takes options (`make_plan`, the NNX helpers) pass them here.
+  Raises:
+    ValueError: a bad stage; an axis not in the mesh; no mesh; `tx` already wrapped.
+    TypeError: `tx` is not an optax transformation.
   """
-  stage = plan_lib.check_stage(stage)
-  policy = plan_lib.check_policy(policy)
+  stage = options.check_stage(stage)
   tx = as_transformation(tx, '`tx`')
   inner_config = config_of(tx)
   if inner_config is not None:
     raise ValueError(
       f'`tx` is already wrapped by zero_stage (stage {inner_config.stage}); wrapping'
-      ' twice would shard twice. Wrap the original optimizer once, or use'
-      ' zerojax.unwrap(tx) to get it back.'
+      ' twice would shard twice. Wrap the original optimizer once, or take it back with'
+      ' zerojax.config_of(tx).inner.'
     )
   mesh = mesh_lib.resolve_mesh(mesh)
-  axes = mesh_lib.resolve_axes(mesh, axis)
-  plan_lib.check_offload(offload)
-  axes, _ = plan_lib.order_axes(mesh, axes, param_axis)
-  if update_on not in ('device', 'host'):
-    raise ValueError(
-      f"`update_on` must be 'device' or 'host', got {update_on!r}: 'host' runs the"
-      " optimizer update on the host, on offloaded state (needs offload='opt_state')."
-    )
-  if update_on == 'host' and offload is None:
-    raise ValueError(
-      "`update_on='host'` runs the update where offloaded state lives: pass"
-      " offload='opt_state' (or 'opt_state+master') too."
-    )
-  quantize = quantize_lib.check_stage(quantize, stage)
-  return ZeroConfig(
-    inner=tx,
-    stage=stage,
-    mesh=mesh,
-    axes=axes,
-    policy=policy,
-    replicate_below_bytes=int(replicate_below_bytes),
-    param_specs=param_specs,
-    param_axis=param_axis,
-    offload=offload,
-    update_on=update_on,
-    quantize=quantize,
-  )
+  axes = mesh_lib.resolve_axes(mesh, options.axis)
+  axes, _ = plan_lib.order_axes(mesh, axes, options.param_axis)
+  return ZeroConfig(inner=tx, stage=stage, mesh=mesh, options=options, axes=axes)
 
 
-# The ZeRO options, named once: make_config's keyword-only parameters.
-OPTION_NAMES = tuple(
-  name
-  for name, p in inspect.signature(make_config).parameters.items()
-  if p.kind is inspect.Parameter.KEYWORD_ONLY
-)
-
-
-def check_option_names(options: dict, where: str) -> None:
-  """Raises TypeError naming any keyword that is not a ZeRO option."""
-  unknown = sorted(set(options) - set(OPTION_NAMES))
-  if unknown:
-    raise TypeError(
-      f'{where} got unknown option(s) {", ".join(unknown)}; the ZeRO options are'
-      f' stage and {", ".join(OPTION_NAMES)}.'
-    )
-
-
-def zero_optimizer(
-  tx: optax.GradientTransformation, stage: int, **options: Any
-) -> optax.GradientTransformationExtraArgs:
-  """Rewrites an optax transformation for ZeRO `stage`; see `zerojax.zero_stage`."""
-  config = make_config(tx, stage, **options)
+def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
+  """Rewrites `config.inner` for its ZeRO stage; see `zerojax.zero_stage`."""
   tx, stage, mesh = config.inner, config.stage, config.mesh
   inner = optax.with_extra_args_support(tx)
 
@@ -432,7 +340,7 @@ def zero_optimizer(
     plan = config.plan(params if params is not None else updates, opt_state=state)
     _check_state_not_replicated(state, plan, mesh)
 
-    on_host = config.update_on == 'host'
+    on_host = config.options.update_on == 'host'
 
     arrays, others = _split_extra_args(extra_args, plan, mesh)
 
@@ -517,9 +425,3 @@ def _check_state_not_replicated(state: Any, plan: plan_lib.ZeroPlan, mesh: Mesh)
       ' Leave the model and optimizer state where zerojax placed them, and device_put only'
       ' the batch.'
     )
-
-
-def unwrap(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """The optax transformation that `zero_stage` wrapped (or `tx` itself)."""
-  config = config_of(tx)
-  return tx if config is None else config.inner

@@ -1,3 +1,3 @@
 """The zerojax version (read by pyproject.toml without importing the package)."""
 
-__version__ = '0.1.0'
+__version__ = '0.2.0'

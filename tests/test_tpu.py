@@ -4,13 +4,15 @@ libtpu (the `tpu` extra) gives the real TPU compiler on a CPU-only machine; its
 program shows what a pod would run: per-chip bytes and the collectives.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _models import collective_ops, make_init, step
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
-from test_memory_and_collectives import make_init, step
 
 import zerojax
 
@@ -44,7 +46,7 @@ def tpu_mesh(request, topology):
 
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_per_chip_bytes_and_reduce_scatter(stage, tpu_mesh):
-  state = zerojax.abstract_train_state(
+  state = zerojax.inspect.abstract_train_state(
     init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), stage, mesh=tpu_mesh)
   )
   x = jax.ShapeDtypeStruct(
@@ -53,9 +55,13 @@ def test_per_chip_bytes_and_reduce_scatter(stage, tpu_mesh):
   compiled = jax.jit(step).lower(state, x).compile()
 
   arrays = AT_REST[stage] + 64 * D * 4 // 8
-  assert arrays + 2 * 4 <= zerojax.memory_stats(compiled).argument <= arrays + 2 * TPU_SCALAR_BYTES
+  assert (
+    arrays + 2 * 4
+    <= zerojax.inspect.memory_stats(compiled).argument
+    <= arrays + 2 * TPU_SCALAR_BYTES
+  )
 
-  stats = zerojax.count_collectives(compiled)
+  stats = zerojax.inspect.count_collectives(compiled)
   grad_bytes = 4 * PSI
   if stage == 0:
     assert stats.result_bytes['all-reduce'] == grad_bytes
@@ -95,7 +101,7 @@ def test_scanned_model_moves_at_most_the_floor_on_tpu(stage, topology):
   ztx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
   params = jax.eval_shape(lambda: recipes.init_params(jax.random.key(0), layers, width))
   plan = zerojax.plan_for(ztx, params)
-  gather = lambda w: zerojax.gather_leaves(w, mesh=mesh)
+  gather = lambda w: zerojax.gather(w, ztx)
   policy = zerojax.recompute_gathers if stage == 3 else None
 
   def loss_fn(p, b):
@@ -116,9 +122,9 @@ def test_scanned_model_moves_at_most_the_floor_on_tpu(stage, topology):
   rows = NamedSharding(mesh, PartitionSpec('data'))
   batch = {k: jax.ShapeDtypeStruct((64, width), jnp.float32, sharding=rows) for k in 'xy'}
   compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(args, opt_state, batch).compile()
-  stats = zerojax.count_collectives(compiled)
+  stats = zerojax.inspect.count_collectives(compiled)
   assert stats.exact
-  floor = zerojax.zero_floor_bytes(stage, layers * width * width, 8)
+  floor = zerojax.inspect.zero_floor_bytes(stage, layers * width * width, 8)
   assert stats.total_ring_bytes <= floor * 1.001, (stats, floor)
   assert stats['reduce-scatter'] >= layers, stats
   assert stats.result_bytes.get('all-reduce', 0) <= 64
@@ -127,7 +133,7 @@ def test_scanned_model_moves_at_most_the_floor_on_tpu(stage, topology):
     # overlapping the weight-gradient matmul scheduled before its done.
     assert stats.overlapped_ring_bytes.get('all-gather', 0) >= stats.ring_bytes['all-gather'] / 2
     assert 'asynchronous, with compute scheduled before their done' in str(
-      zerojax.step_report(compiled)
+      zerojax.inspect.step_report(compiled)
     )
 
 
@@ -148,7 +154,7 @@ def test_two_axis_mesh_keeps_reduce_scatters_on_a_2d_torus(stage):
   ztx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh, axis=('a', 'b'))
   params = jax.eval_shape(lambda: recipes.init_params(jax.random.key(0), layers, width))
   plan = zerojax.plan_for(ztx, params)
-  gather = lambda w: zerojax.gather_leaves(w, mesh=mesh, axis=('a', 'b'))
+  gather = lambda w: zerojax.gather(w, ztx)
   policy = zerojax.recompute_gathers if stage == 3 else None
 
   def loss_fn(p, b):
@@ -175,10 +181,12 @@ def test_two_axis_mesh_keeps_reduce_scatters_on_a_2d_torus(stage):
     )
     .compile()
   )
-  stats = zerojax.count_collectives(compiled)
+  stats = zerojax.inspect.count_collectives(compiled)
   assert stats['reduce-scatter'] == 2 * layers  # one per axis, per layer
   assert not stats['all-reduce'], stats
-  assert stats.total_ring_bytes <= zerojax.zero_floor_bytes(stage, layers * width * width, 16)
+  assert stats.total_ring_bytes <= zerojax.inspect.zero_floor_bytes(
+    stage, layers * width * width, 16
+  )
 
 
 @pytest.mark.parametrize('fmt, limit', [('int8', 0.27), ('int4', 0.14)])
@@ -186,14 +194,13 @@ def test_quantized_collectives_compile_for_tpu(fmt, limit, topology):
   # ZeRO++ on the TPU compiler's own program: the weight gathers move int8
   # values and float32 scales (<= 0.53x bf16), the gradient exchange is an
   # all-to-all of int8 / packed int4 blocks (<= 0.27x / 0.14x float32).
-  from test_quantize import _ops
 
   mesh = Mesh(np.array(topology.devices), ('data',), axis_types=(AxisType.Explicit,))
   params = {'w1': jax.ShapeDtypeStruct((D, D), jnp.float32)}
   params['w2'] = params['w1']
 
-  def loss(p, x):
-    p = zerojax.gather_leaves(p, dtype=jnp.bfloat16)
+  def loss(p, x, *, tx):
+    p = zerojax.gather(p, tx, dtype=jnp.bfloat16)
     h = jnp.tanh(x.astype(jnp.bfloat16) @ p['w1']) @ p['w2']
     return jnp.mean(h.astype(jnp.float32) ** 2)
 
@@ -206,7 +213,7 @@ def test_quantized_collectives_compile_for_tpu(fmt, limit, topology):
     x = jax.ShapeDtypeStruct(
       (64, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data'))
     )
-    fn = jax.jit(zerojax.value_and_grad(loss, tx, per_layer=True))
+    fn = jax.jit(zerojax.value_and_grad(functools.partial(loss, tx=tx), tx, per_layer=True))
     return fn.lower(p, x).compile().as_text()
 
   exact = compile_with(None)
@@ -214,17 +221,17 @@ def test_quantized_collectives_compile_for_tpu(fmt, limit, topology):
   big = D * D
   # TPU gathers the bf16 weights as bf16 (CPU widens them to f32); counted once
   # per async collective (the HLO repeats each inside its fusions).
-  full = zerojax.count_collectives(exact)
+  full = zerojax.inspect.count_collectives(exact)
   assert full['all-gather'] == 2 and full.result_bytes['all-gather'] == 2 * big * 2
-  assert {dtype for dtype, _ in _ops(exact, 'all-gather')} == {'bf16'}
-  stats = zerojax.count_collectives(quant)
+  assert {dtype for dtype, _ in collective_ops(exact, 'all-gather')} == {'bf16'}
+  stats = zerojax.inspect.count_collectives(quant)
   # Per matrix: its int8 values and its float32 scales (one per 256 values).
   assert stats['all-gather'] == 4
   assert stats.result_bytes['all-gather'] == 2 * (big + big // 256 * 4)
-  assert {dtype for dtype, _ in _ops(quant, 'all-gather')} == {'s8', 'f32'}
+  assert {dtype for dtype, _ in collective_ops(quant, 'all-gather')} == {'s8', 'f32'}
   assert stats.result_bytes['all-gather'] / (2 * big * 2) <= 0.53
   packed = 's8' if fmt == 'int8' else 'u8'
-  assert {dtype for dtype, _ in _ops(quant, 'all-to-all')} == {packed, 'f32'}
+  assert {dtype for dtype, _ in collective_ops(quant, 'all-to-all')} == {packed, 'f32'}
   assert stats['all-to-all'] == 4
   assert stats.result_bytes['all-to-all'] / (2 * big * 4) <= limit
   assert stats['reduce-scatter'] == 0  # no full-precision gradient collective left
@@ -254,16 +261,16 @@ def test_scan_layers_prefetches_the_next_layers_gather_on_tpu(topology):
 
   def overlap(loss_fn):
     grad_fn = jax.jit(zerojax.value_and_grad(loss_fn, ztx, per_layer=True))
-    stats = zerojax.count_collectives(grad_fn.lower(args, batch).compile())
+    stats = zerojax.inspect.count_collectives(grad_fn.lower(args, batch).compile())
     assert stats['all-gather'] == 2 * layers and stats['reduce-scatter'] == layers
     return stats.overlapped_ring_bytes.get('all-gather', 0) / stats.ring_bytes['all-gather']
 
-  gather = lambda w: zerojax.gather_leaves(w, mesh=mesh)
+  gather = lambda w: zerojax.gather(w, ztx)
   per_layer = overlap(
     lambda p, b: recipes.mse(recipes.forward(p, b['x'], gather, zerojax.recompute_gathers), b['y'])
   )
   prefetched = overlap(
-    lambda p, b: recipes.mse(zerojax.scan_layers(recipes.layer, b['x'], p['w']), b['y'])
+    lambda p, b: recipes.mse(zerojax.scan_layers(recipes.layer, b['x'], p['w'], ztx), b['y'])
   )
   # Forward gathers synchronous: only the backward pass's overlap (half).
   assert per_layer == pytest.approx(0.5)

@@ -51,7 +51,7 @@ def _train_state_run(make, extra, mesh, stage):
 
   @jax.jit
   def step(state):
-    loss = lambda p: loss_fn(zerojax.gather_params(p, plan), x, y)
+    loss = lambda p: loss_fn(zerojax.gather(p, plan), x, y)
     value, grads = jax.value_and_grad(loss)(state.params)
     if not extra:
       return state.apply_gradients(grads=grads)

@@ -1,16 +1,13 @@
 """Estimates against measured bytes; report bytes against hand counts; the plan command."""
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _models import SCALARS, compile_step, init_fn, run_cli
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
-from test_memory_and_collectives import SCALARS, compile_step, init_fn
 
 import zerojax
 from zerojax._src import presets
@@ -19,9 +16,11 @@ from zerojax._src import presets
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_estimate_equals_measured_argument_bytes(stage, mesh):
   params = jax.eval_shape(init_fn, jax.random.key(0))
-  (estimate,) = zerojax.estimate_memory(params, optax.adam(1e-3), num_devices=8, stages=[stage])
+  (estimate,) = zerojax.inspect.estimate_memory(
+    params, optax.adam(1e-3), num_devices=8, stages=[stage]
+  )
   compiled, batch_bytes = compile_step(mesh, stage)
-  measured = zerojax.memory_stats(compiled).argument - batch_bytes - SCALARS
+  measured = zerojax.inspect.memory_stats(compiled).argument - batch_bytes - SCALARS
   # Model states at rest; Adam's step count (4 bytes) is part of the estimate.
   assert estimate.at_rest == measured + 4
 
@@ -31,7 +30,7 @@ def test_estimate_equals_measured_argument_bytes(stage, mesh):
 )
 def test_estimate_from_a_count_follows_the_formulas(optimizer, per_param):
   psi, n = 64 * 10**6, 64
-  est = {e.stage: e for e in zerojax.estimate_memory(psi, optimizer, num_devices=n)}
+  est = {e.stage: e for e in zerojax.inspect.estimate_memory(psi, optimizer, num_devices=n)}
   count_bytes = est[0].opt_state - per_param * psi  # scalar counters, if any
   assert count_bytes in (0, 4)
   assert est[0].total == (8 + per_param) * psi + count_bytes
@@ -43,7 +42,7 @@ def test_estimate_from_a_count_follows_the_formulas(optimizer, per_param):
 def test_estimate_counts_factored_state_as_it_is():
   # Adafactor keeps row and column statistics, not a full second moment.
   params = {'w': jax.ShapeDtypeStruct((4096, 1024), jnp.float32)}
-  (est,) = zerojax.estimate_memory(params, optax.adafactor(1e-3), num_devices=8, stages=[1])
+  (est,) = zerojax.inspect.estimate_memory(params, optax.adafactor(1e-3), num_devices=8, stages=[1])
   assert est.opt_state < 4096 * 1024  # far below one fp32 copy (16 MiB)
   assert est.opt_state >= (4096 + 1024) * 4 // 8
 
@@ -52,7 +51,7 @@ def test_report_bytes_equal_hand_count_for_scanned_model():
   mesh = jax.make_mesh((8,), ('data',), axis_types=(AxisType.Auto,))
   cfg = presets.PRESETS['tiny']  # 4 layers, d 128, d_ff 512, vocab 256
   spec = presets.decoder_spec('tiny', compute_dtype=jnp.float32)
-  state = zerojax.abstract_train_state(
+  state = zerojax.inspect.abstract_train_state(
     spec.init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh)
   )
   plan = zerojax.plan_for(state.tx, state.params)
@@ -64,7 +63,7 @@ def test_report_bytes_equal_hand_count_for_scanned_model():
     grads = jax.grad(lambda p: spec.loss_fn(p, tokens, plan))(state.params)
     return state.apply_gradients(grads=grads)
 
-  report = zerojax.step_report(jax.jit(step).lower(state, tokens).compile(), plan=plan)
+  report = zerojax.inspect.step_report(jax.jit(step).lower(state, tokens).compile(), plan=plan)
   d, f, L, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab
   per_layer = 4 * d * d + 2 * d * f + 2 * d  # eight leaves per block
   top = 2 * V * d + d  # embedding, head, final norm
@@ -84,27 +83,10 @@ def test_report_bytes_equal_hand_count_for_scanned_model():
   assert 'ZeRO floor (stage 3: 3Ψ(N-1)/N' in text
 
 
-def _run_cli(*args, timeout=600, drop=('XLA_FLAGS',)):
-  env = dict(os.environ)
-  for name in drop:
-    env.pop(name, None)
-  # The tests' folder, for models named as module:function.
-  env['PYTHONPATH'] = os.pathsep.join(
-    [os.path.dirname(os.path.abspath(__file__))] + env.get('PYTHONPATH', '').split(os.pathsep)
-  )
-  return subprocess.run(
-    [sys.executable, '-m', 'zerojax', *args],
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=timeout,
-  )
-
-
 @pytest.mark.slow
 def test_plan_command_on_faked_cpu_devices(tmp_path):
   out = tmp_path / 'plan.json'
-  proc = _run_cli(
+  proc = run_cli(
     'plan', '--model', 'tiny', '--topology', 'cpu:8', '--stage', '3', '--json', str(out)
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -123,7 +105,7 @@ def test_plan_command_on_faked_cpu_devices(tmp_path):
 def test_plan_command_for_tpu_topology(tmp_path):
   pytest.importorskip('libtpu', reason='needs the tpu extra')
   out = tmp_path / 'plan.json'
-  proc = _run_cli(
+  proc = run_cli(
     'plan', '--model', 'tiny', '--topology', 'v5e:2x4', '--stage', '3', '--json', str(out)
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -138,7 +120,7 @@ def test_plan_command_on_a_two_axis_mesh(tmp_path):
   # One ZeRO axis per grid dimension, gradients through zerojax.value_and_grad:
   # per-layer reduce-scatters, and the only all-reduce is the loss's.
   out = tmp_path / 'plan.json'
-  proc = _run_cli(
+  proc = run_cli(
     'plan', '--model', 'tiny', '--topology', 'cpu:8', '--mesh', '2x4', '--json', str(out)
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -159,7 +141,7 @@ def test_plan_command_floor_counts_the_parameters_own_dtype_below_stage_3(stage)
   # fp32 presets: below stage 3 the gradients of the stored fp32 parameters are
   # reduce-scattered and the updated ones all-gathered, 2 x 4 bytes x Psi(N-1)/N:
   # exactly the floor through zerojax's own collectives (the loss adds 7 bytes).
-  proc = _run_cli(
+  proc = run_cli(
     'plan', '--model', 'tiny', '--topology', 'cpu:8', '--stage', str(stage), '--grad', 'zerojax'
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -180,19 +162,19 @@ def test_plan_command_floor_counts_the_parameters_own_dtype_below_stage_3(stage)
   ],
 )
 def test_plan_command_rejects_a_mesh_that_does_not_fit(mesh, message):
-  proc = _run_cli('plan', '--model', 'tiny', '--topology', 'cpu:8', '--mesh', mesh)
+  proc = run_cli('plan', '--model', 'tiny', '--topology', 'cpu:8', '--mesh', mesh)
   assert proc.returncode != 0
   assert proc.stderr.strip() == f'error: {message}', proc.stderr
 
 
 def test_plan_command_rejects_unknown_topology():
-  proc = _run_cli('plan', '--model', 'tiny', '--topology', 'v9z:3x3')
+  proc = run_cli('plan', '--model', 'tiny', '--topology', 'v9z:3x3')
   assert proc.returncode != 0
   assert "cannot compile for TPU topology 'v9z:3x3'" in proc.stderr
 
 
 def test_estimate_command():
-  proc = _run_cli('estimate', '--params', '1e9', '--devices', '64')
+  proc = run_cli('estimate', '--params', '1e9', '--devices', '64')
   assert proc.returncode == 0, proc.stderr
   lines = proc.stdout.splitlines()
   assert lines[0].split()[:5] == ['stage', 'params', 'grads', 'opt', 'state']
@@ -200,7 +182,7 @@ def test_estimate_command():
 
 
 def test_estimate_command_mixed_precision_and_offload():
-  proc = _run_cli(
+  proc = run_cli(
     'estimate', '--params', '1e9', '--devices', '64', '--mixed-precision', '--offload', 'opt_state'
   )
   assert proc.returncode == 0, proc.stderr
@@ -218,7 +200,7 @@ LIBTPU_NOISE = ('Failed to find host bounds', 'INVALID_ARGUMENT', 'TPU_WORKER_HO
 def test_cli_sets_up_jax_itself_before_its_backends_start():
   # No JAX_PLATFORMS and no XLA_FLAGS: `python -m zerojax` must choose the CPU
   # (no TPU probing, whose complaints libtpu prints) and fake the devices asked for.
-  proc = _run_cli(
+  proc = run_cli(
     'plan', '--model', 'tiny', '--topology', 'cpu:4', drop=('XLA_FLAGS', 'JAX_PLATFORMS')
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -231,7 +213,7 @@ def test_cli_sets_up_jax_itself_before_its_backends_start():
 @pytest.mark.xdist_group('libtpu')
 def test_tpu_plan_output_is_only_what_was_asked_for():
   pytest.importorskip('libtpu', reason='needs the tpu extra')
-  proc = _run_cli(
+  proc = run_cli(
     'plan', '--model', 'tiny', '--topology', 'v5e:2x4', drop=('XLA_FLAGS', 'JAX_PLATFORMS')
   )
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -242,19 +224,19 @@ def test_tpu_plan_output_is_only_what_was_asked_for():
 
 @pytest.mark.slow
 def test_plan_command_takes_a_users_model_spec():
-  proc = _run_cli('plan', '--model', '_custom_model:spec', '--topology', 'cpu:8', '--stage', '3')
+  proc = run_cli('plan', '--model', '_custom_model:spec', '--topology', 'cpu:8', '--stage', '3')
   assert proc.returncode == 0, proc.stdout + proc.stderr
   assert 'two-layer | 0.00B params | ZeRO stage 3' in proc.stdout
-  wrong = _run_cli('plan', '--model', '_custom_model:wrong', '--topology', 'cpu:8')
+  wrong = run_cli('plan', '--model', '_custom_model:wrong', '--topology', 'cpu:8')
   assert wrong.returncode != 0
   assert wrong.stderr.strip().endswith(
     'error: --model _custom_model:wrong returned a dict; it must return a'
-    ' zerojax.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
+    ' zerojax.inspect.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
   )
 
 
 def test_cli_help_shows_every_default():
-  plan = ' '.join(_run_cli('plan', '--help').stdout.split())
+  plan = ' '.join(run_cli('plan', '--help').stdout.split())
   for shown in (
     '--stage {0,1,2,3} ZeRO stage (default: 3)',
     '--optimizer {adam,adamw,sgd,lion,adafactor} optax optimizer (default: adamw)',
@@ -264,5 +246,5 @@ def test_cli_help_shows_every_default():
     '(default: auto)',
   ):
     assert shown in plan, shown
-  estimate = ' '.join(_run_cli('estimate', '--help').stdout.split())
+  estimate = ' '.join(run_cli('estimate', '--help').stdout.split())
   assert '--optimizer {adam,adamw,sgd,lion,adafactor} optax optimizer (default: adam)' in estimate

@@ -100,7 +100,7 @@ MESHES = {
 def make(name, stage, kind=AxisType.Auto):
   shape, names, axes, param_axis = MESHES[name]
   mesh = jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
-  specs = zerojax.logical_param_specs(
+  specs = zerojax.linen.logical_param_specs(
     jax.eval_shape(MODEL.init, jax.random.key(0), X[:1])['params'], RULES
   )
   if 'model' not in names:
@@ -124,7 +124,7 @@ def make(name, stage, kind=AxisType.Auto):
 
 def train_step(state, x, y):
   plan = zerojax.plan_for(state.tx, state.params)
-  grads = jax.grad(lambda p: loss(zerojax.gather_params(p, plan), x, y))(state.params)
+  grads = jax.grad(lambda p: loss(zerojax.gather(p, plan), x, y))(state.params)
   return state.apply_gradients(grads=grads)
 
 
@@ -164,7 +164,7 @@ def test_stage3_argument_bytes(name):
   want = sum(4 * n // (s * g) + 8 * n // (s * z) for n, s in zip(jax.tree.leaves(SIZES), splits))
   batch = 2 * B * T * D * 4 // z
   compiled = jax.jit(train_step).lower(state, x, y).compile()
-  assert zerojax.memory_stats(compiled).argument == want + batch + 8  # + step and count
+  assert zerojax.inspect.memory_stats(compiled).argument == want + batch + 8  # + step and count
 
 
 def group_sizes(text, op):
@@ -192,7 +192,7 @@ def test_hpz_gathers_parameters_within_the_group():
 def test_logical_specs_errors_name_the_leaf():
   params = jax.eval_shape(MODEL.init, jax.random.key(0), X[:1])['params']
   with pytest.raises(ValueError) as e:
-    zerojax.logical_param_specs(params, [('embed', None), ('heads', 'model')])
+    zerojax.linen.logical_param_specs(params, [('embed', None), ('heads', 'model')])
   assert str(e.value) == (
     "params['down']['kernel']: logical axis 'mlp' has no rule in `rules` (known: ['embed',"
     " 'heads']). Add ('mlp', MESH_AXIS_OR_None)."

@@ -4,67 +4,36 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _models import (
+  SCALARS,
+  TWO_LAYER_D,
+  TWO_LAYER_N,
+  TWO_LAYER_PSI,
+  compile_step,
+  init_fn,
+  plan_of,
+  step,
+)
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
 
-N = 8
-D = 256  # two 256x256 matrices and two biases: every leaf divides by 8
-PSI = 2 * D * D + 2 * D
-
-
-def make_init(d):
-  """Two d x d layers with biases."""
-
-  def init_fn(key):
-    k1, k2 = jax.random.split(key)
-    return {
-      'w1': jax.random.normal(k1, (d, d)),
-      'b1': jnp.zeros((d,)),
-      'w2': jax.random.normal(k2, (d, d)),
-      'b2': jnp.zeros((d,)),
-    }
-
-  return init_fn
-
-
-init_fn = make_init(D)
-
-
-def step(state, x):
-  plan = zerojax.plan_for(state.tx, state.params)
-
-  def loss(p):
-    p = zerojax.gather_params(p, plan)
-    return jnp.mean((jnp.tanh(x @ p['w1'] + p['b1']) @ p['w2'] + p['b2']) ** 2)
-
-  return state.apply_gradients(grads=jax.grad(loss)(state.params))
-
-
-def compile_step(mesh, stage, batch=64):
-  state = zerojax.abstract_train_state(
-    init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
-  )
-  x = jax.ShapeDtypeStruct(
-    (batch, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec('data'))
-  )
-  return jax.jit(step).lower(state, x).compile(), batch * D * 4 // N
+N, D, PSI = TWO_LAYER_N, TWO_LAYER_D, TWO_LAYER_PSI
 
 
 # Model states at rest per device for fp32 Adam (docs/design.md), grads excluded.
 AT_REST = {0: 12 * PSI, 1: 4 * PSI + 8 * PSI // N, 2: 4 * PSI + 8 * PSI // N, 3: 12 * PSI // N}
-SCALARS = 4 + 4  # TrainState.step and Adam's count, int32 each
 
 
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_argument_bytes_equal_formula(stage, mesh):
   compiled, batch_bytes = compile_step(mesh, stage)
-  assert zerojax.memory_stats(compiled).argument == AT_REST[stage] + batch_bytes + SCALARS
+  assert zerojax.inspect.memory_stats(compiled).argument == AT_REST[stage] + batch_bytes + SCALARS
 
 
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_plan_bytes_equal_formula(stage, mesh):
-  plan = zerojax.make_plan(init_fn(jax.random.key(0)), optax.adam(1e-3), stage=stage, mesh=mesh)
+  plan = plan_of(init_fn(jax.random.key(0)), optax.adam(1e-3), stage=stage, mesh=mesh)
   sizes = plan.bytes_per_device()
   assert sizes['params'] + sizes['opt_state'] == AT_REST[stage] + 4  # + Adam's count
   assert sizes['grads'] == (4 * PSI // N if stage >= 2 else 4 * PSI)
@@ -73,7 +42,7 @@ def test_plan_bytes_equal_formula(stage, mesh):
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])
 def test_collectives(stage, mesh):
   compiled, _ = compile_step(mesh, stage)
-  stats = zerojax.count_collectives(compiled)
+  stats = zerojax.inspect.count_collectives(compiled)
   text = compiled.as_text()
   grad_bytes = 4 * PSI
   if stage == 0:
@@ -82,7 +51,7 @@ def test_collectives(stage, mesh):
     assert stats['all-gather'] == 0 and stats['reduce-scatter'] == 0
   else:
     # XLA:CPU lowers the gradient reduction into shards as all-reduce +
-    # dynamic-slice (docs/design.md); TPU makes it a reduce-scatter (test_tpu_aot).
+    # dynamic-slice (docs/design.md); TPU makes it a reduce-scatter (tests/test_tpu.py).
     assert stats['reduce-scatter'] + stats['all-reduce'] >= 1
     assert stats.result_bytes.get('all-reduce', 0) <= grad_bytes
     assert 'dynamic-slice' in text or stats['reduce-scatter'] >= 1
@@ -103,18 +72,18 @@ def test_counts_ops_inside_loops_by_trip_count(auto_mesh):
   ws = jax.ShapeDtypeStruct(
     (5, 64), jnp.float32, sharding=NamedSharding(auto_mesh, PartitionSpec(None, 'data'))
   )
-  stats = zerojax.count_collectives(jax.jit(f).lower(ws).compile())
+  stats = zerojax.inspect.count_collectives(jax.jit(f).lower(ws).compile())
   # One all-gather of 64 floats per scanned layer, five layers.
   assert stats['all-gather'] == 5
   assert stats.result_bytes['all-gather'] == 5 * 64 * 4
 
 
 def test_donated_step_aliases_the_state(auto_mesh):
-  state = zerojax.abstract_train_state(
+  state = zerojax.inspect.abstract_train_state(
     init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), 2, mesh=auto_mesh)
   )
   x = jax.ShapeDtypeStruct(
     (64, D), jnp.float32, sharding=NamedSharding(auto_mesh, PartitionSpec('data'))
   )
   compiled = jax.jit(step, donate_argnums=0).lower(state, x).compile()
-  assert zerojax.memory_stats(compiled).alias == AT_REST[2] + SCALARS
+  assert zerojax.inspect.memory_stats(compiled).alias == AT_REST[2] + SCALARS

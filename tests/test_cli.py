@@ -1,0 +1,74 @@
+"""python -m zerojax: each flag applies to its command or is an error."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args, timeout=600):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  return subprocess.run(
+    [sys.executable, '-m', 'zerojax', 'plan', *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=ROOT,
+    timeout=timeout,
+  )
+
+
+@pytest.mark.parametrize(
+  'args, message',
+  [
+    (
+      ['--topology', 'cpu:8', '--offloads', 'none', '--update-ons', 'host'],
+      "error: these options leave no valid candidate: update_on='host' needs an offload"
+      ' (every combination).',
+    ),
+    (
+      ['--topology', 'cpu:8', '--quantizes', 'int3'],
+      "error: argument --quantizes: unknown 'int3'; choose from none, g8, g4, w8g8, w8g4",
+    ),
+    (
+      ['--topology', 'cpu:8', '--stages', '1,2,3', '--max-candidates', '2'],
+      'error: 8 candidates exceed --max-candidates 2;',
+    ),
+    (
+      ['--topology', 'cpu:8', '--model', 'llama9'],
+      "error: `model`='llama9' is not a preset;",
+    ),
+  ],
+)
+def test_search_cli_names_the_bad_option(args, message):
+  # (Each runs the CLI in a fresh process.)
+  proc = _cli('--search', *args)
+  assert proc.returncode != 0
+  assert message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+  'args, message',
+  [
+    (
+      ['--mixed-precision', '--micro-batches', '2', '--offloads', 'opt_state', '--hbm-gib', '8'],
+      'error: --micro-batches, --offloads, --mixed-precision, --hbm-gib set the space of plan'
+      ' --search; a single plan does not read them. Add --search, or set the plan with --stage,'
+      ' --batch-per-chip, --mesh, --no-remat.',
+    ),
+    (
+      ['--search', '--stage', '2', '--json', 'x.json'],
+      'error: plan --search does not read --stage, --json: those set a single plan. Give the'
+      ' search its space instead (--stages, --layouts, --batches-per-chip, --remats,'
+      ' --prefetch-options, --out), or drop --search.',
+    ),
+  ],
+)
+def test_a_plan_flag_the_mode_does_not_read_is_an_error(args, message):
+  # Once ignored in silence (issue 26): now refused before anything compiles.
+  proc = _cli('--topology', 'cpu:8', *args)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().endswith(message), proc.stderr[-2000:]

@@ -1,0 +1,53 @@
+"""What the plan search prints: the winner as lines that run as pasted, and its JSON."""
+
+import jax
+import optax
+import pytest
+
+import zerojax
+from zerojax._src import search, search_report
+
+
+def _report(candidate, mixed_precision=False):
+  target = search.Target(
+    topology='cpu:8',
+    devices=tuple(jax.devices()),
+    grid=(2, 4),
+    chip=None,
+    model='tiny',
+    optimizer=optax.adamw,
+    mixed_precision=mixed_precision,
+  )
+  result = search.Result(candidate, 'fits', ring_bytes=1e6, overlapped_bytes=0.0)
+  result.flops, result.bytes_accessed = 1e9, 1e6
+  result.predicted = {'step': 1.0, 'compute': 1.0, 'collectives': 0.0, 'exposed': 0.0, 'host': 0.0}
+  return search.SearchReport(target, [result], invalid=[], seconds=1.0)
+
+
+@pytest.mark.parametrize(
+  'candidate, mixed',
+  [
+    (search.Candidate(3, layout='torus', remat='gathers', prefetch=True), False),
+    (search.Candidate(2, offload='opt_state', update_on='host', micro_batches=2), True),
+    (search.Candidate(3, quantize='w8g4', remat='full'), False),
+    (search.Candidate(3, layout='hpz'), False),
+  ],
+)
+def test_the_winners_lines_run_as_pasted(candidate, mixed):
+  report = _report(candidate, mixed)
+  assert report.winner is not None
+  code = search_report.winner_code(report)
+  namespace = {'jax': jax, 'optax': optax, 'zerojax': zerojax, 'lr': 1e-3}
+  namespace['loss_fn'] = lambda params, batch: 0.0
+  exec(code, namespace)  # the mesh, the wrapped optimizer and the gradient function
+  config = zerojax.config_of(namespace['tx'])
+  assert config.stage == candidate.stage
+  assert config.options.offload == candidate.offload
+  assert (config.options.quantize is None) == (candidate.quantize is None)
+
+
+def test_the_json_spells_no_offload_as_null():
+  report = _report(search.Candidate(3))
+  data = search_report.search_json(report)
+  assert data['results'][0]['candidate']['offload'] is None
+  assert data['results'][0]['candidate']['quantize'] is None

@@ -1,0 +1,17 @@
+"""Checkpoints with orbax: save sharded state, restore it onto any device count.
+
+- `Checkpointer(directory)`: saves and restores a train state (asynchronously,
+  every process writing its own shards), with its plan's metadata.
+- `restore_train_state(directory, init_fn, *init_args, tx=...)`: a train state
+  restored straight into `tx`'s layout.
+- `export_params(params, path)`: whole parameters, for use without zerojax.
+- `format_checkpoint(directory)`: what a checkpoint folder holds (also
+  `python -m zerojax inspect`).
+"""
+
+from zerojax._src.checkpoint import Checkpointer as Checkpointer
+from zerojax._src.checkpoint import export_params as export_params
+from zerojax._src.checkpoint import format_checkpoint as format_checkpoint
+from zerojax._src.checkpoint import restore_train_state as restore_train_state
+
+__all__ = ['Checkpointer', 'restore_train_state', 'export_params', 'format_checkpoint']

@@ -1,0 +1,52 @@
+"""Before launching: what fits in memory, and what the collectives cost.
+
+From theory (no device needed):
+- `estimate_memory(params, tx, num_devices=N)`: bytes per device of each stage.
+
+An abstract train state (nothing allocated) to compile against:
+- `abstract_train_state(init_fn, key, tx=...)`.
+
+From a compiled step (`jax.jit(step).lower(...).compile()`), on any backend
+or for a TPU topology with no TPU:
+- `step_report(compiled, plan=...)`: memory and collectives beside the ZeRO floor.
+- `memory_stats(compiled)`, `count_collectives(compiled)`, `zero_floor_bytes(...)`.
+
+Choosing a configuration:
+- `search_plans(model, topology)`: every candidate compiled ahead of time and
+  ranked (also `python -m zerojax plan --search`); `ModelSpec` describes a model
+  of your own; `local_tpu()` names the TPU this machine has, if any.
+"""
+
+from zerojax._src.estimate import MemoryEstimate as MemoryEstimate
+from zerojax._src.estimate import estimate_memory as estimate_memory
+from zerojax._src.estimate import format_estimates as format_estimates
+from zerojax._src.hlo import CollectiveStats as CollectiveStats
+from zerojax._src.hlo import count_collectives as count_collectives
+from zerojax._src.presets import ModelSpec as ModelSpec
+from zerojax._src.report import MemoryStats as MemoryStats
+from zerojax._src.report import StepReport as StepReport
+from zerojax._src.report import memory_stats as memory_stats
+from zerojax._src.report import step_report as step_report
+from zerojax._src.report import zero_floor_bytes as zero_floor_bytes
+from zerojax._src.search import SearchReport as SearchReport
+from zerojax._src.search import search_plans as search_plans
+from zerojax._src.tpu import local_tpu as local_tpu
+from zerojax._src.train_state import abstract_train_state as abstract_train_state
+
+__all__ = [
+  'abstract_train_state',
+  'estimate_memory',
+  'MemoryEstimate',
+  'format_estimates',
+  'step_report',
+  'StepReport',
+  'memory_stats',
+  'MemoryStats',
+  'count_collectives',
+  'CollectiveStats',
+  'zero_floor_bytes',
+  'search_plans',
+  'SearchReport',
+  'ModelSpec',
+  'local_tpu',
+]

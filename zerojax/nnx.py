@@ -1,0 +1,14 @@
+"""Flax NNX: models created in their ZeRO layout, gathered where they run, and differentiated.
+
+- `create_model(make_model, tx)`: creates a model directly in `tx`'s layout.
+- `shard(model, tx)`: places an existing model's parameters in it.
+- `gathered(module, tx)`: a copy of a module (a layer) with its parameters gathered.
+- `value_and_grad(loss_fn, tx)`: `zerojax.value_and_grad` for `loss_fn(model, batch)`.
+"""
+
+from zerojax._src.nnx_state import create_model as create_model
+from zerojax._src.nnx_state import gathered as gathered
+from zerojax._src.nnx_state import shard as shard
+from zerojax._src.nnx_state import value_and_grad as value_and_grad
+
+__all__ = ['create_model', 'gathered', 'shard', 'value_and_grad']
