@@ -154,9 +154,9 @@ def test_builders_take_the_options_from_the_wrapped_optimizer(explicit_mesh):
     )
 
 
-@pytest.mark.parametrize('stage', [1, 2])
+@pytest.mark.parametrize('stage', [0, 1, 2])
 def test_an_fsdp_state_is_not_made_whole_without_a_word(stage, mesh):
-  # A codebase with its own FSDP hands over parameters split over 'data'; stage 1 or 2 would
+  # A codebase with its own FSDP hands over parameters split over 'data'; stages 0-2 would
   # make them whole on every device (item 6 of issue 26).
   from jax.sharding import NamedSharding, PartitionSpec
 

@@ -56,17 +56,16 @@ def zero_train_state(state: State, tx: optax.GradientTransformation) -> State:
 
 
 def _refuse_regathering(params: Any, plan: Any) -> None:
-  """Refuses to make whole, at stage 1 or 2, parameters that already rest split over the ZeRO
+  """Refuses to make whole, below stage 3, parameters that already rest split over the ZeRO
   axes (an FSDP layout): that would raise their memory per device without a word."""
-  if plan.stage not in (1, 2):
+  if plan.stage == 3:
     return
   axes = set(plan.axes)
+  splits = lambda spec: any(axes & set(rules.spec_axes(e)) for e in spec)
   split, now, after = [], 0, 0
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   for (path, x), target in zip(flat, jax.tree.leaves(plan.params)):
-    sharding = getattr(x, 'sharding', None)
-    spec = getattr(sharding, 'spec', None)
-    splits = lambda spec: any(axes & set(rules.spec_axes(e)) for e in spec)
+    spec = getattr(getattr(x, 'sharding', None), 'spec', None)
     if spec is None or not splits(spec) or splits(target.spec):
       continue
     split.append(f'params{jax.tree_util.keystr(path)}')
