@@ -7,7 +7,7 @@ PYTEST_OPTS := -n 2 --dist loadgroup --durations=10
 
 .PHONY: demo test test-newest lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml zerojax/_src/version.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test,tpu,examples]" ruff
