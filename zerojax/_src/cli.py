@@ -134,16 +134,7 @@ SEARCH_ONLY = (
   'stages', 'layouts', 'micro_batches', 'remats', 'prefetch_options', 'offloads', 'update_ons',
   'quantizes', 'batches_per_chip', 'mixed_precision', 'hbm_gib', 'max_candidates', 'out',
 )  # fmt: skip
-SINGLE_ONLY = (
-  'stage',
-  'batch_per_chip',
-  'no_remat',
-  'gather_all',
-  'mesh',
-  'grad',
-  'prefetch',
-  'json',
-)
+SINGLE_ONLY = ('stage', 'batch_per_chip', 'no_remat', 'gather_all', 'mesh', 'grad', 'prefetch', 'json')  # fmt: skip
 
 
 def _check_plan_flags(parser: argparse.ArgumentParser, p: argparse.ArgumentParser, args) -> None:

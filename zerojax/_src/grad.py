@@ -10,8 +10,9 @@ reduction is placed here rather than left to the compiler:
 - stages 2-3: each micro-batch's gradient is reduce-scattered (`psum_scatter`,
   a real reduce-scatter even on CPU) into an accumulator holding one shard;
 - with `per_layer=True` the loss sees split parameters as `ShardedLeaf`s and
-  the model's own gathers (`zerojax.gather` and its linen and NNX adapters) are explicit all-gathers whose transposes reduce-scatter
-  each layer's gradient as the backward pass reaches it.
+  the model's own gathers (`zerojax.gather` and its linen and NNX adapters)
+  are explicit all-gathers whose transposes reduce-scatter each layer's
+  gradient as the backward pass reaches it.
 
 What the per-device parts mean for the whole batch (scalar means,
 `WeightedMean`s, per-row aux, random keys) is `reduction`'s. Every decision
@@ -217,7 +218,8 @@ def _check_loss(r: Routes, loss_fn, treedef, flat_params, mb, args, meta: dict) 
   num_params, num_batch = len(flat_params), len(jax.tree.leaves(mb))
   _, weight, aux = shapes
   meta['weighted'] = weight is not None
-  if not reduction.depends_on_batch(reduction.output_deps(closed, num_params, num_batch)[0]):
+  deps = reduction.output_deps(closed, num_params, num_batch)  # one walk for both checks
+  if not reduction.depends_on_batch(deps[0]):
     raise ValueError(
       'zerojax.value_and_grad: the loss does not read the `batch` it is given. It runs on each'
       " device's part of the batch, so a loss that closes over a batch instead would run the"
@@ -232,9 +234,7 @@ def _check_loss(r: Routes, loss_fn, treedef, flat_params, mb, args, meta: dict) 
     outputs += reduction.checked_aux_outputs(meta['aux_kinds'])
   outputs += [False] * (len(closed.jaxpr.outvars) - len(outputs))
   reduction.check_normalisation(closed, num_params, num_batch, outputs)
-  if meta['weighted'] and reduction.depends_on_params(
-    reduction.output_deps(closed, num_params, num_batch)[1]
-  ):
+  if meta['weighted'] and reduction.depends_on_params(deps[1]):
     raise ValueError(
       'zerojax.value_and_grad: the loss returned a zerojax.WeightedMean whose weight depends'
       ' on the parameters; the weight is a count or sum of weights taken from the batch.'
