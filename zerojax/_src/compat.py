@@ -32,4 +32,15 @@ def compute_on_host(fn: Callable[..., Any], out_memory_spaces: Any) -> Callable[
     A function with `fn`'s signature, to be called inside `jax.jit`.
   """
   form = _compute_on.compute_on if COMPUTE_ON_RENAMED else _compute_on.compute_on2
-  return form(fn, compute_type='device_host', out_memory_spaces=out_memory_spaces)
+
+  def typed_as_device(*args):
+    # Inside, arrays are typed as device memory: JAX types the arrays a body
+    # creates (`zeros_like` in optax's clipping and norms, constants) as device
+    # memory and refuses to mix them with host-typed inputs. The compiler places
+    # the whole computation in host memory all the same (compiled for TPU, it
+    # has no device temporaries).
+    device = jax.memory.Space.Device
+    out = fn(*jax.tree.map(lambda x: jax.device_put(x, device), args))
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), out)
+
+  return form(typed_as_device, compute_type='device_host', out_memory_spaces=out_memory_spaces)

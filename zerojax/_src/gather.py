@@ -92,6 +92,10 @@ class ShardedLeaf:
       into `shard`'s place.
     quantize: the ZeRO++ quantized collectives (`zerojax.Quantize`) its gather
       and gradient use, or None for full precision.
+    sink: with `update_on='stream'`, a stand-in in host memory of `shard`'s
+      shape, which the gradient is taken with respect to: the reduce-scattered
+      gradient goes to host memory as soon as it is computed (its value is
+      never read). None: the gradient is `shard`'s, on the device.
 
   Outside a gather it is not an array, and says so:
 
@@ -109,6 +113,7 @@ class ShardedLeaf:
   path: str = dataclasses.field(metadata=dict(static=True))
   whole: jax.Array | None = None
   quantize: Any = dataclasses.field(default=None, metadata=dict(static=True))
+  sink: jax.Array | None = None
 
   def replace(self, **changes) -> ShardedLeaf:
     return dataclasses.replace(self, **changes)
@@ -129,6 +134,8 @@ class ShardedLeaf:
         ' or kept whole with zero_stage(..., policy) options.'
       )
     q = self.quantize
+    if self.sink is not None:
+      x = to_sink(x, self.sink)
     if self.whole is not None:
       grads_q = q if q is not None and q.grads is not None else None
       return _whole_with_scattered_grad(x, self.whole, dim, self.axes, dtype, grads_q)
@@ -193,6 +200,25 @@ def _whole_bwd(dim, axes, dtype, quantize, like, ct):
 
 
 _whole_with_scattered_grad.defvjp(_whole_fwd, _whole_bwd)
+
+
+@jax.custom_vjp
+def to_sink(x: jax.Array, sink: jax.Array) -> jax.Array:
+  """`x`, whose gradient goes to `sink` in host memory instead (`update_on='stream'`)."""
+  del sink
+  return x
+
+
+def _sink_fwd(x, sink):
+  return x, jnp.zeros((0,), sink.dtype)  # only the sink's dtype is kept
+
+
+def _sink_bwd(like, ct):
+  # The shard is not differentiated (only its sink is): no zero cotangent is built for it.
+  return None, jax.device_put(ct.astype(like.dtype), jax.memory.Space.Host)
+
+
+to_sink.defvjp(_sink_fwd, _sink_bwd)
 
 
 def is_sharded_leaf(x: Any) -> bool:

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zerojax._src import compat, jaxprs, reduction, transform
 from zerojax._src import gather as gather_lib
-from zerojax._src import jaxprs, reduction, transform
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
@@ -107,6 +107,8 @@ class Routes:
   row_axes: tuple[str, ...]  # the batch's rows are split over these, in this order
   micro_batches: int
   has_aux: bool
+  # update_on='stream': per-layer gradients are taken into host memory (see `_loss_inputs`).
+  stream: bool = False
 
   def size(self, axes: tuple[str, ...]) -> int:
     return mesh_lib.axes_size(self.mesh, axes)
@@ -163,20 +165,54 @@ def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], l
       if r.stage < 3:
         size = x.shape[dim] // r.size(axes)
         whole, x = x, jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
-      leaves.append(gather_lib.ShardedLeaf(x, dim, axes, x.ndim, route.path, whole, route.quantize))
+      # update_on='stream': the gradient is taken with respect to a stand-in in
+      # host memory, which the model's gathers send it to (its value is never
+      # read, so the compiler builds none).
+      sink = _host_stand_in(x.shape, route.acc_dtype) if r.stream else None
+      leaves.append(
+        gather_lib.ShardedLeaf(x, dim, axes, x.ndim, route.path, whole, route.quantize, sink)
+      )
     elif route.gather is not None:
       leaf = gather_lib.ShardedLeaf(x, *route.gather, x.ndim, route.path, quantize=route.quantize)
       leaves.append(leaf.gather())
     else:
       leaves.append(x)
-  diff = [x.shard if gather_lib.is_sharded_leaf(x) else x for x in leaves]
+  diff = [_diff_of(x) for x in leaves]
 
   def rebuild(diff):
-    return [
-      x.replace(shard=v) if gather_lib.is_sharded_leaf(x) else v for x, v in zip(leaves, diff)
-    ]
+    return [_with_diff(x, v) for x, v in zip(leaves, diff)]
 
   return diff, rebuild
+
+
+def _diff_of(x: Any) -> Any:
+  if not gather_lib.is_sharded_leaf(x):
+    return x
+  return x.shard if x.sink is None else x.sink
+
+
+def _with_diff(x: Any, v: Any) -> Any:
+  if not gather_lib.is_sharded_leaf(x):
+    return v
+  return x.replace(shard=v) if x.sink is None else x.replace(sink=v)
+
+
+def _host_stand_in(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+  return jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Host)
+
+
+def _host_add(a: jax.Array, b: jax.Array) -> jax.Array:
+  return compat.compute_on_host(jnp.add, out_memory_spaces=jax.memory.Space.Host)(a, b)
+
+
+def _host_mean(a: jax.Array, weight: Any) -> jax.Array:
+  """`(a / weight).astype(a.dtype)` computed in host memory, as on the device: a Python
+  count divides in `a`'s dtype, an array weight with the usual promotion."""
+  host = jax.memory.Space.Host
+  if isinstance(weight, (int, float)):
+    return compat.compute_on_host(lambda a: (a / weight).astype(a.dtype), host)(a)
+  weight = jax.device_put(weight, host)
+  return compat.compute_on_host(lambda a, w: (a / w).astype(a.dtype), host)(a, weight)
 
 
 def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
@@ -269,7 +305,10 @@ def _micro_step(r: Routes, loss_fn, treedef, flat_params, mb, args, scale, meta:
   (_, (total, weight, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(diff)
   if r.has_aux:
     aux = reduction.stack_aux(aux, meta['aux_kinds'])
-  grads = [g.astype(route.acc_dtype) for g, route in zip(grads, r.leaves)]
+  grads = [
+    g if transform.in_host_memory(g) else g.astype(route.acc_dtype)
+    for g, route in zip(grads, r.leaves)
+  ]
   return total.astype(jnp.float32), weight, aux, grads
 
 
@@ -335,8 +374,10 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
     i, mb = xs
     part = reduction.fold_keys(args, first + i)  # each part draws its own numbers
     t, w, aux, grads = _micro_step(r, loss_fn, treedef, flat_params, mb, part, scale, meta)
-    acc = [a + _reduce_micro(r, route, g) for a, g, route in zip(acc, grads, r.leaves)]
-    return (acc, sums + (t if w is None else jnp.stack([t, w]))), aux
+    grads = [_reduce_micro(r, route, g) for g, route in zip(grads, r.leaves)]
+    if acc is not None:
+      acc = [_host_add(a, g) if transform.in_host_memory(g) else a + g for a, g in zip(acc, grads)]
+    return (grads if acc is None else acc, sums + (t if w is None else jnp.stack([t, w]))), aux
 
   mb0 = jax.tree.map(lambda x: x[0], micro)
   _check_loss(r, loss_fn, treedef, flat_params, mb0, reduction.fold_keys(args, first), meta)
@@ -344,8 +385,17 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
   if m == 1:
     # No loop and no accumulator: the gradient goes straight to its reduction,
     # so no second gradient-sized buffer is live.
-    (acc, sums), aux = body(([0] * len(r.leaves), sums0), (0, mb0))
+    (acc, sums), aux = body((None, sums0), (0, mb0))
     auxes = jax.tree.map(lambda x: x[None], aux)
+  elif r.stream:
+    # Streamed gradients accumulate in host memory, one micro-batch after
+    # another (the compiler does not run host additions inside a loop).
+    carry, parts = (None, sums0), []
+    for i in range(m):
+      carry, aux = body(carry, (i, jax.tree.map(lambda x, i=i: x[i], micro)))
+      parts.append(aux)
+    acc, sums = carry
+    auxes = jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
   else:
     acc0 = [jnp.zeros(route.acc_shape, route.acc_dtype) for route in r.leaves]
     (acc, sums), auxes = jax.lax.scan(body, (acc0, sums0), (jnp.arange(m), micro))
@@ -354,7 +404,12 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
   # gradients: `mixed_precision` divides it out, once.
   sums = jax.lax.psum(sums, _axis_arg(r.axes))
   total, weight = (sums[0], sums[1]) if meta['weighted'] else (sums, r.size(r.axes) * m)
-  grads = [(_reduce_final(r, route, a) / weight).astype(a.dtype) for a, route in zip(acc, r.leaves)]
+  grads = [
+    _host_mean(a, weight)
+    if transform.in_host_memory(a)
+    else (_reduce_final(r, route, a) / weight).astype(a.dtype)
+    for a, route in zip(acc, r.leaves)
+  ]
   loss = total / weight
   if not r.has_aux:
     return loss, None, grads
@@ -502,7 +557,8 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
     config, params, per_layer=per_layer, reduce_dtype=options['reduce_dtype']
   )
   row_axes = _row_axes(batch, axes)
-  r = Routes(routes, mesh, config.stage, axes, row_axes, m, options['has_aux'])
+  stream = per_layer and config.options.update_on == 'stream'
+  r = Routes(routes, mesh, config.stage, axes, row_axes, m, options['has_aux'], stream)
   rows = PartitionSpec(_axis_arg(row_axes))
   scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
   meta: dict = {}  # what tracing the loss finds out: its kind, its aux's structure

@@ -17,7 +17,7 @@ from zerojax._src import rules
 AxisName = str | tuple[str, ...]
 Offload = Literal['opt_state', 'opt_state+master'] | None
 OFFLOADS: tuple[str | None, ...] = (None, 'opt_state', 'opt_state+master')
-UPDATE_ON: tuple[str, ...] = ('device', 'host')
+UPDATE_ON: tuple[str, ...] = ('device', 'host', 'stream')
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,9 +46,14 @@ class Options:
       memory (`memory_kind='pinned_host'`); 'opt_state+master' also the fp32
       master copy of `zerojax.mixed_precision`; None (the default) keeps
       everything on the device.
-    update_on: with `offload`, where the optimizer update runs: 'device'
-      (stream the offloaded state through device memory) or 'host' (only
-      gradient shards go down and updates come up).
+    update_on: with `offload`, where the optimizer update runs and what
+      crosses the host link: 'device' (the offloaded state streams through
+      device memory for the update), 'host' (gradient shards go down after
+      the backward pass and updates come up), or 'stream' (ZeRO-Offload's
+      schedule: inside `zerojax.scan_layers` each layer's gradient shard goes
+      down as soon as its reduce-scatter is done, the update runs on the
+      host, and the new parameters come up in their compute dtype, one leaf
+      at a time; see the README's "Offload").
     quantize: ZeRO++ quantized collectives, a `zerojax.Quantize`, or None.
 
   Every field is checked when the object is made:
@@ -65,7 +70,7 @@ class Options:
   param_specs: Any = None
   param_axis: AxisName | None = None
   offload: Offload = None
-  update_on: Literal['device', 'host'] = 'device'
+  update_on: Literal['device', 'host', 'stream'] = 'device'
   quantize: quantize_lib.Quantize | None = None
 
   def __post_init__(self):
@@ -87,13 +92,20 @@ class Options:
       )
     if self.update_on not in UPDATE_ON:
       raise ValueError(
-        f"Options(update_on=...) must be 'device' or 'host', got {self.update_on!r}: 'host'"
-        " runs the optimizer update on the host, on offloaded state (needs offload='opt_state')."
+        f"Options(update_on=...) must be 'device', 'host' or 'stream', got {self.update_on!r}:"
+        " 'host' runs the optimizer update on the host, on offloaded state, and 'stream' also"
+        " sends gradients down layer by layer (both need offload='opt_state')."
       )
-    if self.update_on == 'host' and self.offload is None:
+    if self.update_on != 'device' and self.offload is None:
       raise ValueError(
-        "Options(update_on='host') runs the update where offloaded state lives: pass"
-        " offload='opt_state' (or 'opt_state+master') too."
+        f'Options(update_on={self.update_on!r}) runs the update where offloaded state lives:'
+        " pass offload='opt_state' (or 'opt_state+master') too."
+      )
+    if self.update_on == 'stream' and self.policy == 'pad':
+      raise ValueError(
+        "Options(update_on='stream') does not pad: its gradients reach host memory in the"
+        " layout they were reduce-scattered into. Use policy='replicate' (or 'error') with it,"
+        " or update_on='host'."
       )
     if self.quantize is not None and not isinstance(self.quantize, quantize_lib.Quantize):
       raise TypeError(

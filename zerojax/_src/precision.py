@@ -146,12 +146,13 @@ def mixed_precision(
       scale = LossScaleState(jnp.asarray(initial, jnp.float32), jnp.zeros((), jnp.int32))
     return MixedPrecisionState(master, inner.init(master), scale)
 
-  def update(grads, state: MixedPrecisionState, params=None, **extra_args):
-    if params is None:
-      raise ValueError(
-        'mixed_precision needs the parameters: call tx.update(grads, state, params)'
-        ' (flax TrainState.apply_gradients does).'
-      )
+  def step(grads, state: MixedPrecisionState, dtypes, **extra_args):
+    """The update up to the new parameters: (their master rounded to `dtypes`, new state).
+
+    It never reads the compute-dtype parameters, so it can run where the
+    state lives (host memory, `update_on='stream'`) and send back only the
+    new parameters in their compute dtype.
+    """
     grads = jax.tree.map(lambda g: g.astype(master_dtype), grads)
     scale = state.loss_scale
     if scale is not None:
@@ -168,16 +169,37 @@ def mixed_precision(
         state._replace(loss_scale=None),
       )
       new_state = new_state._replace(loss_scale=_next_scale(scale, finite, loss_scale))
-    # Updates in the compute dtype, so stages 1-2 all-gather 2 bytes per
-    # parameter: `params + updates` is the master rounded to the compute dtype,
-    # exactly when a value moved by less than 2x (Sterbenz), else to within a
-    # rounding step of the old value (values crossing or near zero).
-    updates = jax.tree.map(
-      lambda m, p: (m.astype(p.dtype) - p).astype(p.dtype), new_state.master, params
-    )
-    return updates, new_state
+    rounded = jax.tree.map(lambda m, d: m.astype(d), new_state.master, dtypes)
+    return rounded, new_state
 
+  def update(grads, state: MixedPrecisionState, params=None, **extra_args):
+    if params is None:
+      raise ValueError(
+        'mixed_precision needs the parameters: call tx.update(grads, state, params)'
+        ' (flax TrainState.apply_gradients does).'
+      )
+    dtypes = jax.tree.map(lambda p: p.dtype, params)
+    rounded, new_state = step(grads, state, dtypes, **extra_args)
+    return updates_to(rounded, params), new_state
+
+  update.master_step = step
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def updates_to(rounded: Any, params: Any) -> Any:
+  """The updates that turn `params` into `rounded` (the master in their dtype).
+
+  In the compute dtype, so stages 1-2 all-gather 2 bytes per parameter:
+  `params + updates` is `rounded` exactly when a value moved by less than 2x
+  (Sterbenz), else to within a rounding step of the old value (values
+  crossing or near zero).
+  """
+  return jax.tree.map(lambda r, p: (r - p).astype(p.dtype), rounded, params)
+
+
+def master_step(tx: Any):
+  """`mixed_precision`'s update up to the rounded new parameters, or None for another `tx`."""
+  return getattr(getattr(tx, 'update', None), 'master_step', None)
 
 
 def _next_scale(state: LossScaleState, finite, cfg: DynamicLossScale) -> LossScaleState:

@@ -26,9 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zerojax._src import compat, reduction, transform
 from zerojax._src import gather as gather_lib
 from zerojax._src import quantize as quantize_lib
-from zerojax._src import reduction
 
 
 def scan_layers(
@@ -88,6 +88,9 @@ def scan_layers(
     policy = gather_lib.recompute_gathers if remat == 'gathers' else None
     return jax.lax.scan(jax.checkpoint(plain, policy=policy), init, layers)[0]
   stacked = [x.shard if s else x for x, s in zip(leaves, sharded)]
+  # update_on='stream': gradients are taken with respect to host-memory sinks,
+  # and each layer's leaves for them as soon as its reduce-scatter is done.
+  sinks = [x.sink if s else None for x, s in zip(leaves, sharded)]
   # Stage 2: the whole parameters each device holds already (the "gather"
   # moves nothing; only gradients are reduce-scattered), sliced like the shards.
   wholes = [x.whole if s else None for x, s in zip(leaves, sharded)]
@@ -98,7 +101,9 @@ def scan_layers(
       ' leaf needs the same layer count first.'
     )
   (count,) = sizes
-  meta = tuple(x.replace(shard=None, whole=None) if s else None for x, s in zip(leaves, sharded))
+  meta = tuple(
+    x.replace(shard=None, whole=None, sink=None) if s else None for x, s in zip(leaves, sharded)
+  )
   layer_of = _layer_of(meta, dtype)
   # Closed-over arrays (constants, other parameters the body uses) become
   # explicit inputs, so their gradients are returned too.
@@ -107,7 +112,9 @@ def scan_layers(
     init,
     layer_of(stacked, wholes, 0),
   )
-  return _prefetched(step, count, meta, layer_of, remat)(init, stacked, wholes, tuple(consts))
+  dtypes = tuple(None if x is None else x.dtype for x in sinks)
+  run = _prefetched(step, count, meta, layer_of, remat, dtypes)
+  return run(init, stacked, wholes, tuple(consts), sinks)
 
 
 def _layer_of(meta: tuple, dtype: Any):
@@ -175,9 +182,16 @@ class _Residuals:
     return treedef.unflatten([next(kept) if k else r for r, k in zip(leaves, self.keep)])
 
 
-def _prefetched(step, count: int, meta: tuple, layer_of, remat: str):
-  """The loop with its own gradient; see the module docstring."""
+def _prefetched(step, count: int, meta: tuple, layer_of, remat: str, sink_dtypes: tuple):
+  """The loop with its own gradient; see the module docstring.
+
+  With `update_on='stream'` (a dtype in `sink_dtypes` for a leaf), the leaf's
+  gradient is taken with respect to its sink: each layer's reduce-scattered
+  gradient goes to host memory from inside the backward loop, and the layers
+  the loop does not run (the first and the last) join the stack there.
+  """
   residuals = _Residuals(step, remat)
+  host = jax.memory.Space.Host
 
   def forward(init, stacked, wholes, consts, keep: bool):
     # Layers 0..count-2 run in the loop, each issuing its successor's gather
@@ -199,10 +213,10 @@ def _prefetched(step, count: int, meta: tuple, layer_of, remat: str):
     return y, (kept, last)
 
   @jax.custom_vjp
-  def run(init, stacked, wholes, consts):
+  def run(init, stacked, wholes, consts, sinks):
     return forward(init, stacked, wholes, consts, keep=False)[0]
 
-  def fwd(init, stacked, wholes, consts):
+  def fwd(init, stacked, wholes, consts, sinks):
     out, (kept, last) = forward(init, stacked, wholes, consts, keep=True)
     # Kept for the backward pass: each layer's residuals that depend on its
     # input (activations), and the shards; not the gathered parameters.
@@ -216,10 +230,17 @@ def _prefetched(step, count: int, meta: tuple, layer_of, remat: str):
       return g_x, g_w, jax.tree.map(jnp.add, g_consts, tuple(g_c))
 
     def scatter(g_w, i):
-      return [
-        _scatter(gw, m, jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False))
-        for gw, m, s in zip(g_w, meta, stacked)
-      ]
+      out = []
+      for gw, m, s, dtype in zip(g_w, meta, stacked, sink_dtypes):
+        gw = _scatter(gw, m, jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False))
+        out.append(gw if dtype is None else jax.device_put(gw.astype(dtype), host))
+      return out
+
+    def finish(grads):
+      """The stacked gradients: those of `stacked`, and those of the sinks (in host memory)."""
+      on_device = [None if d is not None else x for x, d in zip(grads, sink_dtypes)]
+      to_sinks = [x if d is not None else None for x, d in zip(grads, sink_dtypes)]
+      return on_device, to_sinks
 
     g_consts = jax.tree.map(jnp.zeros_like, consts)
     # The last layer, with layer count-2's gather issued first.
@@ -228,7 +249,8 @@ def _prefetched(step, count: int, meta: tuple, layer_of, remat: str):
     g, g_w, g_consts = grad_of(last_kept, w, g, g_consts)
     last = scatter(g_w, count - 1)
     if count == 1:
-      return g, [c[None] for c in last], None, g_consts
+      on_device, to_sinks = finish([_stack([c]) for c in last])
+      return g, on_device, None, g_consts, to_sinks
 
     take = lambda i: [jax.lax.dynamic_index_in_dim(r, i, 0, keepdims=False) for r in kept]
 
@@ -245,8 +267,23 @@ def _prefetched(step, count: int, meta: tuple, layer_of, remat: str):
     )
     g, g_w, g_consts = grad_of(take(0), w, g, g_consts)
     first = scatter(g_w, 0)
-    grads = [jnp.concatenate([a[None], b, c[None]], axis=0) for a, b, c in zip(first, middle, last)]
-    return g, grads, None, g_consts  # the stage-2 wholes are constants
+    grads = [_stack([a, b, c], middle=1) for a, b, c in zip(first, middle, last)]
+    on_device, to_sinks = finish(grads)
+    return g, on_device, None, g_consts, to_sinks  # the stage-2 wholes are constants
 
   run.defvjp(fwd, bwd)
   return run
+
+
+def _stack(parts: list, middle: int | None = None) -> jax.Array:
+  """Layer gradients stacked along a new first axis (`parts[middle]` is stacked already).
+
+  Gradients in host memory are stacked there, by the host.
+  """
+
+  def stack(*parts):
+    return jnp.concatenate([p if i == middle else p[None] for i, p in enumerate(parts)], axis=0)
+
+  if transform.in_host_memory(parts[0]):
+    return compat.compute_on_host(stack, out_memory_spaces=jax.memory.Space.Host)(*parts)
+  return stack(*parts)

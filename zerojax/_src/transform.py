@@ -217,6 +217,43 @@ def _update_on_host(inner, grads, state, params, extra_args):
   return _move(updates, jax.memory.Space.Device), state
 
 
+def _host_master_step(step, grads, state, params, arrays, others):
+  """`update_on='stream'` with `mixed_precision`: its master step runs in host memory on the
+  host, and only the new parameters come back, in their compute dtype, one leaf at a time.
+
+  The master step does not read the compute-dtype parameters, so they never go
+  down; the updates are taken from them on the device.
+  """
+  host = jax.memory.Space.Host
+  dtypes = jax.tree.map(lambda p: p.dtype, params)
+
+  def update(grads, state, arrays):
+    return step(grads, state, dtypes, **others, **arrays)
+
+  run = compat.compute_on_host(update, out_memory_spaces=host)
+  rounded, new_state = run(_move(grads, host), _move(state, host), _move(arrays, host))
+  rounded = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), rounded)
+  return rounded, new_state
+
+
+def in_host_memory(x: Any) -> bool:
+  """Whether traced `x` lives in host memory (a streamed gradient)."""
+  return getattr(jax.typeof(x), 'memory_space', None) == jax.memory.Space.Host
+
+
+def _constrain_on_device(tree: Any, shardings: Any, mesh: Mesh) -> Any:
+  """`mesh_lib.constrain` for the leaves in device memory; streamed ones (in host memory,
+  already in their shards' layout) are left where they are."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if not any(in_host_memory(x) for x in leaves):
+    return mesh_lib.constrain(tree, shardings, mesh)
+  out = [
+    x if in_host_memory(x) else mesh_lib.constrain(x, s, mesh)
+    for x, s in zip(leaves, jax.tree.leaves(shardings))
+  ]
+  return jax.tree.unflatten(treedef, out)
+
+
 def _to_plan_memory(tree: Any, shardings: Any) -> Any:
   """Leaves computed in host memory go back to device memory unless the plan offloads them."""
   return jax.tree.map(
@@ -311,8 +348,11 @@ def make_config(tx: Any, stage: Any, mesh: Mesh | None, options: options_lib.Opt
 
 def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
   """Rewrites `config.inner` for its ZeRO stage; see `zerojax.zero_stage`."""
+  from zerojax._src import precision
+
   tx, stage, mesh = config.inner, config.stage, config.mesh
   inner = optax.with_extra_args_support(tx)
+  master_step = precision.master_step(tx)  # mixed_precision's, for update_on='stream'
 
   def init(params: optax.Params) -> optax.OptState:
     validation.abstract_arrays(params, 'params')
@@ -340,7 +380,8 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     plan = config.plan(params if params is not None else updates, opt_state=state)
     _check_state_not_replicated(state, plan, mesh)
 
-    on_host = config.options.update_on == 'host'
+    on_host = config.options.update_on in ('host', 'stream')
+    stream = config.options.update_on == 'stream'
 
     arrays, others = _split_extra_args(extra_args, plan, mesh)
 
@@ -356,10 +397,10 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
       # arrive unreduced are reduced into shards, not first into whole copies.
       like = grads
       if stage != 1:
-        grads = mesh_lib.constrain(grads, plan.grads, mesh)
+        grads = _constrain_on_device(grads, plan.grads, mesh)
       if stage >= 1:
         # Each device updates only its shard of the parameters.
-        grads = mesh_lib.constrain(_pad(grads, plan), plan.param_shards, mesh)
+        grads = _constrain_on_device(_pad(grads, plan), plan.param_shards, mesh)
         # The optimizer gets a copy of the parameters pinned to their layout at
         # rest: the constraint stops the sharded arithmetic of the update (e.g.
         # weight decay) from propagating back onto the caller's parameters,
@@ -369,6 +410,16 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
           params = mesh_lib.constrain(params, plan.params, mesh)
           if any(plan.padding):
             params = mesh_lib.constrain(_pad(params, plan), plan.param_shards, mesh)
+      step = master_step if stream and params is not None else None
+      if step is not None:
+        # ZeRO-Offload's streamed update: the rounded new parameters come back
+        # in their shards, stages 1-2 all-gather them (in the compute dtype),
+        # and the updates are taken on the device.
+        rounded, new_state = _host_master_step(step, grads, state, params, arrays, others)
+        rounded = mesh_lib.constrain(rounded, plan.param_shards, mesh)
+        rounded = mesh_lib.constrain(rounded, plan.params, mesh)
+        new_updates = precision.updates_to(rounded, params)
+        return new_updates, _to_plan_memory(new_state, plan.opt_state)
       if on_host:
         # ZeRO-Offload's CPU update: gradient shards go to host memory, the
         # optimizer runs there on the offloaded state, and only the updates
