@@ -466,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                  help='on, off: scan_layers prefetch of the next layer (stage 3)')  # fmt: skip
   s.add_argument('--offloads', type=_csv(_none_or(('opt_state', 'opt_state+master'))), default=(None,),
                  help='none, opt_state, opt_state+master (host memory)')  # fmt: skip
-  s.add_argument('--update-ons', type=_csv(str), default=('device',), help='device, host')
+  s.add_argument('--update-ons', type=_csv(str), default=('device',),
+                 help='device, host, stream (the update on the host, gradients sent down layer by layer)')  # fmt: skip
   s.add_argument('--quantizes', type=_csv(_none_or(tuple(q for q in search.QUANTIZE if q))), default=(None,),
                  help='ZeRO++: none, g8, g4 (gradients), w8g8, w8g4 (weights too, stage 3)')  # fmt: skip
   s.add_argument('--batches-per-chip', type=_csv(int), default=(1,), help='sequences per chip')

@@ -168,7 +168,7 @@ def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], l
       # update_on='stream': the gradient is taken with respect to a stand-in in
       # host memory, which the model's gathers send it to (its value is never
       # read, so the compiler builds none).
-      sink = _host_stand_in(x.shape, route.acc_dtype) if r.stream else None
+      sink = _host_stand_in(x.shape, _sink_dtype(x.ndim, route.acc_dtype)) if r.stream else None
       leaves.append(
         gather_lib.ShardedLeaf(x, dim, axes, x.ndim, route.path, whole, route.quantize, sink)
       )
@@ -197,8 +197,30 @@ def _with_diff(x: Any, v: Any) -> Any:
   return x.replace(shard=v) if x.sink is None else x.replace(sink=v)
 
 
+def _sink_dtype(ndim: int, dtype: Any) -> Any:
+  """The dtype a leaf's gradient travels to host memory in.
+
+  The TPU compiler cannot write one row of a 16-bit vector into a stack in host
+  memory (two rows share a packed word), as a layer loop over stacked vectors
+  (norm scales) would: leaves of fewer than three dimensions go as 32-bit and
+  are cast back on the host.
+  """
+  if ndim < 3 and jnp.dtype(dtype).itemsize < 4 and jnp.issubdtype(dtype, jnp.floating):
+    return jnp.float32
+  return dtype
+
+
+def _host_cast(x: jax.Array, dtype: Any) -> jax.Array:
+  if x.dtype == jnp.dtype(dtype):
+    return x
+  cast = lambda x: x.astype(dtype)
+  return compat.compute_on_host(cast, out_memory_spaces=jax.memory.Space.Host)(x)
+
+
 def _host_stand_in(shape: tuple[int, ...], dtype: Any) -> jax.Array:
-  return jax.device_put(jnp.zeros(shape, dtype), jax.memory.Space.Host)
+  """Zeros made in host memory by the host (never on the device)."""
+  zeros = lambda: jnp.zeros(shape, dtype)
+  return compat.compute_on_host(zeros, out_memory_spaces=jax.memory.Space.Host)()
 
 
 def _host_add(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -306,7 +328,7 @@ def _micro_step(r: Routes, loss_fn, treedef, flat_params, mb, args, scale, meta:
   if r.has_aux:
     aux = reduction.stack_aux(aux, meta['aux_kinds'])
   grads = [
-    g if transform.in_host_memory(g) else g.astype(route.acc_dtype)
+    _host_cast(g, route.acc_dtype) if transform.in_host_memory(g) else g.astype(route.acc_dtype)
     for g, route in zip(grads, r.leaves)
   ]
   return total.astype(jnp.float32), weight, aux, grads

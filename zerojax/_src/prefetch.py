@@ -249,7 +249,7 @@ def _prefetched(step, count: int, meta: tuple, layer_of, remat: str, sink_dtypes
     g, g_w, g_consts = grad_of(last_kept, w, g, g_consts)
     last = scatter(g_w, count - 1)
     if count == 1:
-      on_device, to_sinks = finish([_stack([c]) for c in last])
+      on_device, to_sinks = finish([_stack([c], None, d) for c, d in zip(last, sink_dtypes)])
       return g, on_device, None, g_consts, to_sinks
 
     take = lambda i: [jax.lax.dynamic_index_in_dim(r, i, 0, keepdims=False) for r in kept]
@@ -267,7 +267,7 @@ def _prefetched(step, count: int, meta: tuple, layer_of, remat: str, sink_dtypes
     )
     g, g_w, g_consts = grad_of(take(0), w, g, g_consts)
     first = scatter(g_w, 0)
-    grads = [_stack([a, b, c], middle=1) for a, b, c in zip(first, middle, last)]
+    grads = [_stack([a, b, c], 1, d) for a, b, c, d in zip(first, middle, last, sink_dtypes)]
     on_device, to_sinks = finish(grads)
     return g, on_device, None, g_consts, to_sinks  # the stage-2 wholes are constants
 
@@ -275,14 +275,16 @@ def _prefetched(step, count: int, meta: tuple, layer_of, remat: str, sink_dtypes
   return run
 
 
-def _stack(parts: list, middle: int | None = None) -> jax.Array:
-  """Layer gradients stacked along a new first axis (`parts[middle]` is stacked already).
+def _stack(parts: list, middle: int | None, dtype: Any) -> jax.Array:
+  """Layer gradients stacked along a new first axis (`parts[middle]` is stacked already), in
+  `dtype` if not None.
 
   Gradients in host memory are stacked there, by the host.
   """
 
   def stack(*parts):
-    return jnp.concatenate([p if i == middle else p[None] for i, p in enumerate(parts)], axis=0)
+    out = jnp.concatenate([p if i == middle else p[None] for i, p in enumerate(parts)], axis=0)
+    return out if dtype is None else out.astype(dtype)
 
   if transform.in_host_memory(parts[0]):
     return compat.compute_on_host(stack, out_memory_spaces=jax.memory.Space.Host)(*parts)

@@ -33,7 +33,7 @@ import numpy as np
 
 from zerojax._src import runtime
 from zerojax._src.jaxprs import traced_flops
-from zerojax._src.options import Options
+from zerojax._src.options import UPDATE_ON, Options
 from zerojax._src.presets import REMAT
 from zerojax._src.roofline import (
   CHIPS,
@@ -68,7 +68,8 @@ class Candidate:
       'full' (each block recomputed) or 'none'.
     prefetch: gather block i+1 while block i computes (`zerojax.scan_layers`).
     offload: None, 'opt_state' or 'opt_state+master' (host memory), as `zerojax.Options`.
-    update_on: where an offloaded optimizer update runs: 'device' or 'host'.
+    update_on: where an offloaded optimizer update runs: 'device', 'host' or 'stream'
+      (on the host, gradients sent down layer by layer), as `zerojax.Options`.
     quantize: ZeRO++ collectives: None, 'g8', 'g4', 'w8g8', 'w8g4' (see `QUANTIZE`).
     batch_per_chip: sequences per chip per step.
   """
@@ -101,7 +102,8 @@ class Candidate:
       (self.layout == 'hpz' and self.stage != 3, 'hpz splits stage-3 parameters'),
       (self.layout == 'hpz' and (self.prefetch or self.quantize is not None),
        'hpz runs without per-layer gathers'),
-      (self.update_on == 'host' and self.offload is None, "update_on='host' needs an offload"),
+      (self.update_on != 'device' and self.offload is None,
+       f'update_on={self.update_on!r} needs an offload'),
       (self.quantize in ('w8g8', 'w8g4') and self.stage != 3,
        'quantized weights are gathered at stage 3 only'),
     ]  # fmt: skip
@@ -166,7 +168,7 @@ def candidate_space(
     ('layouts', layouts, LAYOUTS),
     ('remat', remat, REMAT),
     ('offload', offload, OFFLOADS),
-    ('update_on', update_on, ('device', 'host')),
+    ('update_on', update_on, UPDATE_ON),
     ('quantize', quantize, tuple(QUANTIZE)),
   ):
     bad = [v for v in values if v not in choices]
