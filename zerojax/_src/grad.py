@@ -210,31 +210,30 @@ def _sink_dtype(ndim: int, dtype: Any) -> Any:
   return dtype
 
 
-def _host_cast(x: jax.Array, dtype: Any) -> jax.Array:
-  if x.dtype == jnp.dtype(dtype):
-    return x
-  cast = lambda x: x.astype(dtype)
-  return compat.compute_on_host(cast, out_memory_spaces=jax.memory.Space.Host)(x)
-
-
 def _host_stand_in(shape: tuple[int, ...], dtype: Any) -> jax.Array:
   """Zeros made in host memory by the host (never on the device)."""
   zeros = lambda: jnp.zeros(shape, dtype)
   return compat.compute_on_host(zeros, out_memory_spaces=jax.memory.Space.Host)()
 
 
-def _host_add(a: jax.Array, b: jax.Array) -> jax.Array:
-  return compat.compute_on_host(jnp.add, out_memory_spaces=jax.memory.Space.Host)(a, b)
+def _host_finish(parts: list, weight: jax.Array, dtype: Any, weighted: bool) -> jax.Array:
+  """A streamed gradient's micro-batch parts summed and divided by `weight` in host memory, by
+  the host, in the arithmetic of the device's accumulator (`dtype`).
 
+  It runs after the per-device region: the compiler places a host computation
+  inside `shard_map` on the device, which would bring the gradient back.
+  """
 
-def _host_mean(a: jax.Array, weight: Any) -> jax.Array:
-  """`(a / weight).astype(a.dtype)` computed in host memory, as on the device: a Python
-  count divides in `a`'s dtype, an array weight with the usual promotion."""
+  def finish(parts, weight):
+    acc = parts[0].astype(dtype)
+    for part in parts[1:]:
+      acc = acc + part.astype(dtype)
+    # A count divides in the accumulator's dtype (a Python int does on the
+    # device); a WeightedMean's summed weight is fp32 and promotes.
+    return (acc / (weight if weighted else weight.astype(dtype))).astype(dtype)
+
   host = jax.memory.Space.Host
-  if isinstance(weight, (int, float)):
-    return compat.compute_on_host(lambda a: (a / weight).astype(a.dtype), host)(a)
-  weight = jax.device_put(weight, host)
-  return compat.compute_on_host(lambda a, w: (a / w).astype(a.dtype), host)(a, weight)
+  return compat.compute_on_host(finish, out_memory_spaces=host)(parts, jax.device_put(weight, host))
 
 
 def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
@@ -328,7 +327,7 @@ def _micro_step(r: Routes, loss_fn, treedef, flat_params, mb, args, scale, meta:
   if r.has_aux:
     aux = reduction.stack_aux(aux, meta['aux_kinds'])
   grads = [
-    _host_cast(g, route.acc_dtype) if transform.in_host_memory(g) else g.astype(route.acc_dtype)
+    g if transform.in_host_memory(g) else g.astype(route.acc_dtype)
     for g, route in zip(grads, r.leaves)
   ]
   return total.astype(jnp.float32), weight, aux, grads
@@ -397,9 +396,11 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
     part = reduction.fold_keys(args, first + i)  # each part draws its own numbers
     t, w, aux, grads = _micro_step(r, loss_fn, treedef, flat_params, mb, part, scale, meta)
     grads = [_reduce_micro(r, route, g) for g, route in zip(grads, r.leaves)]
-    if acc is not None:
-      acc = [_host_add(a, g) if transform.in_host_memory(g) else a + g for a, g in zip(acc, grads)]
-    return (grads if acc is None else acc, sums + (t if w is None else jnp.stack([t, w]))), aux
+    if acc is None:  # the first micro-batch; streamed gradients are kept part by part
+      acc = [(g,) if transform.in_host_memory(g) else g for g in grads]
+    else:
+      acc = [a + (g,) if isinstance(a, tuple) else a + g for a, g in zip(acc, grads)]
+    return (acc, sums + (t if w is None else jnp.stack([t, w]))), aux
 
   mb0 = jax.tree.map(lambda x: x[0], micro)
   _check_loss(r, loss_fn, treedef, flat_params, mb0, reduction.fold_keys(args, first), meta)
@@ -410,8 +411,8 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
     (acc, sums), aux = body((None, sums0), (0, mb0))
     auxes = jax.tree.map(lambda x: x[None], aux)
   elif r.stream:
-    # Streamed gradients accumulate in host memory, one micro-batch after
-    # another (the compiler does not run host additions inside a loop).
+    # Streamed gradients leave each micro-batch's backward pass for host memory;
+    # they are added up there after this region (see `_host_finish`).
     carry, parts = (None, sums0), []
     for i in range(m):
       carry, aux = body(carry, (i, jax.tree.map(lambda x, i=i: x[i], micro)))
@@ -426,21 +427,21 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
   # gradients: `mixed_precision` divides it out, once.
   sums = jax.lax.psum(sums, _axis_arg(r.axes))
   total, weight = (sums[0], sums[1]) if meta['weighted'] else (sums, r.size(r.axes) * m)
+  # Streamed gradients leave as their micro-batch parts, with the divisor.
   grads = [
-    _host_mean(a, weight)
-    if transform.in_host_memory(a)
-    else (_reduce_final(r, route, a) / weight).astype(a.dtype)
+    a if isinstance(a, tuple) else (_reduce_final(r, route, a) / weight).astype(a.dtype)
     for a, route in zip(acc, r.leaves)
   ]
   loss = total / weight
+  weight = jnp.asarray(weight, jnp.float32)
   if not r.has_aux:
-    return loss, None, grads
+    return loss, None, grads, weight
   aux, per_row = reduction.finish_aux(
     auxes, meta['aux_treedef'], meta['aux_kinds'], _axis_arg(r.axes)
   )
   meta['aux_per_row'] = per_row
   # Per-row leaves leave concatenated over devices; global means leave one copy per device.
-  return loss, [x if rows else x[None] for x, rows in zip(aux, per_row)], grads
+  return loss, [x if rows else x[None] for x, rows in zip(aux, per_row)], grads, weight
 
 
 # -- the public function ----------------------------------------------------------
@@ -584,11 +585,14 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
   rows = PartitionSpec(_axis_arg(row_axes))
   scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
   meta: dict = {}  # what tracing the loss finds out: its kind, its aux's structure
+  # Streamed gradients leave the region as one part per micro-batch (see `_host_finish`).
+  streamed = [stream and x.model_split is not None for x in routes]
+  grad_specs = [(x.grad_spec,) * m if s else x.grad_spec for x, s in zip(routes, streamed)]
   mapped = jax.shard_map(
     functools.partial(_per_device, r, loss_fn, treedef, meta),
     mesh=mesh,
     in_specs=([x.rest_spec for x in routes], rows, PartitionSpec(), PartitionSpec()),
-    out_specs=(PartitionSpec(), rows, [x.grad_spec for x in routes]),
+    out_specs=(PartitionSpec(), rows, grad_specs, PartitionSpec()),
     axis_names=set(axes),
     check_vma=False,
   )
@@ -598,7 +602,11 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
     # axes (no-ops when they are there already), so any batch layout works.
     leaves = [jax.sharding.reshard(x, s) for x, s in zip(leaves, jax.tree.leaves(plan.params))]
     batch = jax.tree.map(lambda x: jax.sharding.reshard(x, NamedSharding(mesh, rows)), batch)
-  loss, aux, grads = mapped(leaves, batch, args, scale)
+  loss, aux, grads, weight = mapped(leaves, batch, args, scale)
+  grads = [
+    _host_finish(list(g), weight, route.acc_dtype, meta['weighted']) if s else g
+    for g, route, s in zip(grads, routes, streamed)
+  ]
   grads = jax.tree.unflatten(treedef, grads)
   if not r.has_aux:
     return loss, grads

@@ -26,9 +26,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax._src import compat, reduction, transform
 from zerojax._src import gather as gather_lib
 from zerojax._src import quantize as quantize_lib
+from zerojax._src import reduction
 
 
 def scan_layers(
@@ -243,13 +243,15 @@ def _prefetched(step, count: int, meta: tuple, layer_of, remat: str, sink_dtypes
       return on_device, to_sinks
 
     g_consts = jax.tree.map(jnp.zeros_like, consts)
+    if any(d is not None for d in sink_dtypes):
+      return streamed(kept, last_kept, stacked, wholes, g, g_consts, finish, grad_of, scatter)
     # The last layer, with layer count-2's gather issued first.
     w = layer_of(stacked, wholes, count - 1)
     previous = layer_of(stacked, wholes, count - 2) if count > 1 else None
     g, g_w, g_consts = grad_of(last_kept, w, g, g_consts)
     last = scatter(g_w, count - 1)
     if count == 1:
-      on_device, to_sinks = finish([_stack([c], None, d) for c, d in zip(last, sink_dtypes)])
+      on_device, to_sinks = finish([c[None] for c in last])
       return g, on_device, None, g_consts, to_sinks
 
     take = lambda i: [jax.lax.dynamic_index_in_dim(r, i, 0, keepdims=False) for r in kept]
@@ -267,25 +269,33 @@ def _prefetched(step, count: int, meta: tuple, layer_of, remat: str, sink_dtypes
     )
     g, g_w, g_consts = grad_of(take(0), w, g, g_consts)
     first = scatter(g_w, 0)
-    grads = [_stack([a, b, c], 1, d) for a, b, c, d in zip(first, middle, last, sink_dtypes)]
+    grads = [jnp.concatenate([a[None], b, c[None]], axis=0) for a, b, c in zip(first, middle, last)]
     on_device, to_sinks = finish(grads)
     return g, on_device, None, g_consts, to_sinks  # the stage-2 wholes are constants
 
+  def streamed(kept, last_kept, stacked, wholes, g, g_consts, finish, grad_of, scatter):
+    """The backward loop of `update_on='stream'`: every layer runs in one loop, so that each
+    layer's gradient is written into its stack in host memory by the loop itself (a stack
+    assembled after the loop would first be whole on the device). The last layer's residuals
+    are the ones the forward loop left outside its stack; the prefetch index is clamped at
+    layer 0, whose gather the last iteration issues again (one extra layer's gather)."""
+
+    def one(c, i):
+      g, w, g_consts = c
+      following = layer_of(stacked, wholes, jnp.maximum(i - 1, 0))
+      if count == 1:
+        kept_i = last_kept
+      else:
+        at = jnp.minimum(i, count - 2)
+        inner = [jax.lax.dynamic_index_in_dim(r, at, 0, keepdims=False) for r in kept]
+        kept_i = [jnp.where(i == count - 1, a, b) for a, b in zip(last_kept, inner)]
+      g, g_w, g_consts = grad_of(kept_i, w, g, g_consts)
+      return (g, following, g_consts), scatter(g_w, i)
+
+    start = (g, layer_of(stacked, wholes, count - 1), g_consts)
+    (g, _, g_consts), grads = jax.lax.scan(one, start, jnp.arange(count), reverse=True)
+    on_device, to_sinks = finish(grads)
+    return g, on_device, None, g_consts, to_sinks
+
   run.defvjp(fwd, bwd)
   return run
-
-
-def _stack(parts: list, middle: int | None, dtype: Any) -> jax.Array:
-  """Layer gradients stacked along a new first axis (`parts[middle]` is stacked already), in
-  `dtype` if not None.
-
-  Gradients in host memory are stacked there, by the host.
-  """
-
-  def stack(*parts):
-    out = jnp.concatenate([p if i == middle else p[None] for i, p in enumerate(parts)], axis=0)
-    return out if dtype is None else out.astype(dtype)
-
-  if transform.in_host_memory(parts[0]):
-    return compat.compute_on_host(stack, out_memory_spaces=jax.memory.Space.Host)(*parts)
-  return stack(*parts)
