@@ -87,3 +87,43 @@ def test_donated_step_aliases_the_state(auto_mesh):
   )
   compiled = jax.jit(step, donate_argnums=0).lower(state, x).compile()
   assert zerojax.inspect.memory_stats(compiled).alias == AT_REST[2] + SCALARS
+
+
+def test_count_host_transfers_reads_memory_space_5():
+  """A copy to host memory (S(5)) in the entry, a slice written into a host buffer in a loop
+  of 4 iterations, and a copy back: bytes per step by direction, the largest of each."""
+  text = '\n'.join([
+    'HloModule m',
+    '%body (p: (s32[], bf16[4,8]{1,0:S(5)})) -> (s32[], bf16[4,8]{1,0:S(5)}) {',
+    '  %p = (s32[], bf16[4,8]{1,0:S(5)}) parameter(0)',
+    '  %i = s32[] get-tuple-element(%p), index=0',
+    '  %buf = bf16[4,8]{1,0:S(5)} get-tuple-element(%p), index=1',
+    '  %g = bf16[1,8]{1,0} broadcast(%i), dimensions={}',
+    '  %dus = ((bf16[4,8]{1,0:S(5)}, bf16[1,8]{1,0}, s32[], s32[]), bf16[4,8]{1,0:S(5)}, u32[])'
+    ' dynamic-update-slice-start(%buf, %g, %i, %i)',
+    '  %m = bf16[1,8]{1,0} multiply(%g, %g)',
+    '  %done = bf16[4,8]{1,0:S(5)} dynamic-update-slice-done(%dus)',
+    '  ROOT %t = (s32[], bf16[4,8]{1,0:S(5)}) tuple(%i, %done)',
+    '}',
+    '%cond (p: (s32[], bf16[4,8]{1,0:S(5)})) -> pred[] {',
+    '  %p = (s32[], bf16[4,8]{1,0:S(5)}) parameter(0)',
+    '  ROOT %c = pred[] constant(true)',
+    '}',
+    'ENTRY %main (a: f32[16]) -> f32[16] {',
+    '  %a = f32[16]{0} parameter(0)',
+    '  %cs = (f32[16]{0:S(5)}, f32[16]{0}, u32[]) copy-start(%a)',
+    '  %cd = f32[16]{0:S(5)} copy-done(%cs)',
+    '  %back = (f32[16]{0}, f32[16]{0:S(5)}, u32[]) copy-start(%cd)',
+    '  %bd = f32[16]{0} copy-done(%back)',
+    '  %w = (s32[], bf16[4,8]{1,0:S(5)}) while(%x), condition=%cond, body=%body,'
+    ' backend_config={"known_trip_count":{"n":"4"}}',
+    '  ROOT %r = f32[16]{0} add(%bd, %bd)',
+    '}',
+  ])  # fmt: skip
+  got = zerojax.inspect.count_host_transfers(text)
+  assert got.to_host == 64 + 4 * 16  # the copy, and one bf16[1,8] row per iteration
+  assert got.to_device == 64
+  assert got.largest_to_host == 64 and got.largest_to_device == 64
+  assert got.in_loops == 4 * 16
+  assert got.overlapped == pytest.approx(64 / (128 + 64))  # the loop's writes overlap a multiply
+  assert got.uncertain == ()

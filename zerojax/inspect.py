@@ -22,6 +22,7 @@ from zerojax._src.estimate import estimate_memory as estimate_memory
 from zerojax._src.estimate import format_estimates as format_estimates
 from zerojax._src.hlo import CollectiveStats as CollectiveStats
 from zerojax._src.hlo import count_collectives as count_collectives
+from zerojax._src.hlo import count_host_transfers as count_host_transfers
 from zerojax._src.presets import ModelSpec as ModelSpec
 from zerojax._src.report import MemoryStats as MemoryStats
 from zerojax._src.report import StepReport as StepReport
@@ -43,6 +44,7 @@ __all__ = [
   'memory_stats',
   'MemoryStats',
   'count_collectives',
+  'count_host_transfers',
   'CollectiveStats',
   'zero_floor_bytes',
   'search_plans',

@@ -626,3 +626,165 @@ def _depends_on(parsed, index: dict[str, int], j: int, target: str) -> bool:
         seen.add(name)
         todo.append(index[name])
   return False
+
+
+# -- host transfers ---------------------------------------------------------------------------
+
+# Host memory in the TPU compiler's layouts (memory space 5: pinned host).
+_HOST_SPACE = re.compile(r'S\(5\)')
+_TRANSFERS = ('copy-start', 'dynamic-update-slice-start', 'dynamic-slice-start', 'copy')
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTransfers:
+  """Bytes crossing the host link in one compiled step, per device.
+
+  Attributes:
+    to_host: bytes written from device to host memory per step (loop bodies
+      times their trip counts).
+    to_device: bytes read from host into device memory per step.
+    largest_to_device: the largest single host-to-device transfer (bytes).
+    largest_to_host: the largest single device-to-host transfer (bytes).
+    in_loops: bytes (both directions) moved by transfers inside loop bodies: a
+      layer loop that streams sends its layers one iteration at a time.
+    overlapped: the share of the bytes whose asynchronous transfer has compute
+      scheduled between its start and its done.
+    host_computations: host computations (`HostExecute`) started per step.
+    uncertain: loops whose trip count the HLO does not determine (counted once).
+  """
+
+  to_host: int = 0
+  to_device: int = 0
+  largest_to_device: int = 0
+  largest_to_host: int = 0
+  in_loops: int = 0
+  overlapped: float = 0.0
+  host_computations: int = 0
+  uncertain: tuple[str, ...] = ()
+
+
+def _transfer(line: str) -> tuple[str, int] | None:
+  """('to_host' or 'to_device', bytes) of a host transfer on `line`, else None.
+
+  A copy whose destination (the first element of a `copy-start`'s tuple, or
+  the result of a `copy`) is in host memory and its source is not goes to the
+  host, and the reverse comes back; a `dynamic-update-slice-start` into a host
+  buffer writes its update there; a `dynamic-slice-start` from one reads it.
+  """
+  m = _INSTR.match(line)
+  if m is None or not _HOST_SPACE.search(line):
+    return None
+  type_str, tail = _split_type(m.group('rest'))
+  op = _OPCODE.match(tail)
+  if op is None or op.group('op') not in _TRANSFERS:
+    return None
+  kind = op.group('op')
+  parts = _tuple_elements(type_str) if type_str.startswith('(') else [type_str]
+  if kind == 'copy-start' and len(parts) >= 2:
+    dest, src = parts[0], parts[1]
+  elif kind == 'copy':
+    dest, src = type_str, ''
+    operand = _OPERANDS.search(tail)
+    return ('to_host', _type_bytes(dest)) if operand and _HOST_SPACE.search(dest) else None
+  elif kind == 'dynamic-update-slice-start' and len(parts) >= 2:
+    buffer, update = _tuple_elements(parts[0])[:2] if parts[0].startswith('(') else parts[:2]
+    if _HOST_SPACE.search(buffer) and not _HOST_SPACE.search(update):
+      return 'to_host', _type_bytes(update)
+    return None
+  elif kind == 'dynamic-slice-start' and len(parts) >= 2:
+    source = _tuple_elements(parts[0])[0] if parts[0].startswith('(') else parts[0]
+    result = parts[1]
+    if _HOST_SPACE.search(source) and not _HOST_SPACE.search(result):
+      return 'to_device', _type_bytes(result)
+    return None
+  else:
+    return None
+  dest_host, src_host = bool(_HOST_SPACE.search(dest)), bool(_HOST_SPACE.search(src))
+  if dest_host == src_host:
+    return None
+  return ('to_host' if dest_host else 'to_device'), _type_bytes(dest)
+
+
+def count_host_transfers(compiled_or_text: Any) -> HostTransfers:
+  """Counts the transfers between device and host memory in a compiled TPU program, per step.
+
+  Reads the memory spaces the TPU compiler writes in its layouts (`S(5)`: host
+  memory): asynchronous copies between the two, and slices written to or read
+  from a buffer in host memory (how a layer loop streams). Ops inside a `while`
+  body count once per iteration, as in `count_collectives`. XLA:CPU keeps no
+  memory spaces in its program: there this finds nothing.
+
+  Args:
+    compiled_or_text: a `jax.stages.Compiled`, or its `as_text()`.
+
+  Returns:
+    A `HostTransfers`.
+  """
+  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+  bodies, entry = _parse_computations(text)
+  parsed: dict = {}
+  totals = {'to_host': 0, 'to_device': 0, 'in_loops': 0, 'overlapped': 0, 'host': 0}
+  largest = {'to_host': 0, 'to_device': 0}
+  uncertain: list[str] = []
+
+  def visit(name: str, mult: int, stack: tuple[str, ...], in_loop: bool) -> None:
+    if name in stack or name not in bodies:
+      return
+    lines = bodies[name]
+    overlapping = _overlapping_copies(lines)
+    for i, line in enumerate(lines):
+      found = _transfer(line)
+      if found is not None:
+        direction, size = found
+        totals[direction] += mult * size
+        largest[direction] = max(largest[direction], size)
+        totals['in_loops'] += mult * size if in_loop else 0
+        totals['overlapped'] += mult * size if i in overlapping else 0
+        continue
+      if 'custom_call_target="HostExecute"' in line and 'custom-call-start' in line:
+        totals['host'] += mult
+      instr, op = _opcode(line)
+      if op == 'while':
+        body = _BODY.search(line)
+        trip = _trip_count(line, name, bodies, parsed)
+        if trip is None:
+          uncertain.append(f'while loop %{instr} in %{name}')
+        if body:
+          visit(body.group(1), mult * (trip or 1), stack + (name,), True)
+        continue
+      for _, callee in _CALLS.findall(line):
+        visit(callee, mult, stack + (name,), in_loop)
+
+  visit(entry, 1, (), False)
+  moved = totals['to_host'] + totals['to_device']
+  return HostTransfers(
+    to_host=totals['to_host'],
+    to_device=totals['to_device'],
+    largest_to_device=largest['to_device'],
+    largest_to_host=largest['to_host'],
+    in_loops=totals['in_loops'],
+    overlapped=totals['overlapped'] / moved if moved else 0.0,
+    host_computations=totals['host'],
+    uncertain=tuple(uncertain),
+  )
+
+
+def _overlapping_copies(lines: list[str]) -> set[int]:
+  """Line indices of asynchronous host transfers with arithmetic scheduled before their done."""
+  out = set()
+  starts = {}
+  for i, line in enumerate(lines):
+    instr, op = _opcode(line)
+    if op.endswith('-start') and _HOST_SPACE.search(line):
+      starts[instr] = (i, False)
+      continue
+    if op.endswith('-done'):
+      for name in _OPERANDS.findall(line.split('=', 1)[1] if '=' in line else ''):
+        if name in starts:
+          j, busy = starts.pop(name)
+          if busy:
+            out.add(j)
+      continue
+    if op and op not in _BOOKKEEPING and _collective(line) is None:
+      starts = {k: (j, True) for k, (j, _) in starts.items()}
+  return out
