@@ -348,11 +348,10 @@ def make_config(tx: Any, stage: Any, mesh: Mesh | None, options: options_lib.Opt
 
 def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
   """Rewrites `config.inner` for its ZeRO stage; see `zerojax.zero_stage`."""
-  from zerojax._src import precision
-
   tx, stage, mesh = config.inner, config.stage, config.mesh
   inner = optax.with_extra_args_support(tx)
-  master_step = precision.master_step(tx)  # mixed_precision's, for update_on='stream'
+  # mixed_precision's update up to the rounded new parameters, for update_on='stream'.
+  master_step = getattr(getattr(tx, 'update', None), 'master_step', None)
 
   def init(params: optax.Params) -> optax.OptState:
     validation.abstract_arrays(params, 'params')
@@ -418,7 +417,8 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
         rounded, new_state = _host_master_step(step, grads, state, params, arrays, others)
         rounded = mesh_lib.constrain(rounded, plan.param_shards, mesh)
         rounded = mesh_lib.constrain(rounded, plan.params, mesh)
-        new_updates = precision.updates_to(rounded, params)
+        # As mixed_precision's own update takes them (precision.updates_to).
+        new_updates = jax.tree.map(lambda r, p: (r - p).astype(p.dtype), rounded, params)
         return new_updates, _to_plan_memory(new_state, plan.opt_state)
       if on_host:
         # ZeRO-Offload's CPU update: gradient shards go to host memory, the
