@@ -167,7 +167,7 @@ def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], l
         whole, x = x, jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
       # update_on='stream': the gradient is taken with respect to a stand-in in
       # host memory, which the model's gathers send it to (its value is never
-      # read, so the compiler builds none).
+      # read; whether the TPU compiler drops it is not yet checked).
       sink = _host_stand_in(x.shape, _sink_dtype(x.ndim, route.acc_dtype)) if r.stream else None
       leaves.append(
         gather_lib.ShardedLeaf(x, dim, axes, x.ndim, route.path, whole, route.quantize, sink)
@@ -211,7 +211,7 @@ def _sink_dtype(ndim: int, dtype: Any) -> Any:
 
 
 def _host_stand_in(shape: tuple[int, ...], dtype: Any) -> jax.Array:
-  """Zeros made in host memory by the host (never on the device)."""
+  """Zeros in host memory, asked of the host (a stand-in whose value is never read)."""
   zeros = lambda: jnp.zeros(shape, dtype)
   return compat.compute_on_host(zeros, out_memory_spaces=jax.memory.Space.Host)()
 
@@ -220,8 +220,9 @@ def _host_finish(parts: list, weight: jax.Array, dtype: Any, weighted: bool) -> 
   """A streamed gradient's micro-batch parts summed and divided by `weight` in host memory, by
   the host, in the arithmetic of the device's accumulator (`dtype`).
 
-  It runs after the per-device region: the compiler places a host computation
-  inside `shard_map` on the device, which would bring the gradient back.
+  It runs after the per-device region, because the TPU compiler places a host
+  computation inside `shard_map` on the device. Compiled today, it places this
+  one there too (docs/design.md, "Streamed offload"): an open problem.
   """
 
   def finish(parts, weight):

@@ -88,8 +88,8 @@ def scan_layers(
     policy = gather_lib.recompute_gathers if remat == 'gathers' else None
     return jax.lax.scan(jax.checkpoint(plain, policy=policy), init, layers)[0]
   stacked = [x.shard if s else x for x, s in zip(leaves, sharded)]
-  # update_on='stream': gradients are taken with respect to host-memory sinks,
-  # and each layer's leaves for them as soon as its reduce-scatter is done.
+  # update_on='stream': gradients are taken with respect to host-memory sinks;
+  # each layer's gradient goes to its sink as soon as its reduce-scatter is done.
   sinks = [x.sink if s else None for x, s in zip(leaves, sharded)]
   # Stage 2: the whole parameters each device holds already (the "gather"
   # moves nothing; only gradients are reduce-scattered), sliced like the shards.
