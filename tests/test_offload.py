@@ -272,3 +272,53 @@ def test_tpu_device_bytes_drop_by_offloaded_bytes(stage):
   streamed = peak(out['opt_state+master', 'device'])
   assert streamed > peak(base)
   assert peak(out['opt_state+master', 'host']) < streamed - master
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+@pytest.mark.parametrize('stage', [2, 3])
+@pytest.mark.parametrize('micro_batches', [1, 2])
+def test_tpu_stream_moves_layers_down_and_compute_dtype_parameters_back(stage, micro_batches):
+  """update_on='stream' compiled for a TPU v5e:2x4 (the tiny scanned decoder, AdamW,
+  mixed_precision, fp32 master and moments in host memory), bytes read off the HLO:
+
+  - what comes back to the device is the new bf16 parameter shards and nothing
+    else (a few bytes of scalars), one leaf at a time: no fp32 state or update;
+  - the layer stacks' gradients go down from inside the backward layer loop, and
+    nothing goes down more than once per micro-batch, in fp32 at most.
+  """
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  from zerojax._src import search, tpu
+
+  target = search.make_target(
+    'tiny',
+    'v5e:2x4',
+    devices=tpu.topology_devices('v5e:2x4'),
+    optimizer=lambda: optax.adamw(1e-4, weight_decay=0.1),
+    mixed_precision=True,
+    seq_len=64,
+  )
+  candidate = search.Candidate(
+    stage,
+    micro_batches=micro_batches,
+    offload='opt_state+master',
+    update_on='stream',
+    batch_per_chip=micro_batches,
+  )
+  traced, plan, state, _, _ = search.lower_candidate(target, candidate)
+  moved = zerojax.inspect.count_host_transfers(traced.lower().compile())
+
+  flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
+  shard_bytes = {
+    jax.tree_util.keystr(path): int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
+    for (path, x), s in zip(flat, jax.tree.leaves(plan.param_shards))
+  }
+  assert {x.dtype for _, x in flat} == {jnp.dtype(jnp.bfloat16)}
+  layers = sum(b for k, b in shard_bytes.items() if k.startswith("['layers']"))
+  depth = jax.tree.leaves(state.params['layers'])[0].shape[0]
+
+  assert 0 <= moved.to_device - sum(shard_bytes.values()) <= 64
+  assert moved.largest_to_device == max(shard_bytes.values())
+  assert moved.in_loops >= micro_batches * layers * (depth - 1) // depth
+  assert micro_batches * layers <= moved.to_host <= micro_batches * 2 * sum(shard_bytes.values())
+  assert moved.uncertain == ()

@@ -20,20 +20,29 @@ from jax.experimental import compute_on as _compute_on
 COMPUTE_ON_RENAMED = jax.__version_info__ >= (0, 11, 1)
 
 
-def compute_on_host(fn: Callable[..., Any], out_memory_spaces: Any) -> Callable[..., Any]:
+def compute_on_host(
+  fn: Callable[..., Any], out_memory_spaces: Any, typed_as_device: bool = True
+) -> Callable[..., Any]:
   """`fn` compiled to run on the host (`compute_type='device_host'`).
 
   Args:
     fn: the function to run on the host; its inputs should be in host memory.
     out_memory_spaces: a `jax.memory.Space` for every output, or a prefix of
       the outputs' tree.
+    typed_as_device: type the inputs as device memory inside `fn` (needed when
+      `fn` creates arrays, see below). A pure function of its inputs can leave it
+      off: the TPU compiler then keeps inputs and outputs in host memory as they
+      are, where with it on it may hand outputs back through device memory.
 
   Returns:
     A function with `fn`'s signature, to be called inside `jax.jit`.
   """
   form = _compute_on.compute_on if COMPUTE_ON_RENAMED else _compute_on.compute_on2
 
-  def typed_as_device(*args):
+  if not typed_as_device:
+    return form(fn, compute_type='device_host', out_memory_spaces=out_memory_spaces)
+
+  def device_typed(*args):
     # Inside, arrays are typed as device memory: JAX types the arrays a body
     # creates (`zeros_like` in optax's clipping and norms, constants) as device
     # memory and refuses to mix them with host-typed inputs. The compiler places
@@ -41,6 +50,7 @@ def compute_on_host(fn: Callable[..., Any], out_memory_spaces: Any) -> Callable[
     # has no device temporaries).
     device = jax.memory.Space.Device
     out = fn(*jax.tree.map(lambda x: jax.device_put(x, device), args))
-    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), out)
+    put = lambda space, tree: jax.tree.map(lambda x: jax.device_put(x, space), tree)
+    return jax.tree.map(put, out_memory_spaces, out)
 
-  return form(typed_as_device, compute_type='device_host', out_memory_spaces=out_memory_spaces)
+  return form(device_typed, compute_type='device_host', out_memory_spaces=out_memory_spaces)

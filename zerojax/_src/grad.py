@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zerojax._src import compat, jaxprs, reduction, transform
+from zerojax._src import compat, jaxprs, reduction, streaming, transform
 from zerojax._src import gather as gather_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
@@ -221,20 +221,16 @@ def _host_finish(parts: list, weight: jax.Array, dtype: Any, weighted: bool) -> 
   the host, in the arithmetic of the device's accumulator (`dtype`).
 
   It runs after the per-device region, because the TPU compiler places a host
-  computation inside `shard_map` on the device. Compiled today, it places this
-  one there too (docs/design.md, "Streamed offload"): an open problem.
+  computation inside `shard_map` on the device. The streamed update finishes
+  the noted parts inside its own host computation instead, and this one is then
+  dropped (see `streaming`).
   """
-
-  def finish(parts, weight):
-    acc = parts[0].astype(dtype)
-    for part in parts[1:]:
-      acc = acc + part.astype(dtype)
-    # A count divides in the accumulator's dtype (a Python int does on the
-    # device); a WeightedMean's summed weight is fp32 and promotes.
-    return (acc / (weight if weighted else weight.astype(dtype))).astype(dtype)
-
   host = jax.memory.Space.Host
-  return compat.compute_on_host(finish, out_memory_spaces=host)(parts, jax.device_put(weight, host))
+  how = streaming.Parts(tuple(parts), jax.device_put(weight, host), dtype, weighted)
+  run = compat.compute_on_host(
+    functools.partial(streaming.finish, how), out_memory_spaces=host, typed_as_device=False
+  )
+  return streaming.note(run(how.parts, how.weight), how)
 
 
 def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
@@ -582,6 +578,8 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
   )
   row_axes = _row_axes(batch, axes)
   stream = per_layer and config.options.update_on == 'stream'
+  if stream:
+    streaming.start()
   r = Routes(routes, mesh, config.stage, axes, row_axes, m, options['has_aux'], stream)
   rows = PartitionSpec(_axis_arg(row_axes))
   scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)

@@ -705,12 +705,40 @@ def _transfer(line: str) -> tuple[str, int] | None:
   return ('to_host' if dest_host else 'to_device'), _type_bytes(dest)
 
 
+_ARRAY_LAYOUT = re.compile(r'\b(' + '|'.join(_DTYPE_BYTES) + r')\[([\d,]*)\](\{[^}]*\})?')
+
+
+def _host_execute(line: str) -> list[tuple[str, int]]:
+  """The transfers a host computation (`HostExecute`) makes across the host link.
+
+  Its start's type is ((operands...), results, context). The host reads an
+  operand left in device memory (no `S(5)` in its layout) over the link, and
+  writes a result placed in device memory over it: the TPU compiler keeps a
+  host computation's results there unless they leave the program in host
+  memory. One entry per array, as ('to_host' or 'to_device', bytes).
+  """
+  m = _INSTR.match(line)
+  if m is None or 'custom_call_target="HostExecute"' not in line or 'call-start' not in line:
+    return []
+  type_str, _ = _split_type(m.group('rest'))
+  parts = _tuple_elements(type_str) if type_str.startswith('(') else []
+  if len(parts) < 2:
+    return []
+  out = []
+  for direction, part in (('to_host', parts[0]), ('to_device', parts[1])):
+    for dtype, dims, layout in _ARRAY_LAYOUT.findall(part):
+      if not _HOST_SPACE.search(layout or ''):
+        out.append((direction, _type_bytes(f'{dtype}[{dims}]')))
+  return out
+
+
 def count_host_transfers(compiled_or_text: Any) -> HostTransfers:
   """Counts the transfers between device and host memory in a compiled TPU program, per step.
 
   Reads the memory spaces the TPU compiler writes in its layouts (`S(5)`: host
   memory): asynchronous copies between the two, and slices written to or read
-  from a buffer in host memory (how a layer loop streams). Ops inside a `while`
+  from a buffer in host memory (how a layer loop streams), and what a host
+  computation reads from or writes to device memory. Ops inside a `while`
   body count once per iteration, as in `count_collectives`. XLA:CPU keeps no
   memory spaces in its program: there this finds nothing.
 
@@ -743,6 +771,11 @@ def count_host_transfers(compiled_or_text: Any) -> HostTransfers:
         continue
       if 'custom_call_target="HostExecute"' in line and 'custom-call-start' in line:
         totals['host'] += mult
+        for direction, size in _host_execute(line):
+          totals[direction] += mult * size
+          largest[direction] = max(largest[direction], size)
+          totals['in_loops'] += mult * size if in_loop else 0
+          totals['overlapped'] += mult * size if i in overlapping else 0
       instr, op = _opcode(line)
       if op == 'while':
         body = _BODY.search(line)

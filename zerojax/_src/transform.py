@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zerojax._src import compat, rules, validation
+from zerojax._src import compat, rules, streaming, validation
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import options as options_lib
 from zerojax._src import plan as plan_lib
@@ -217,23 +217,36 @@ def _update_on_host(inner, grads, state, params, extra_args):
   return _move(updates, jax.memory.Space.Device), state
 
 
-def _host_master_step(step, grads, state, params, arrays, others):
+def _host_master_step(step, grads, state, params, arrays, others, noted):
   """`update_on='stream'` with `mixed_precision`: its master step runs in host memory on the
   host, and only the new parameters come back, in their compute dtype, one leaf at a time.
 
-  The master step does not read the compute-dtype parameters, so they never go
-  down; the updates are taken from them on the device.
+  Streamed gradients that `value_and_grad` noted (`noted`, per leaf) are finished
+  from their micro-batch parts in this same host computation: an output of a
+  host computation that another one reads is kept in device memory. The master
+  step does not read the compute-dtype parameters, so they never go down; the
+  updates are taken from them on the device.
   """
   host = jax.memory.Space.Host
   dtypes = jax.tree.map(lambda p: p.dtype, params)
+  leaves, treedef = jax.tree.flatten(grads)
+  hows = [n for n in noted if n is not None]
+  sources = [g if n is None else None for g, n in zip(leaves, noted)]
 
-  def update(grads, state, arrays):
-    return step(grads, state, dtypes, **others, **arrays)
+  def update(sources, parts, weights, state, arrays):
+    found = iter(zip(hows, parts, weights))
+    flat = [streaming.finish(*next(found)) if g is None else g for g in sources]
+    return step(jax.tree.unflatten(treedef, flat), state, dtypes, **others, **arrays)
 
-  run = compat.compute_on_host(update, out_memory_spaces=host)
-  rounded, new_state = run(_move(grads, host), _move(state, host), _move(arrays, host))
-  rounded = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), rounded)
-  return rounded, new_state
+  # The new parameters are written straight to device memory.
+  run = compat.compute_on_host(update, out_memory_spaces=(jax.memory.Space.Device, host))
+  return run(
+    _move(sources, host),
+    [n.parts for n in hows],
+    [n.weight for n in hows],
+    _move(state, host),
+    _move(arrays, host),
+  )
 
 
 def in_host_memory(x: Any) -> bool:
@@ -384,7 +397,7 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
 
     arrays, others = _split_extra_args(extra_args, plan, mesh)
 
-    def body(grads, state, params, arrays):
+    def body(grads, state, params, arrays, noted):
       extra_args = {**others, **arrays}
       if not on_host:
         # Offloaded state streams through the device for the update.
@@ -414,7 +427,7 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
         # ZeRO-Offload's streamed update: the rounded new parameters come back
         # in their shards, stages 1-2 all-gather them (in the compute dtype),
         # and the updates are taken on the device.
-        rounded, new_state = _host_master_step(step, grads, state, params, arrays, others)
+        rounded, new_state = _host_master_step(step, grads, state, params, arrays, others, noted)
         rounded = mesh_lib.constrain(rounded, plan.param_shards, mesh)
         rounded = mesh_lib.constrain(rounded, plan.params, mesh)
         # As mixed_precision's own update takes them (precision.updates_to).
@@ -438,8 +451,10 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
       new_state = mesh_lib.constrain(new_state, _on_device(plan.opt_state), mesh)
       return new_updates, _to_memory(new_state, plan.opt_state, host=True)
 
+    # Streamed gradients' micro-batch parts, finished inside the streamed update.
+    noted = streaming.take(jax.tree.leaves(updates)) if stream else None
     body = mesh_lib.run_in_layout(body, mesh, (plan.params, plan.opt_state))
-    return body(updates, state, params, arrays)
+    return body(updates, state, params, arrays, noted)
 
   setattr(update, _CONFIG_ATTR, config)
   return optax.GradientTransformationExtraArgs(init, update)
