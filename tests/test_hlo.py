@@ -127,3 +127,28 @@ def test_count_host_transfers_reads_memory_space_5():
   assert got.in_loops == 4 * 16
   assert got.overlapped == pytest.approx(64 / (128 + 64))  # the loop's writes overlap a multiply
   assert got.uncertain == ()
+
+
+def test_count_host_transfers_counts_what_a_host_computation_reads_and_writes():
+  """A host computation (HostExecute) reading one operand from host memory (S(5)) and one
+  from device memory, and writing one result to each: only the device-memory ones cross
+  the link (read: to the host; written: to the device)."""
+  text = '\n'.join([
+    'HloModule m',
+    '%host_fn (x: f32[8], y: bf16[4]) -> (f32[8], bf16[4]) {',
+    '  %x = f32[8]{0} parameter(0)',
+    '  %y = bf16[4]{0} parameter(1)',
+    '  ROOT %t = (f32[8]{0}, bf16[4]{0}) tuple(%x, %y)',
+    '}',
+    'ENTRY %main (a: f32[8], b: bf16[4]) -> (f32[8], bf16[4]) {',
+    '  %a = f32[8]{0:S(5)} parameter(0)',
+    '  %b = bf16[4]{0} parameter(1)',
+    '  %s = ((f32[8]{0:S(5)}, bf16[4]{0:T(1)L(1024)}), (f32[8]{0:S(5)}, bf16[4]{0:T(1)L(1024)}),'
+    ' u32[]{:S(2)}) custom-call-start(%a, %b), async_execution_thread="host",'
+    ' custom_call_target="HostExecute", called_computations={%host_fn}',
+    '  ROOT %d = (f32[8]{0:S(5)}, bf16[4]{0:T(1)L(1024)}) custom-call-done(%s)',
+    '}',
+  ])  # fmt: skip
+  got = zerojax.inspect.count_host_transfers(text)
+  assert (got.to_host, got.to_device) == (8, 8)  # the bf16[4] operand down, the result back
+  assert got.host_computations == 1
