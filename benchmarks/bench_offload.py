@@ -5,12 +5,18 @@ fp32 master copy and Adam (`zerojax.mixed_precision`) for a TPU topology with li
 needed) and records `memory_analysis()`: device and host argument bytes, temporaries, and the
 peak (arguments + outputs - aliased + temporaries). Writes JSON and a Markdown table.
 
+A second table puts the streamed update (`update_on='stream'`, gradients sent to host memory
+layer by layer from the backward loop) beside today's on a scanned decoder (the `gpt2-small`
+preset through `zerojax.value_and_grad(per_layer=True)`, stage 3), with the bytes crossing the
+host link each step as counted in the compiled program (`zerojax.inspect.count_host_transfers`).
+
   .venv/bin/python benchmarks/bench_offload.py --out benchmarks/results
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -18,6 +24,13 @@ import sys
 import time
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+DECODER_SETTINGS = [
+  (None, 'device'),
+  ('opt_state+master', 'device'),
+  ('opt_state+master', 'host'),
+  ('opt_state+master', 'stream'),
+]
 
 SETTINGS = [
   (None, 'device'),
@@ -33,6 +46,8 @@ def main(argv=None) -> int:
   parser.add_argument('--topology', default='v5e:2x4')
   parser.add_argument('--d-model', type=int, default=4096, help='two d x d layers')
   parser.add_argument('--batch', type=int, default=64)
+  parser.add_argument('--decoder', default='gpt2-small', help='preset for the streamed table')
+  parser.add_argument('--seq-len', type=int, default=256, help="the decoder's sequence length")
   parser.add_argument('--out', default='benchmarks/results')
   args = parser.parse_args(argv)
 
@@ -111,6 +126,8 @@ def main(argv=None) -> int:
     r['device_argument_drop'] = b['device_argument_bytes'] - r['device_argument_bytes']
     r['peak_vs_no_offload'] = round(r['peak_bytes'] / b['peak_bytes'], 3)
 
+  decoder_rows = _decoder_rows(args.topology, args.decoder, args.seq_len)
+
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, f'offload_{args.topology.replace(":", "-")}')
   meta = {
@@ -119,10 +136,12 @@ def main(argv=None) -> int:
     'model': f'two {d}x{d} layers + biases, bf16 params, fp32 master + Adam',
     'num_params': psi,
     'jax': jax.__version__,
+    'libtpu': importlib.metadata.version('libtpu'),
     'machine': f'{platform.machine()} {os.cpu_count()} cores (compile only)',
   }
+  meta['decoder'] = f'{args.decoder} preset, seq {args.seq_len}, 1 sequence per chip, stage 3'
   with open(stem + '.json', 'w') as f:
-    json.dump({'meta': meta, 'rows': rows}, f, indent=2)
+    json.dump({'meta': meta, 'rows': rows, 'decoder_rows': decoder_rows}, f, indent=2)
   mib = lambda v: f'{v / 2**20:,.2f}'
   lines = [
     f'# ZeRO-Offload on {args.topology} ({n} chips), compiled ahead of time',
@@ -138,11 +157,74 @@ def main(argv=None) -> int:
       f' | {mib(r["host_argument_bytes"])} | {mib(r["device_argument_drop"])}'
       f' | {mib(r["temp_bytes"])} | {mib(r["peak_bytes"])} | {r["peak_vs_no_offload"]:.3f} |'
     )
+  lines += [
+    '',
+    f"## Streamed beside today's: {meta['decoder']}, zerojax.value_and_grad(per_layer=True)",
+    '',
+    'MiB per chip; host link MB per step and chip, counted in the compiled program.',
+    '',
+    '| offload | update on | temporaries | peak | peak / none | to host | to device |'
+    ' largest back | in layer loops | overlapped |',
+    '|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  mb = lambda v: f'{v / 1e6:,.2f}'
+  for r in decoder_rows:
+    lines.append(
+      f'| {r["offload"] or "-"} | {r["update_on"]} | {mib(r["temp_bytes"])}'
+      f' | {mib(r["peak_bytes"])} | {r["peak_vs_no_offload"]:.3f} | {mb(r["to_host"])}'
+      f' | {mb(r["to_device"])} | {mb(r["largest_to_device"])} | {mb(r["in_loops"])}'
+      f' | {r["overlapped"]:.0%} |'
+    )
   with open(stem + '.md', 'w') as f:
     f.write('\n'.join(lines) + '\n')
   print('\n'.join(lines))
   print(f'wrote {stem}.json and {stem}.md')
   return 0
+
+
+def _decoder_rows(topology: str, model: str, seq_len: int) -> list[dict]:
+  """The scanned decoder at stage 3 under each of `DECODER_SETTINGS`: memory and host link."""
+  import optax
+  from tqdm import tqdm
+
+  import zerojax
+  from zerojax._src import search, tpu
+
+  target = search.make_target(
+    model,
+    topology,
+    devices=tpu.topology_devices(topology),
+    optimizer=lambda: optax.adamw(1e-4, weight_decay=0.1),
+    mixed_precision=True,
+    seq_len=seq_len,
+  )
+  rows = []
+  for offload, update_on in tqdm(DECODER_SETTINGS, desc='decoder', file=sys.stdout):
+    candidate = search.Candidate(3, offload=offload, update_on=update_on)
+    traced, *_ = search.lower_candidate(target, candidate)
+    t0 = time.perf_counter()
+    compiled = traced.lower().compile()
+    m = compiled.memory_analysis()
+    moved = zerojax.inspect.count_host_transfers(compiled)
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    rows.append(
+      {
+        'offload': offload,
+        'update_on': update_on,
+        'temp_bytes': m.temp_size_in_bytes,
+        'peak_bytes': peak + m.temp_size_in_bytes,
+        'host_argument_bytes': m.host_argument_size_in_bytes,
+        'to_host': moved.to_host,
+        'to_device': moved.to_device,
+        'largest_to_device': moved.largest_to_device,
+        'in_loops': moved.in_loops,
+        'overlapped': moved.overlapped,
+        'compile_s': round(time.perf_counter() - t0, 2),
+      }
+    )
+  for r in rows:
+    r['peak_vs_no_offload'] = round(r['peak_bytes'] / rows[0]['peak_bytes'], 3)
+  return rows
 
 
 if __name__ == '__main__':

@@ -55,13 +55,14 @@ def test_search_cli_names_the_bad_option(args, message):
   [
     (
       ['--mixed-precision', '--micro-batches', '2', '--offloads', 'opt_state', '--hbm-gib', '8'],
-      'error: --micro-batches, --offloads, --mixed-precision, --hbm-gib set the space of plan'
-      ' --search; a single plan does not read them. Add --search, or set the plan with --stage,'
-      ' --batch-per-chip, --mesh, --no-remat.',
+      'error: --micro-batches, --offloads, --hbm-gib set the space of plan --search; a single'
+      ' plan does not read them. Add --search, or set the plan with --stage, --batch-per-chip,'
+      ' --mesh, --no-remat, --offload, --update-on.',
     ),
     (
-      ['--search', '--stage', '2', '--json', 'x.json'],
-      'error: plan --search does not read --stage, --json: those set a single plan. Give the'
+      ['--search', '--stage', '2', '--json', 'x.json', '--update-on', 'host'],
+      'error: plan --search does not read --stage, --json, --update-on: those set a single plan.'
+      ' Give the'
       ' search its space instead (--stages, --layouts, --batches-per-chip, --remats,'
       ' --prefetch-options, --out), or drop --search.',
     ),
@@ -72,3 +73,44 @@ def test_a_plan_flag_the_mode_does_not_read_is_an_error(args, message):
   proc = _cli('--topology', 'cpu:8', *args)
   assert proc.returncode == 2
   assert proc.stderr.strip().endswith(message), proc.stderr[-2000:]
+
+
+def test_a_single_plan_reports_its_command_and_host_traffic(tmp_path):
+  """A single plan takes the offload flags, prints the command that reproduces it first, and
+  reports the host link's bytes: on cpu:N by formula (XLA:CPU keeps no memory spaces),
+  said as such; the JSON records the same."""
+  out = tmp_path / 'plan.json'
+  args = ['--model', 'tiny', '--topology', 'cpu:8', '--stage', '3', '--mixed-precision']
+  args += ['--offload', 'opt_state+master', '--update-on', 'stream', '--json', str(out)]
+  proc = _cli(*args)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = proc.stdout.splitlines()
+  assert lines[0] == 'command: python -m zerojax plan ' + ' '.join(args)
+  assert 'gradients through zerojax.value_and_grad(per_layer=True)' in proc.stdout
+  (link,) = [x for x in lines if x.startswith('host link per step and chip')]
+  assert link.startswith(
+    'host link per step and chip (by formula: this program carries no memory spaces (XLA:CPU)):'
+  )
+  import json
+
+  report = json.loads(out.read_text())
+  assert report['command'] == lines[0].removeprefix('command: ')
+  assert (report['offload'], report['update_on'], report['mixed_precision']) == (
+    'opt_state+master',
+    'stream',
+    True,
+  )
+  traffic = report['host_traffic']
+  assert traffic['source'] == 'formula'
+  # The formula: the bf16 parameter shards' bytes down (gradients) and back (new parameters).
+  assert traffic['to_host'] == traffic['to_device'] == report['plan_bytes_per_chip']['params']
+
+
+def test_stream_needs_zerojax_gradients():
+  proc = _cli('--topology', 'cpu:8', '--model', 'tiny', '--mixed-precision', '--offload',
+              'opt_state+master', '--update-on', 'stream', '--grad', 'jax')  # fmt: skip
+  assert proc.returncode != 0
+  assert proc.stderr.strip().endswith(
+    'error: --update-on stream writes gradients to host memory from inside'
+    " zerojax.value_and_grad's layer loop; drop --grad jax (or use --grad zerojax)."
+  )

@@ -161,6 +161,11 @@ def _figures():
   offload = {
     (r['stage'], r['offload'], r['update_on']): r for r in _json('offload_v5e-2x4.json')['rows']
   }
+  decoder = {
+    r['update_on']: r
+    for r in _json('offload_v5e-2x4.json')['decoder_rows']
+    if r['offload'] == 'opt_state+master'
+  }
   cpu = _json('bench_cpu8.json')
   psi, mib = cpu['model']['params'], 2**20
   streamed = [
@@ -263,6 +268,14 @@ def _figures():
       f' {offload[(3, "opt_state+master", "host")]["peak_bytes"] / mib:.1f} MiB'
       f' ({offload[(3, "opt_state+master", "host")]["peak_vs_no_offload"]:.2f}×; stages 1–2:'
       f' {offload[(1, "opt_state+master", "host")]["peak_vs_no_offload"]:.2f}×)',
+    ),
+    (
+      'docs/results.md',
+      f'is {decoder["stream"]["peak_vs_no_offload"]:.2f}× that without offload, against'
+      f' {decoder["host"]["peak_vs_no_offload"]:.2f}× updating on the host; the host link carries'
+      f' {decoder["stream"]["to_host"] / 1e6:.2f} MB down and'
+      f' {decoder["stream"]["to_device"] / 1e6:.2f} MB back per step (host update:'
+      f' {decoder["host"]["to_host"] / 1e6:.2f} MB and {decoder["host"]["to_device"] / 1e6:.2f} MB)',
     ),
     ('benchmarks/README.md', f'Ψ = {psi:,} fp32 parameters'),
     ('benchmarks/README.md', f'2Ψ(N−1)/N = {2 * psi * 4 * 7 / 8 / mib:.2f} MiB'),

@@ -33,3 +33,35 @@ def test_a_topology_without_roofline_constants_is_named():
     "`topology`='v4:2x2x1': no roofline constants for 'v4'; the search knows"
     " ['v5e', 'v5p', 'v6e'] and cpu:N."
   )
+
+
+def test_overlapped_host_transfers_hide_under_compute():
+  """The share of host-link bytes that overlap compute (from the compiled schedule) hides
+  under it, as the overlapped ring bytes do; the rest adds to the step."""
+  chip = search.CHIPS['v5e']
+  r = search.Result(search.Candidate(3), 'fits')
+  r.flops = 197e12 * 0.5  # 0.5 s of compute, no collectives
+  parts = search.predict(chip, r, host_transfer_bytes=32e9, host_overlap=0.25)
+  assert parts['host'] == pytest.approx(1.0)
+  assert parts['host_exposed'] == pytest.approx(0.75)
+  assert parts['step'] == pytest.approx(max(0.5, 0.25) + 0.75)
+
+
+def test_host_traffic_is_counted_in_the_program_or_said_to_be_a_formula():
+  c = search.Candidate(3, offload='opt_state+master', update_on='stream')
+  tpu = '\n'.join([
+    'HloModule m',
+    'ENTRY %main (a: f32[16]) -> f32[16] {',
+    '  %a = f32[16]{0} parameter(0)',
+    '  %cs = (f32[16]{0:S(5)}, f32[16]{0}, u32[]) copy-start(%a)',
+    '  ROOT %cd = f32[16]{0:S(5)} copy-done(%cs)',
+    '}',
+  ])  # fmt: skip
+  counted = search.host_traffic(tpu, c, host_bytes=1000, param_bytes=100)
+  assert (counted['source'], counted['to_host'], counted['to_device']) == ('hlo', 64, 0)
+  cpu = tpu.replace('S(5)', '')  # XLA:CPU's programs carry no memory spaces
+  assumed = search.host_traffic(cpu, c, host_bytes=1000, param_bytes=100)
+  assert (assumed['source'], assumed['to_host'], assumed['to_device']) == ('formula', 100, 100)
+  assert assumed['overlapped'] == 0.0
+  none = search.host_traffic(cpu, search.Candidate(3), host_bytes=0, param_bytes=100)
+  assert (none['source'], none['to_host'] + none['to_device']) == ('none', 0)

@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -132,9 +133,10 @@ def _none_or(choices):
 # other, each is an error, not ignored.
 SEARCH_ONLY = (
   'stages', 'layouts', 'micro_batches', 'remats', 'prefetch_options', 'offloads', 'update_ons',
-  'quantizes', 'batches_per_chip', 'mixed_precision', 'hbm_gib', 'max_candidates', 'out',
+  'quantizes', 'batches_per_chip', 'hbm_gib', 'max_candidates', 'out',
 )  # fmt: skip
-SINGLE_ONLY = ('stage', 'batch_per_chip', 'no_remat', 'gather_all', 'mesh', 'grad', 'prefetch', 'json')  # fmt: skip
+SINGLE_ONLY = ('stage', 'batch_per_chip', 'no_remat', 'gather_all', 'mesh', 'grad', 'prefetch', 'json',
+               'offload', 'update_on')  # fmt: skip
 
 
 def _check_plan_flags(parser: argparse.ArgumentParser, p: argparse.ArgumentParser, args) -> None:
@@ -151,7 +153,8 @@ def _check_plan_flags(parser: argparse.ArgumentParser, p: argparse.ArgumentParse
       )
     parser.error(
       f'{", ".join(given)} set the space of plan --search; a single plan does not read them.'
-      ' Add --search, or set the plan with --stage, --batch-per-chip, --mesh, --no-remat.'
+      ' Add --search, or set the plan with --stage, --batch-per-chip, --mesh, --no-remat,'
+      ' --offload, --update-on.'
     )
 
 
@@ -217,7 +220,7 @@ def cmd_search(args) -> int:
   report = search.run_search(
     target, candidates, invalid=invalid, hbm_bytes=hbm, measure=args.topology.startswith('cpu:')
   )
-  text = search_report.format_search(report)
+  text = f'command: {args.command_line}\n' + search_report.format_search(report)
   print('\n' + text)
   if args.out:
     os.makedirs(args.out, exist_ok=True)
@@ -227,7 +230,7 @@ def cmd_search(args) -> int:
     with open(stem + '.txt', 'w') as f:
       f.write(text + '\n')
     with open(stem + '.json', 'w') as f:
-      json.dump(search_report.search_json(report), f, indent=2)
+      json.dump({'command': args.command_line} | search_report.search_json(report), f, indent=2)
     try:
       search_report.plot_search(report, stem + '.png')
       print(f'wrote {stem}.txt, .json and .png')
@@ -242,20 +245,28 @@ def cmd_search(args) -> int:
 def cmd_plan(args) -> int:
   if args.search:
     return cmd_search(args)
+  print(f'command: {args.command_line}', flush=True)
   start = time.perf_counter()
   import jax
+  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+  from zerojax._src import precision, search, train_state, transform, zero_stage
   from zerojax._src import report as report_lib
-  from zerojax._src import train_state, transform, zero_stage
 
   devices, hbm_gib = _devices(args.topology)
   n = len(devices)
   _log(start, f'topology {args.topology}: {n} devices ({devices[0].device_kind})')
   shape, names = _mesh_shape(args.mesh, n)
   mesh = Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
-  explicit = args.grad == 'zerojax' or (args.grad == 'auto' and len(names) > 1)
+  stream = args.update_on == 'stream'
+  if stream and args.grad == 'jax':
+    raise SystemExit(
+      'error: --update-on stream writes gradients to host memory from inside'
+      " zerojax.value_and_grad's layer loop; drop --grad jax (or use --grad zerojax)."
+    )
+  explicit = args.grad == 'zerojax' or (args.grad == 'auto' and (len(names) > 1 or stream))
   _log(
     start,
     f'mesh {dict(zip(names, shape))}, ZeRO over {names}; gradients through '
@@ -266,11 +277,17 @@ def cmd_plan(args) -> int:
   spec = _load_model(args)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   axis = names[0] if len(names) == 1 else names
-  state = train_state.abstract_train_state(
-    spec.init_fn,
-    key,
-    tx=zero_stage.zero_stage(_optimizer(args.optimizer), args.stage, mesh=mesh, axis=axis),
-  )
+  inner = _optimizer(args.optimizer)
+  if args.mixed_precision:
+    inner = precision.mixed_precision(inner)
+  try:
+    tx = zero_stage.zero_stage(
+      inner, args.stage, mesh=mesh, axis=axis, offload=args.offload, update_on=args.update_on
+    )
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
+  extra = {'param_dtype': jnp.dtype(args.compute_dtype)} if args.mixed_precision else {}
+  state = train_state.abstract_train_state(spec.init_fn, key, tx=tx, **extra)
   plan = transform.plan_for(state.tx, state.params)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   _log(start, f'model {spec.name}: {num_params:,} parameters; stage {args.stage} plan built')
@@ -291,7 +308,8 @@ def cmd_plan(args) -> int:
     loss, grads = grad_fn(state.params, batch)
     return state.apply_gradients(grads=grads), loss
 
-  lowered = jax.jit(train_step, donate_argnums=0).lower(state, batch)
+  traced = jax.jit(train_step, donate_argnums=0).trace(state, batch)
+  lowered = traced.lower()
   _log(start, 'lowered; compiling (large models take minutes on a small machine)')
   from rich.console import Console
 
@@ -303,8 +321,6 @@ def cmd_plan(args) -> int:
   # before they are gathered) and so do their gradients (the gather's
   # transpose); below it the gradients of the stored parameters are reduced
   # and the updated parameters gathered, in the parameters' own dtype.
-  import jax.numpy as jnp
-
   if args.stage == 3:
     unit = jnp.dtype(args.compute_dtype).itemsize
   else:
@@ -325,11 +341,55 @@ def cmd_plan(args) -> int:
       f'\npeak {peak / 2**30:.2f} GiB of {hbm_gib} GiB HBM per chip'
       f' ({100 * peak / (hbm_gib * 2**30):.0f}%): {"FITS" if fits else "DOES NOT FIT"}'
     )
+  chip = search.CHIPS.get(args.topology.split(':')[0])
+  host_limit = chip.host_bytes_per_chip if chip is not None else None
+  if sizes.get('host'):
+    within = host_limit is None or sizes['host'] <= host_limit
+    fits = fits if within else False
+    print(
+      f'host memory {sizes["host"] / 2**30:.2f} GiB per chip'
+      + (
+        f' of {host_limit / 2**30:.0f} GiB: {"FITS" if within else "DOES NOT FIT"}'
+        if host_limit
+        else ''
+      )
+    )
+  shard_bytes = sizes['params'] if args.stage == 3 else sizes['params'] // max(plan.num_shards, 1)
+  candidate = search.Candidate(args.stage, offload=args.offload, update_on=args.update_on)
+  traffic = search.host_traffic(text, candidate, sizes.get('host', 0), shard_bytes)
+  if traffic['source'] != 'none':
+    print(_format_traffic(traffic, chip))
+  predicted = None
+  if chip is not None:
+    costed = search.Result(
+      candidate,
+      'fits',
+      ring_bytes=report.collectives.total_ring_bytes,
+      overlapped_bytes=sum(report.collectives.overlapped_ring_bytes.values()),
+      collective_count=sum(report.collectives.counts.values()),
+      flops=search.traced_flops(traced.jaxpr),
+    )
+    moved = traffic['to_host'] + traffic['to_device']
+    predicted = search.predict(chip, costed, moved, traffic['overlapped'])
+    print(
+      f'predicted step (roofline, not measured): {predicted["step"]:.3f} s = compute'
+      f' {predicted["compute"]:.3f} s, collectives exposed {predicted["exposed"]:.3f} s,'
+      f' host link exposed {predicted["host_exposed"]:.3f} s'
+    )
   if args.json:
     out = {
+      'command': args.command_line,
       'model': spec.name,
       'num_params': num_params,
       'stage': args.stage,
+      'mixed_precision': args.mixed_precision,
+      'offload': args.offload,
+      'update_on': args.update_on,
+      'plan_bytes_per_chip': sizes,
+      'host_limit_bytes': host_limit,
+      'host_traffic': traffic,
+      'predicted_seconds': predicted,
+      'roofline': None if chip is None else dataclasses.asdict(chip),
       'topology': args.topology,
       'num_devices': n,
       'batch_per_chip': args.batch_per_chip,
@@ -351,6 +411,29 @@ def cmd_plan(args) -> int:
       json.dump(out, f, indent=2)
     _log(start, f'wrote {args.json}')
   return 0 if fits in (None, True) else 3
+
+
+def _format_traffic(traffic: dict, chip: Any) -> str:
+  """The host link's bytes per step and chip, where the figure comes from, and its time."""
+  gb = lambda n: f'{n / 1e9:.2f} GB' if n >= 1e8 else f'{n / 1e6:.2f} MB'
+  how = {
+    'hlo': 'counted in the compiled program',
+    'formula': 'by formula: this program carries no memory spaces (XLA:CPU)',
+  }[traffic['source']]
+  line = f'host link per step and chip ({how}): {gb(traffic["to_host"])} down to the host,'
+  line += f' {gb(traffic["to_device"])} back to the device'
+  if traffic['largest_to_device'] is not None:
+    line += f'; largest single transfer back {traffic["largest_to_device"] / 2**20:.1f} MiB'
+  if traffic['in_loops'] is not None:
+    line += f'; {gb(traffic["in_loops"])} from inside layer loops'
+  line += f'; {traffic["overlapped"]:.0%} overlaps compute'
+  if chip is not None:
+    moved = traffic['to_host'] + traffic['to_device']
+    line += (
+      f'; {moved / chip.host_link_bandwidth:.4f} s at'
+      f' {chip.host_link_bandwidth / 1e9:.0f} GB/s (assumed: {chip.name} host link not published)'
+    )
+  return line
 
 
 def cmd_estimate(args) -> int:
@@ -449,6 +532,25 @@ def main(argv: list[str] | None = None) -> int:
     help='presets: compute attention this many queries at a time, one chunk of scores live at'
     ' a time (memory-efficient, the same arithmetic); default: all queries at once',
   )
+  p.add_argument(
+    '--mixed-precision',
+    action='store_true',
+    help='bf16 parameters and gradients, fp32 master copy in the optimizer state'
+    ' (zerojax.mixed_precision); with --search, for every candidate',
+  )
+  p.add_argument(
+    '--offload',
+    default=None,
+    choices=('opt_state', 'opt_state+master'),
+    help='host offload of the optimizer state (and the fp32 master), as zerojax.Options',
+  )
+  p.add_argument(
+    '--update-on',
+    default='device',
+    choices=search.UPDATE_ON,
+    help="where an offloaded update runs: 'device', 'host', or 'stream' (gradients written"
+    ' to host memory layer by layer in the backward pass; needs --mixed-precision)',
+  )
   p.add_argument('--json', help='also write the report as JSON here')
   s = p.add_argument_group(
     'plan search (--search)',
@@ -471,8 +573,6 @@ def main(argv: list[str] | None = None) -> int:
   s.add_argument('--quantizes', type=_csv(_none_or(tuple(q for q in search.QUANTIZE if q))), default=(None,),
                  help='ZeRO++: none, g8, g4 (gradients), w8g8, w8g4 (weights too, stage 3)')  # fmt: skip
   s.add_argument('--batches-per-chip', type=_csv(int), default=(1,), help='sequences per chip')
-  s.add_argument('--mixed-precision', action='store_true',
-                 help='bf16 parameters and gradients, fp32 master copy in the optimizer state')  # fmt: skip
   s.add_argument(
     '--hbm-gib', type=float, default=None, help="device memory per chip; default the chip's"
   )
@@ -502,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
   i.add_argument('--step', type=int, default=None, help='default: the latest committed step')
   i.set_defaults(func=cmd_inspect)
   args = parser.parse_args(argv)
+  # What reproduces this run, for the reports it writes.
+  args.command_line = 'python -m zerojax ' + shlex.join(sys.argv[1:] if argv is None else argv)
   if args.command == 'plan':
     _check_plan_flags(parser, p, args)
 

@@ -71,32 +71,46 @@ CHIPS = {
 }  # fmt: skip
 
 
-def predict(chip: Chip, r: Any, host_transfer_bytes: float) -> dict[str, float]:
+def predict(
+  chip: Chip, r: Any, host_transfer_bytes: float, host_overlap: float = 0.0
+) -> dict[str, float]:
   """Predicted seconds per step: compute, collectives (exposed part), host transfers.
 
   compute = FLOPs / peak (HBM traffic is not modelled: XLA's byte count, like its
   FLOP count, sees each loop body once); collectives = ring bytes /
   one axis's ICI bandwidth (plus a latency per collective where one is known),
-  of which the overlapped share hides under compute;
-  host = offloaded bytes moved / host link bandwidth.
+  of which the overlapped share hides under compute; host = bytes moved over
+  the host link / its bandwidth (assumed, see `Chip.source`), of which the share
+  `host_overlap` (asynchronous transfers with compute scheduled before their
+  end, as `count_host_transfers` finds them) hides under compute likewise.
   """
   compute = r.flops / chip.peak_flops
   comm = r.ring_bytes / chip.axis_bandwidth + r.collective_count * chip.collective_latency
   share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
   exposed = comm * (1 - share)
   host = host_transfer_bytes / chip.host_link_bandwidth
-  step = max(compute, comm * share) + exposed + host
-  return {'compute': compute, 'collectives': comm, 'exposed': exposed, 'host': host, 'step': step}
+  host_exposed = host * (1 - host_overlap)
+  step = max(compute, comm * share + host * host_overlap) + exposed + host_exposed
+  return {
+    'compute': compute,
+    'collectives': comm,
+    'exposed': exposed,
+    'host': host,
+    'host_exposed': host_exposed,
+    'step': step,
+  }
 
 
 def host_transfer_bytes(c: Any, host_bytes: int, param_bytes: int) -> float:
-  """Bytes crossing the host link per step and chip for an offload.
+  """Bytes crossing the host link per step and chip for an offload, by formula: what the
+  search falls back on where the compiled program carries no memory spaces (XLA:CPU).
 
   Streamed to the device for the update (`update_on='device'`): the offloaded
-  state comes down and goes back up. Updated on the host: gradient shards go
-  down and the updates come up (the parameters' size each way).
+  state comes down and goes back up. Updated on the host (or streamed):
+  gradient shards go down and the new parameters or updates come up (the
+  parameters' size each way).
   """
-  if c.offload == 'none':
+  if c.offload in (None, 'none'):
     return 0.0
   return 2.0 * (host_bytes if c.update_on == 'device' else param_bytes)
 

@@ -131,6 +131,8 @@ class Result:
   cost_analysis_flops: float = 0.0  # XLA's, loop bodies counted once
   bytes_accessed: float = 0.0
   predicted: dict = dataclasses.field(default_factory=dict)  # seconds, by part
+  # Bytes over the host link per step and chip: see `host_traffic`.
+  host_traffic: dict = dataclasses.field(default_factory=dict)
   compile_seconds: float = 0.0
   measured_seconds: float | None = None
 
@@ -303,6 +305,44 @@ def _cost(compiled) -> tuple[float, float]:
   return float(flops), float(cost.get('bytes accessed', 0.0))
 
 
+def host_traffic(hlo_text: str, c: Any, host_bytes: int, param_bytes: int) -> dict:
+  """Bytes over the host link per step and chip, and where the figure comes from.
+
+  Counted in the compiled program (`count_host_transfers`: copies to and from
+  host memory, slices of host buffers in layer loops, what host computations
+  read and write) where it carries memory spaces, as the TPU compiler's does.
+  XLA:CPU's carries none: there an offload's bytes come from the formula
+  `host_transfer_bytes`, split evenly each way, with no overlap, and say so.
+
+  Returns:
+    {'to_host', 'to_device', 'largest_to_device', 'in_loops', 'overlapped' (share
+    of the bytes), 'host_computations', 'source' ('hlo', 'formula' or 'none')}.
+  """
+  from zerojax._src import hlo
+
+  counted = hlo.count_host_transfers(hlo_text)
+  if counted.to_host + counted.to_device:
+    return {
+      'to_host': counted.to_host,
+      'to_device': counted.to_device,
+      'largest_to_device': counted.largest_to_device,
+      'in_loops': counted.in_loops,
+      'overlapped': counted.overlapped,
+      'host_computations': counted.host_computations,
+      'source': 'hlo',
+    }
+  moved = host_transfer_bytes(c, host_bytes, param_bytes)
+  return {
+    'to_host': moved / 2,
+    'to_device': moved / 2,
+    'largest_to_device': None,
+    'in_loops': None,
+    'overlapped': 0.0,
+    'host_computations': counted.host_computations,
+    'source': 'formula' if moved else 'none',
+  }
+
+
 def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
   """Theory first (states at rest, host bytes), then the compiled program's own figures."""
   from zerojax._src import report as report_lib
@@ -345,10 +385,11 @@ def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
   result.flops = traced_flops(traced.jaxpr)
   if hbm_bytes is not None and result.peak_bytes > hbm_bytes:
     result.status = 'over HBM'
+  param_bytes = sizes['params'] if c.stage == 3 else sizes['params'] // max(plan.num_shards, 1)
+  result.host_traffic = host_traffic(text, c, result.host_bytes, param_bytes)
   if chip is not None:
-    param_bytes = sizes['params'] if c.stage == 3 else sizes['params'] // max(plan.num_shards, 1)
-    moved = host_transfer_bytes(c, result.host_bytes, param_bytes)
-    result.predicted = predict(chip, result, moved)
+    moved = result.host_traffic['to_host'] + result.host_traffic['to_device']
+    result.predicted = predict(chip, result, moved, result.host_traffic['overlapped'])
   result._compiled = compiled  # kept for a measured run on cpu:N
   result._state, result._batch = state, batch
   return result

@@ -72,8 +72,23 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
   ]
   if chip is not None:
     lines.append(f'roofline ({chip.name}): {chip.source}')
+  offloads = any(r.host_traffic.get('source') not in (None, 'none') for r in report.results)
+  if offloads:
+    sources = sorted({r.host_traffic['source'] for r in report.results if r.host_traffic})
+    where = {
+      'hlo': 'counted in the compiled programs',
+      'formula': 'by formula (XLA:CPU programs carry no memory spaces)',
+    }
+    lines.append(
+      'host link: "host GB" is bytes down + up per step and chip, '
+      + ', '.join(where[k] for k in sources if k in where)
+      + '; "host ovl" the share overlapping compute'
+      + (f'; time at {chip.host_link_bandwidth / 1e9:.0f} GB/s, assumed' if chip else '')
+    )
   measured = any(r.measured_seconds for r in report.results)
   head = f'{"#":>3} {"candidate":<60} {"peak GiB":>8} {"ring/floor":>10} {"overlap":>7}'
+  if offloads:
+    head += f' {"host GB":>7} {"host ovl":>8}'
   head += f' {"TFLOP/chip":>10} {"predicted s":>11}' + (
     f' {"measured s":>10} {"pred/meas":>9}' if measured else ''
   )
@@ -82,7 +97,11 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
     ratio = r.ring_bytes / r.floor_bytes if r.floor_bytes else float('nan')
     share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
     row = f'{i:>3} {r.candidate.label():<60} {_gib(r.peak_bytes):>8} {ratio:>10.3f}'
-    row += f' {share:>7.0%} {r.flops / 1e12:>10.2f} {r.step_seconds:>11.4f}'
+    row += f' {share:>7.0%}'
+    if offloads:
+      h = r.host_traffic
+      row += f' {(h["to_host"] + h["to_device"]) / 1e9:>7.2f} {h["overlapped"]:>8.0%}'
+    row += f' {r.flops / 1e12:>10.2f} {r.step_seconds:>11.4f}'
     if measured:
       m = r.measured_seconds
       row += f' {m:>10.4f} {r.step_seconds / m:>9.2f}' if m else f' {"":>10} {"":>9}'
@@ -117,6 +136,7 @@ def search_json(report: SearchReport) -> dict:
         'cost_analysis_flops': r.cost_analysis_flops,
         'bytes_accessed': r.bytes_accessed,
         'predicted_seconds': r.predicted,
+        'host_traffic': r.host_traffic,
         'measured_seconds': r.measured_seconds,
         'compile_seconds': r.compile_seconds,
       }
