@@ -151,10 +151,20 @@ def test_host_update_runs_optimizers_that_make_arrays(auto_mesh):
 
 
 def _tiny_decoder_run(
-  mesh, stage, micro_batches, offload, update_on, steps, tx, compute_dtype=jnp.bfloat16, start=None
+  mesh,
+  stage,
+  micro_batches,
+  offload,
+  update_on,
+  steps,
+  tx,
+  compute_dtype=jnp.bfloat16,
+  start=None,
+  between=None,
 ):
   """`steps` steps of the tiny scanned decoder; from `start` ((params, opt_state) of another
-  run, placed in this run's layouts and memories) if given."""
+  run, placed in this run's layouts and memories) if given; `between(grads)` applied to the
+  gradients before the update if given."""
   from zerojax._src import presets
 
   cfg = presets.PRESETS['tiny']
@@ -174,6 +184,8 @@ def _tiny_decoder_run(
   @jax.jit
   def step(params, opt_state, tokens):
     value, grads = grad_fn(params, tokens)
+    if between is not None:
+      grads = between(grads)
     updates, opt_state = ztx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
@@ -202,6 +214,30 @@ def test_stream_equals_no_offload(stage, micro_batches, auto_mesh):
     )
   master = got[2].master
   assert {x.sharding.memory_kind for x in jax.tree.leaves(master)} == {'pinned_host'}
+
+
+def test_stream_takes_gradients_the_user_changed_as_they_are(monkeypatch):
+  """Gradients changed between value_and_grad and the update (here halved) are not the ones
+  value_and_grad noted: the update takes them as they are (finished on their own, then moved),
+  and the run still equals the run without offload. Unchanged, they are taken from their
+  noted parts."""
+  from zerojax._src import streaming
+
+  found = []
+  take = streaming.take
+  monkeypatch.setattr(streaming, 'take', lambda grads: found.append(take(grads)) or found[-1])
+  mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  half = lambda grads: jax.tree.map(lambda g: g * 0.5, grads)
+  _tiny_decoder_run(mesh, 3, 2, 'opt_state+master', 'stream', 1, tx)
+  # At stage 3 every leaf of the tiny decoder is split by its own gathers, so all 11 stream.
+  assert all(x is not None for x in found[-1]) and len(found[-1]) == 11
+  base = _tiny_decoder_run(mesh, 3, 2, None, 'device', 5, tx, between=half)
+  got = _tiny_decoder_run(mesh, 3, 2, 'opt_state+master', 'stream', 5, tx, between=half)
+  assert found[-1] == [None] * 11
+  np.testing.assert_array_equal(got[0], base[0])
+  for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(base[1])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 _CLIPPED_RUNS = """
