@@ -30,9 +30,9 @@ def compute_on_host(
     out_memory_spaces: a `jax.memory.Space` for every output, or a prefix of
       the outputs' tree.
     typed_as_device: type the inputs as device memory inside `fn` (needed when
-      `fn` creates arrays, see below). A pure function of its inputs can leave it
-      off: the TPU compiler then keeps inputs and outputs in host memory as they
-      are, where with it on it may hand outputs back through device memory.
+      `fn` creates arrays, see below). A function of its inputs alone can leave
+      it off. Either way the TPU compiler keeps an output in device memory when
+      another host computation reads it: chain host work inside one call.
 
   Returns:
     A function with `fn`'s signature, to be called inside `jax.jit`.
