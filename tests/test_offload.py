@@ -1,5 +1,7 @@
 """ZeRO-Offload: optimizer state (and the fp32 master) in host memory, streamed through the device."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,11 +145,48 @@ def test_host_update_runs_optimizers_that_make_arrays(auto_mesh):
       updates, opt_state = ztx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
-    for _ in range(5):
-      params, opt_state = step(params, opt_state, x, y)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always')
+      for _ in range(5):
+        params, opt_state = step(params, opt_state, x, y)
+    said = [str(w.message) for w in caught if 'update_on' in str(w.message)]
+    # Without mixed_precision there is no master step to stream through: said, once (a trace).
+    assert said == ([NO_MASTER_STEP] if update_on == 'stream' else [])
     got[update_on] = params
   assert max_rel_err(got['host'], got['device']) <= train_tol(5)
   assert max_rel_err(got['stream'], got['device']) <= train_tol(5)
+
+
+NO_MASTER_STEP = (
+  "update_on='stream' sends back only the new parameters through the master step of"
+  ' zerojax.mixed_precision, which this optimizer does not have. The update runs as with'
+  " update_on='host': updates come back in full. Wrap the optimizer as"
+  ' zero_stage(zerojax.mixed_precision(tx), ...) and pass params to update().'
+)
+
+
+def test_stream_says_when_gradients_arrive_on_the_device(auto_mesh):
+  """jax.grad's gradients are in device memory: nothing streamed, and the update says so."""
+  ztx = zerojax.zero_stage(
+    zerojax.mixed_precision(optax.adamw(1e-2)),
+    3,
+    mesh=auto_mesh,
+    offload='opt_state+master',
+    update_on='stream',
+  )
+  master = mlp_params()
+  opt_state = ztx.init(master)
+  params = jax.device_put(zerojax.cast(master, jnp.bfloat16), zerojax.plan_for(ztx, master).params)
+  x, y = shard_batch(auto_mesh, *batch())
+  grads = jax.jit(jax.grad(lambda p: loss_fn(p, x, y).astype(jnp.float32)))(params)
+  with pytest.warns(UserWarning) as caught:
+    jax.jit(ztx.update)(grads, opt_state, params)
+  assert [str(w.message) for w in caught if 'update_on' in str(w.message)] == [
+    "update_on='stream': every gradient arrived in device memory, so none was streamed during"
+    " the backward pass; they go to host memory at once, as with update_on='host'. Take them"
+    ' with zerojax.value_and_grad(loss_fn, tx, per_layer=True) at stage 2 or 3 to stream them'
+    ' layer by layer.'
+  ]
 
 
 def _tiny_decoder_run(

@@ -50,10 +50,13 @@ class Options:
       crosses the host link: 'device' (the offloaded state streams through
       device memory for the update), 'host' (gradient shards go down after
       the backward pass and updates come up), or 'stream' (ZeRO-Offload's
-      schedule: inside `zerojax.scan_layers` each layer's gradient shard goes
-      down as soon as its reduce-scatter is done, the update runs on the
-      host, and the new parameters come up in their compute dtype, one leaf
-      at a time; see the README's "Offload").
+      schedule: with `zerojax.value_and_grad(..., per_layer=True)` at stage 2
+      or 3, each layer's gradient shard goes down from inside the backward
+      layer loop as soon as its reduce-scatter is done; the update runs on the
+      host, and with `zerojax.mixed_precision` the new parameters come up in
+      their compute dtype, one leaf at a time; see the README's "Offload").
+      Gradients that arrive in device memory, or an optimizer without
+      `mixed_precision`, run as 'host' does, with a warning.
     quantize: ZeRO++ quantized collectives, a `zerojax.Quantize`, or None.
 
   Every field is checked when the object is made:

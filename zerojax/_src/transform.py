@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -249,6 +250,27 @@ def _host_master_step(step, grads, state, params, arrays, others, noted):
   )
 
 
+def _warn_if_not_streamed(grads: Any, params: Any, master_step: Any) -> None:
+  """update_on='stream' given what cannot stream: says what runs instead, and the fix."""
+  if master_step is None or params is None:
+    warnings.warn(
+      "update_on='stream' sends back only the new parameters through the master step of"
+      ' zerojax.mixed_precision, which this optimizer does not have'
+      + (' (or update() was called without params)' if master_step is not None else '')
+      + ". The update runs as with update_on='host': updates come back in full. Wrap the"
+      ' optimizer as zero_stage(zerojax.mixed_precision(tx), ...) and pass params to update().',
+      stacklevel=3,
+    )
+  elif not any(in_host_memory(g) for g in jax.tree.leaves(grads)):
+    warnings.warn(
+      "update_on='stream': every gradient arrived in device memory, so none was streamed"
+      " during the backward pass; they go to host memory at once, as with update_on='host'."
+      ' Take them with zerojax.value_and_grad(loss_fn, tx, per_layer=True) at stage 2 or 3'
+      ' to stream them layer by layer.',
+      stacklevel=3,
+    )
+
+
 def in_host_memory(x: Any) -> bool:
   """Whether traced `x` lives in host memory (a streamed gradient)."""
   return getattr(jax.typeof(x), 'memory_space', None) == jax.memory.Space.Host
@@ -453,6 +475,8 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
 
     # Streamed gradients' micro-batch parts, finished inside the streamed update.
     noted = streaming.take(jax.tree.leaves(updates)) if stream else None
+    if stream:
+      _warn_if_not_streamed(updates, params, master_step)
     body = mesh_lib.run_in_layout(body, mesh, (plan.params, plan.opt_state))
     return body(updates, state, params, arrays, noted)
 
