@@ -354,9 +354,10 @@ def cmd_plan(args) -> int:
         else ''
       )
     )
-  shard_bytes = sizes['params'] if args.stage == 3 else sizes['params'] // max(plan.num_shards, 1)
   candidate = search.Candidate(args.stage, offload=args.offload, update_on=args.update_on)
-  traffic = search.host_traffic(text, candidate, sizes.get('host', 0), shard_bytes)
+  traffic = search.host_traffic(
+    text, candidate, sizes.get('host', 0), search.updated_param_bytes(plan, args.stage)
+  )
   if traffic['source'] != 'none':
     print(_format_traffic(traffic, chip))
   predicted = None

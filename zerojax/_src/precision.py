@@ -180,26 +180,10 @@ def mixed_precision(
       )
     dtypes = jax.tree.map(lambda p: p.dtype, params)
     rounded, new_state = step(grads, state, dtypes, **extra_args)
-    return updates_to(rounded, params), new_state
+    return transform.updates_to(rounded, params), new_state
 
   update.master_step = step
   return optax.GradientTransformationExtraArgs(init, update)
-
-
-def updates_to(rounded: Any, params: Any) -> Any:
-  """The updates that turn `params` into `rounded` (the master in their dtype).
-
-  In the compute dtype, so stages 1-2 all-gather 2 bytes per parameter:
-  `params + updates` is `rounded` exactly when a value moved by less than 2x
-  (Sterbenz), else to within a rounding step of the old value (values
-  crossing or near zero).
-  """
-  return jax.tree.map(lambda r, p: (r - p).astype(p.dtype), rounded, params)
-
-
-def master_step(tx: Any):
-  """`mixed_precision`'s update up to the rounded new parameters, or None for another `tx`."""
-  return getattr(getattr(tx, 'update', None), 'master_step', None)
 
 
 def _next_scale(state: LossScaleState, finite, cfg: DynamicLossScale) -> LossScaleState:

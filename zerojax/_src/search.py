@@ -305,6 +305,13 @@ def _cost(compiled) -> tuple[float, float]:
   return float(flops), float(cost.get('bytes accessed', 0.0))
 
 
+def updated_param_bytes(plan: Any, stage: int) -> int:
+  """One chip's share of the parameters an offloaded update sends each way (the formula's
+  unit): its shards at stage 3; below it the whole parameters it holds, split over the shards."""
+  params = plan.bytes_per_device()['params']
+  return params if stage == 3 else params // max(plan.num_shards, 1)
+
+
 def host_traffic(hlo_text: str, c: Any, host_bytes: int, param_bytes: int) -> dict:
   """Bytes over the host link per step and chip, and where the figure comes from.
 
@@ -385,8 +392,7 @@ def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
   result.flops = traced_flops(traced.jaxpr)
   if hbm_bytes is not None and result.peak_bytes > hbm_bytes:
     result.status = 'over HBM'
-  param_bytes = sizes['params'] if c.stage == 3 else sizes['params'] // max(plan.num_shards, 1)
-  result.host_traffic = host_traffic(text, c, result.host_bytes, param_bytes)
+  result.host_traffic = host_traffic(text, c, result.host_bytes, updated_param_bytes(plan, c.stage))
   if chip is not None:
     moved = result.host_traffic['to_host'] + result.host_traffic['to_device']
     result.predicted = predict(chip, result, moved, result.host_traffic['overlapped'])

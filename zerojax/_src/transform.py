@@ -250,6 +250,18 @@ def _host_master_step(step, grads, state, params, arrays, others, noted):
   )
 
 
+def updates_to(rounded: Any, params: Any) -> Any:
+  """The updates that turn `params` into `rounded` (mixed_precision's master in their dtype).
+
+  In the compute dtype, so stages 1-2 all-gather 2 bytes per parameter:
+  `params + updates` is `rounded` exactly when a value moved by less than 2x
+  (Sterbenz), else to within a rounding step of the old value (values
+  crossing or near zero). `mixed_precision`'s update and the streamed one
+  both take them so.
+  """
+  return jax.tree.map(lambda r, p: (r - p).astype(p.dtype), rounded, params)
+
+
 def _warn_if_not_streamed(grads: Any, params: Any, master_step: Any) -> None:
   """update_on='stream' given what cannot stream: says what runs instead, and the fix."""
   if master_step is None or params is None:
@@ -452,8 +464,7 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
         rounded, new_state = _host_master_step(step, grads, state, params, arrays, others, noted)
         rounded = mesh_lib.constrain(rounded, plan.param_shards, mesh)
         rounded = mesh_lib.constrain(rounded, plan.params, mesh)
-        # As mixed_precision's own update takes them (precision.updates_to).
-        new_updates = jax.tree.map(lambda r, p: (r - p).astype(p.dtype), rounded, params)
+        new_updates = updates_to(rounded, params)
         return new_updates, _to_plan_memory(new_state, plan.opt_state)
       if on_host:
         # ZeRO-Offload's CPU update: gradient shards go to host memory, the
