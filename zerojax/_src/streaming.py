@@ -16,7 +16,8 @@ the device whole, between that computation and the update's. Instead:
   unused and the compiler drops it.
 
 Gradients changed between the two (a user's own clipping, say) are not the noted
-arrays: the update takes them as they are, and the separate finish runs.
+arrays: the update takes them as they are, and the separate finish runs. The table is
+module-level: traces of streamed steps built at once in several threads could mix entries.
 """
 
 from __future__ import annotations
