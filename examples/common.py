@@ -19,11 +19,16 @@ from collections.abc import Callable
 from typing import Any
 
 
-def setup_devices(n: int = 8) -> None:
+def setup_devices(n: int | None = None) -> None:
   """Fakes `n` CPU devices unless real accelerators are asked for (JAX_PLATFORMS).
 
-  Must run before jax initialises its backend.
+  `n` defaults to the command line's `--devices` (8 without it). Must run
+  before jax initialises its backend.
   """
+  if n is None:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument('--devices', type=int, default=8)
+    n = pre.parse_known_args()[0].devices
   if os.environ.get('JAX_PLATFORMS', 'cpu') == 'cpu':
     os.environ['JAX_PLATFORMS'] = 'cpu'
     flag = f'--xla_force_host_platform_device_count={n}'
@@ -123,6 +128,9 @@ class Task:
     batch: global batch size.
     batches: (`Data`, batch, seed) -> (step -> training batch).
     log_every: steps between logged losses.
+    rngs: the Flax RNG streams the model draws from in training (e.g.
+      ('dropout',)); then `logits_and_labels` also takes `rngs=` in training,
+      and the run carries a key chain that its checkpoints save.
   """
 
   name: str
@@ -136,6 +144,7 @@ class Task:
   batch: int = 64
   batches: Callable = lambda data, batch, seed: random_batches(data.train, batch, seed)
   log_every: int = 5
+  rngs: tuple[str, ...] = ()
 
 
 def image_logits_and_labels(apply_fn, params, batch):
@@ -143,12 +152,21 @@ def image_logits_and_labels(apply_fn, params, batch):
   return apply_fn({'params': params}, batch['image']), batch['label']
 
 
-def _cross_entropy(task: Task, apply_fn, params, batch):
-  """Per-example losses and hits (averaged over any non-batch label positions)."""
+def _cross_entropy(task: Task, apply_fn, params, batch, key=None):
+  """Per-example losses and hits (averaged over any non-batch label positions).
+
+  With `key` (training a task with `rngs`), each of the task's RNG streams
+  draws from its own fold of it.
+  """
+  import jax
   import jax.numpy as jnp
   import optax
 
-  logits, labels = task.logits_and_labels(apply_fn, params, batch)
+  if key is None:
+    logits, labels = task.logits_and_labels(apply_fn, params, batch)
+  else:
+    rngs = {name: jax.random.fold_in(key, i) for i, name in enumerate(task.rngs)}
+    logits, labels = task.logits_and_labels(apply_fn, params, batch, rngs=rngs)
   logits = logits.astype(jnp.float32)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
@@ -188,6 +206,9 @@ def run(
   mesh=None,
   checkpoint_dir: str | None = None,
   save_every: int = 50,
+  save_on_preemption: bool = False,
+  micro_batches: int = 1,
+  losses_file: str | None = None,
   tx=None,
   param_dtype=None,
   grad: str = 'auto',
@@ -202,14 +223,23 @@ def run(
     data: a path for `task.load`, a loaded `Data`, or None for synthetic data.
     seed: seeds the initial parameters and the order of the batches.
     checkpoint_dir: if given, save there every `save_every` steps (async,
-      keeping the last 3) and resume from the latest checkpoint: state and
-      data position, so the resumed run is bitwise the uninterrupted one.
+      keeping the last 3) and resume from the latest checkpoint: state, data
+      position, the key chain of the task's `rngs` and the micro-batch size,
+      on any device count and stage, with the same global batch.
+    save_on_preemption: on SIGTERM, save at the next step and exit with code
+      143 (`zerojax.checkpoint.Preempted`); needs `checkpoint_dir`.
+    micro_batches: micro-batches per device (through `zerojax.value_and_grad`).
+      A resumed run takes the checkpoint's micro-batch size instead, so that
+      each micro-batch holds the rows (and draws the random numbers) it did.
+    losses_file: append each step's loss to this file as a JSON line
+      (process 0), interrupted or not.
     tx: the optax optimizer (default: `task.tx()`).
     param_dtype: compute dtype of the parameters (with a mixed_precision tx).
     grad: 'jax' differentiates with `jax.value_and_grad` (the compiler places
       the gradient reduction), 'zerojax' with `zerojax.value_and_grad`
       (explicit per-layer reduce-scatters from stage 2); 'auto': zerojax when
-      `quantize` is given (ZeRO++ needs zerojax's own collectives), else jax.
+      `quantize` is given (ZeRO++ needs zerojax's own collectives) or with
+      more than one micro-batch, else jax.
     **zero_options: more options of `zerojax.zero_stage` (offload, update_on,
       quantize, ...).
 
@@ -246,23 +276,62 @@ def run(
 
   if grad not in ('auto', 'jax', 'zerojax'):
     raise ValueError(f"grad must be 'auto', 'jax' or 'zerojax', got {grad!r}")
+  if save_on_preemption and not checkpoint_dir:
+    raise ValueError('save_on_preemption saves into checkpoint_dir: pass checkpoint_dir too')
+  # The task's RNG streams draw from a key chain split at every step: saved
+  # with each checkpoint, so a resumed run draws what the uninterrupted one would.
+  rng = jax.random.key(seed + 1) if task.rngs else None
+  start, ckpt = 0, None
+  if checkpoint_dir:
+    ckpt = zerojax.checkpoint.Checkpointer(
+      checkpoint_dir,
+      max_to_keep=3,
+      save_interval_steps=save_every,
+      save_on_preemption=save_on_preemption,
+    )
+    if ckpt.latest_step() is not None:
+      state, extra = ckpt.restore(state, global_batch=task.batch)
+      start = int(extra['data_position'])
+      rng = extra.get('rng', rng)
+      split = ''
+      if ckpt.metadata().get('run'):
+        # The saved micro-batch size, on this device count: each micro-batch
+        # holds the rows, and draws the random numbers, it did before.
+        micro_batches = ckpt.micro_batches_for(state.tx)
+        split = f', {micro_batches} micro-batch(es) per device on {jax.device_count()} devices'
+      if jax.process_index() == 0:
+        print(f'resumed from {checkpoint_dir} at step {start}{split}', flush=True)
   if grad == 'auto':
-    grad = 'zerojax' if zero_options.get('quantize') is not None else 'jax'
+    use_zerojax = zero_options.get('quantize') is not None or micro_batches > 1
+    grad = 'zerojax' if use_zerojax else 'jax'
   if grad == 'jax' and zero_options.get('quantize') is not None:
     raise ValueError("quantize= needs zerojax's own collectives: use grad='zerojax'")
+  if grad == 'jax' and micro_batches > 1:
+    raise ValueError("micro_batches needs zerojax.value_and_grad: use grad='zerojax'")
 
-  def batch_loss(params, batch):
-    return _cross_entropy(task, state.apply_fn, params, batch)[0].mean()
+  def batch_loss(params, batch, key=None):
+    return _cross_entropy(task, state.apply_fn, params, batch, key)[0].mean()
 
-  value_and_grad = (
-    zerojax.value_and_grad(batch_loss, state.tx, per_layer=stage >= 2)
-    if grad == 'zerojax'
-    else jax.value_and_grad(batch_loss)
-  )
+  if grad == 'zerojax':
+    value_and_grad = zerojax.value_and_grad(
+      batch_loss, state.tx, per_layer=stage >= 2, micro_batches=micro_batches
+    )
+  else:
+    jax_grad = jax.value_and_grad(lambda p, b, k, scale: batch_loss(p, b, k) * scale)
 
-  def train_step(state, batch):
-    loss, grads = value_and_grad(state.params, batch)
-    return state.apply_gradients(grads=grads), loss
+    def value_and_grad(params, batch, key=None, loss_scale=None):
+      loss, grads = jax_grad(params, batch, key, loss_scale)
+      return loss / loss_scale, grads
+
+  def train_step(state, batch, rng):
+    # A loss scale (zerojax.mixed_precision) is 1.0 unless the optimizer keeps one.
+    scale = zerojax.loss_scale(state.opt_state)
+    if rng is None:
+      loss, grads = value_and_grad(state.params, batch, loss_scale=scale)
+    else:
+      rng, key = jax.random.split(rng)
+      loss, grads = value_and_grad(state.params, batch, key, loss_scale=scale)
+    return state.apply_gradients(grads=grads), loss, rng
 
   @jax.jit
   def eval_step(params, batch, weight):
@@ -271,38 +340,51 @@ def run(
 
   step_fn = jax.jit(train_step, donate_argnums=0)
   first = to_devices(batch_at(0))
-  compiled = step_fn.lower(state, first).compile()
-  start, ckpt = 0, None
-  if checkpoint_dir:
-    ckpt = zerojax.checkpoint.Checkpointer(
-      checkpoint_dir, max_to_keep=3, save_interval_steps=save_every
-    )
-    if ckpt.latest_step() is not None:
-      state, extra = ckpt.restore(state)
-      start = int(extra['data_position'])
-      if jax.process_index() == 0:
-        print(f'resumed from {checkpoint_dir} at step {start}')
+  compiled = step_fn.lower(state, first, rng).compile()
+  split = {'global_batch': task.batch, 'micro_batches': micro_batches}
+
+  def extra_at(position):
+    extra = {'data_position': jnp.array(position)}
+    return extra if rng is None else {**extra, 'rng': rng}
+
   losses, seconds = [], []
-  quiet = quiet or jax.process_index() != 0  # one progress bar per run, not per process
+  main = jax.process_index() == 0
+  quiet = quiet or not main  # one progress bar per run, not per process
   if not quiet:
     print(f'{task.name} data: {data.source}')
+  if main and save_on_preemption:
+    print(
+      f'{task.name} stage {stage}: training steps {start}..{steps - 1} on'
+      f' {jax.device_count()} devices; SIGTERM saves the next step and exits',
+      flush=True,
+    )
+  log = open(losses_file, 'a') if losses_file and main else None  # noqa: SIM115
   bar = progress(range(start, steps), desc=f'{task.name} stage {stage}', disable=quiet)
-  for step in bar:
-    batch = to_devices(batch_at(step))
-    t0 = time.perf_counter()
-    state, loss = compiled(state, batch)  # the program compiled above, not a second compile
-    loss = float(loss)  # waits for the step: its time is the step's own
-    seconds.append(time.perf_counter() - t0)
-    if step % task.log_every == 0 or step == steps - 1:
-      losses.append((step, loss))
-      bar.set_postfix(loss=f'{loss:.4f}')
-    if ckpt is not None:
-      # Saved after step `step`: resume at the next batch.
-      ckpt.save(step + 1, state, extra={'data_position': jnp.array(step + 1)})
+  try:
+    for step in bar:
+      batch = to_devices(batch_at(step))
+      t0 = time.perf_counter()
+      state, loss, rng = compiled(state, batch, rng)  # compiled above, not compiled again
+      loss = float(loss)  # waits for the step: its time is the step's own
+      seconds.append(time.perf_counter() - t0)
+      if log is not None:
+        log.write(json.dumps({'step': step, 'loss': loss, 'devices': jax.device_count()}) + '\n')
+        log.flush()
+      if step % task.log_every == 0 or step == steps - 1:
+        losses.append((step, loss))
+        bar.set_postfix(loss=f'{loss:.4f}')
+      if ckpt is not None:
+        # Saved after step `step`: resume at the next batch. On a preemption
+        # notice this saves now and raises zerojax.checkpoint.Preempted.
+        ckpt.save(step + 1, state, extra=extra_at(step + 1), **split)
+  finally:
+    bar.close()
+    if log is not None:
+      log.close()
   if ckpt is not None:
     ckpt.wait_until_finished()
     if steps not in ckpt.all_steps():  # the end of the run, if not saved already
-      ckpt.save(steps, state, extra={'data_position': jnp.array(steps)}, force=True)
+      ckpt.save(steps, state, extra=extra_at(steps), force=True, **split)
     ckpt.close()
   total_loss = total_hits = 0.0
   for batch, weight in heldout_batches(data.heldout, task.batch):
@@ -644,6 +726,21 @@ def make_parser(task: Task) -> argparse.ArgumentParser:
   )
   parser.add_argument('--save-every', type=int, default=50, help='steps between checkpoints')
   parser.add_argument(
+    '--save-on-preemption',
+    action='store_true',
+    help='on SIGTERM, save the next step to --checkpoint-dir and exit with code 143; run again'
+    ' with the same folder (on any device count) to resume',
+  )
+  parser.add_argument(
+    '--micro-batches',
+    type=int,
+    default=1,
+    help='micro-batches per device (zerojax.value_and_grad); a resumed run keeps the'
+    " checkpoint's micro-batch size instead",
+  )
+  parser.add_argument('--devices', type=int, default=8, help='CPU only: how many devices to fake')
+  parser.add_argument('--losses', default=None, help="append each step's loss to this JSONL file")
+  parser.add_argument(
     '--compare',
     action='store_true',
     help='train under stages 0-3 on the same data; write a table, a PNG and JSON to --out',
@@ -700,6 +797,9 @@ def main(
     seed=args.seed,
     checkpoint_dir=args.checkpoint_dir,
     save_every=args.save_every,
+    save_on_preemption=args.save_on_preemption,
+    micro_batches=args.micro_batches,
+    losses_file=args.losses,
     **options,
   )
   report(out, task.name)

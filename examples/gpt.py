@@ -45,6 +45,7 @@ class Config:
   seq_len: int = 64
   batch: int = 16
   lr: float = 3e-3
+  dropout: float = 0.0  # in training, after attention and the MLP
 
 
 # --- Data: bytes of a text file, or of the standard library's docstrings.
@@ -123,9 +124,11 @@ class Block(nn.Module):
     h = nn.LayerNorm()(x)
     qkv = nn.Dense(3 * d)(h).reshape(b, t, 3, cfg.n_heads, d // cfg.n_heads)
     attn = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
-    x = x + nn.Dense(d)(attn.reshape(b, t, d))
+    # Dropout only in training, where the caller passes a 'dropout' key.
+    drop = nn.Dropout(cfg.dropout, deterministic=cfg.dropout == 0 or not self.has_rng('dropout'))
+    x = x + drop(nn.Dense(d)(attn.reshape(b, t, d)))
     h = nn.Dense(4 * d)(nn.LayerNorm()(x))
-    return x + nn.Dense(d)(nn.gelu(h)), None
+    return x + drop(nn.Dense(d)(nn.gelu(h))), None
 
 
 class GPT(nn.Module):
@@ -157,15 +160,18 @@ class GPT(nn.Module):
     x = x + pos(jnp.arange(tokens.shape[1]))
     block = nn.remat(gathered(Block), prevent_cse=False)
     x, _ = nn.scan(
-      block, variable_axes={'params': 0}, split_rngs={'params': True}, length=cfg.n_layers
+      block,
+      variable_axes={'params': 0},
+      split_rngs={'params': True, 'dropout': True},
+      length=cfg.n_layers,
     )(cfg, name='blocks')(x, None)
     x = gathered(nn.LayerNorm)(name='final_norm')(x)
     return gathered(nn.Dense)(cfg.vocab, name='head')(x)
 
 
-def logits_and_labels(apply_fn, params, batch):
+def logits_and_labels(apply_fn, params, batch, rngs=None):
   tokens = batch['tokens']
-  return apply_fn({'params': params}, tokens[:, :-1]), tokens[:, 1:]
+  return apply_fn({'params': params}, tokens[:, :-1], rngs=rngs), tokens[:, 1:]
 
 
 def loss_fn(apply_fn, params, batch):
@@ -189,6 +195,7 @@ def task(cfg: Config = Config(), log_every: int = 10) -> common.Task:
       lambda step: {'tokens': batch_at(data.train['text'], step, cfg, seed)}
     ),
     log_every=log_every,
+    rngs=('dropout',) if cfg.dropout > 0 else (),
   )
 
 
@@ -224,6 +231,7 @@ def add_arguments(parser) -> None:
   parser.add_argument('--d-model', type=int, default=Config.d_model, help='model width')
   parser.add_argument('--layers', type=int, default=Config.n_layers, help='transformer blocks')
   parser.add_argument('--batch', type=int, default=Config.batch, help='global batch size')
+  parser.add_argument('--dropout', type=float, default=Config.dropout, help='dropout rate')
   parser.add_argument(
     '--mixed-precision', action='store_true', help='bf16 parameters, fp32 master copy'
   )
@@ -252,7 +260,7 @@ def add_arguments(parser) -> None:
 
 
 def configure(_, args) -> tuple[common.Task, dict]:
-  cfg = Config(d_model=args.d_model, n_layers=args.layers, batch=args.batch)
+  cfg = Config(d_model=args.d_model, n_layers=args.layers, batch=args.batch, dropout=args.dropout)
   job, options = task(cfg), {'offload': args.offload, 'update_on': args.update_on}
   if args.quantize:
     options['quantize'] = zerojax.Quantize(

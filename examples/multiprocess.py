@@ -50,6 +50,17 @@ def parse(argv):
   )
   parser.add_argument('--checkpoint-dir', help='save here and resume from the latest checkpoint')
   parser.add_argument('--save-every', type=int, default=5, help='steps between checkpoints')
+  parser.add_argument(
+    '--save-on-preemption',
+    action='store_true',
+    help='on SIGTERM to any process, every process saves the same next step (JAX preemption'
+    ' service) and exits with code 143',
+  )
+  parser.add_argument(
+    '--micro-batches', type=int, default=1, help='micro-batches per device (resumes keep the size)'
+  )
+  parser.add_argument('--dropout', type=float, default=0.0, help='dropout rate')
+  parser.add_argument('--losses', help="append each step's loss to this JSONL file (process 0)")
   parser.add_argument('--export', help='write the final parameters to this .npz (process 0)')
   parser.add_argument(
     '--export-state', help='write the final params and optimizer state to this .npz (process 0)'
@@ -86,13 +97,18 @@ def main(argv=None) -> int:
       f'{jax.process_count()} process(es) x {jax.local_device_count()} device(s):'
       f' one mesh of {jax.device_count()}; this is process {jax.process_index()}'
     )
-  cfg = gpt.Config(d_model=args.d_model, n_layers=args.layers, batch=args.batch)
+  cfg = gpt.Config(
+    d_model=args.d_model, n_layers=args.layers, batch=args.batch, dropout=args.dropout
+  )
   out = gpt.run(
     stage=args.stage,
     steps=args.steps,
     cfg=cfg,
     checkpoint_dir=args.checkpoint_dir,
     save_every=args.save_every,
+    save_on_preemption=args.save_on_preemption,
+    micro_batches=args.micro_batches,
+    losses_file=args.losses,
     log_every=1,
     tx=optax.sgd(0.1, momentum=0.9) if args.optimizer == 'sgd' else None,
   )

@@ -7,11 +7,23 @@
 - `export_params(params, path)`: whole parameters, for use without zerojax.
 - `format_checkpoint(directory)`: what a checkpoint folder holds (also
   `python -m zerojax inspect`).
+- `Preempted`: what `Checkpointer.save` raises once the checkpoint of a
+  preemption notice is committed (`save_on_preemption=True`): a SystemExit
+  with `PREEMPTED_EXIT_CODE` (143).
 """
 
+from zerojax._src.checkpoint import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from zerojax._src.checkpoint import Checkpointer as Checkpointer
+from zerojax._src.checkpoint import Preempted as Preempted
 from zerojax._src.checkpoint import export_params as export_params
 from zerojax._src.checkpoint import format_checkpoint as format_checkpoint
 from zerojax._src.checkpoint import restore_train_state as restore_train_state
 
-__all__ = ['Checkpointer', 'restore_train_state', 'export_params', 'format_checkpoint']
+__all__ = [
+  'Checkpointer',
+  'restore_train_state',
+  'export_params',
+  'format_checkpoint',
+  'Preempted',
+  'PREEMPTED_EXIT_CODE',
+]

@@ -12,13 +12,28 @@ Every array's checksum is recorded at save (two 32-bit sums of its bytes, one
 position-weighted, computed where the array lives) and checked at restore, so
 bytes changed on disk after the save raise an error instead of restoring
 garbage. Leaves padded under policy='pad' are saved unpadded.
+
+Preemption (`save_on_preemption=True`): the notice is SIGTERM. In one process
+a handler notes it and the next `save` writes that step; with several
+processes JAX's own preemption service (started by `jax.distributed`) catches
+SIGTERM on whichever host gets it and picks the step every process reaches
+next, so all save the same step. The save commits before `save` raises
+`Preempted`, a SystemExit with code 143 (128 + SIGTERM, what a job scheduler
+reads as terminated by SIGTERM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
+import re
 import shutil
+import signal
+import sys
+import threading
+import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +54,33 @@ _KEY_PREFIX = 'prng_key:'
 
 
 _TMP_SUFFIX = '.orbax-checkpoint-tmp'
+
+# What a preempted process exits with: 128 + SIGTERM, as if the signal had ended it.
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Preempted(SystemExit):
+  """Raised by `Checkpointer.save` once the checkpoint of a preemption notice is committed.
+
+  A `SystemExit` with code 143 (`PREEMPTED_EXIT_CODE`): uncaught, the process
+  ends with that code after `finally` blocks and `with` exits have run. Catch
+  it to exit with another code, or to do more before exiting.
+
+  Attributes:
+    step: the step saved.
+    directory: the checkpoint folder.
+  """
+
+  def __init__(self, step: int, directory: str):
+    super().__init__(PREEMPTED_EXIT_CODE)
+    self.step = step
+    self.directory = directory
+
+  def __str__(self) -> str:
+    return (
+      f'preempted: checkpoint step {self.step} is committed in {self.directory}; exiting'
+      f' with code {PREEMPTED_EXIT_CODE}'
+    )
 
 
 def _version() -> str:
@@ -166,6 +208,64 @@ def _leaf_table(tree: Any) -> dict[str, dict]:
   }
 
 
+class _SigtermNotice:
+  """One process's preemption notice: SIGTERM noted by a handler instead of ending the process.
+
+  The previous handler comes back on `uninstall`; a notice no save acted on is
+  then delivered to it, so the process still ends as it was asked to.
+  """
+
+  def __init__(self, directory: str):
+    if threading.current_thread() is not threading.main_thread():
+      raise ValueError(
+        'Checkpointer(save_on_preemption=True) installs a SIGTERM handler, which Python allows'
+        ' only in the main thread: create the Checkpointer there.'
+      )
+    self.directory = directory
+    self.received: float | None = None  # time.monotonic() of the first SIGTERM
+    self.repeats = 0
+    self.acted = False
+    self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum: int, frame: Any) -> None:
+    del signum, frame
+    if self.received is not None:
+      self.repeats += 1  # a second notice changes nothing: the save is already due
+      return
+    self.received = time.monotonic()
+    print(
+      f'zerojax: SIGTERM received; the next Checkpointer.save saves that step in'
+      f' {self.directory}, then the process exits with code {PREEMPTED_EXIT_CODE}',
+      file=sys.stderr,
+      flush=True,
+    )
+
+  def uninstall(self) -> None:
+    if signal.getsignal(signal.SIGTERM) == self._handle:
+      signal.signal(signal.SIGTERM, self._previous)
+    if self.received is not None and not self.acted:
+      print(
+        'zerojax: SIGTERM arrived but no Checkpointer.save came after it; passing it on',
+        file=sys.stderr,
+        flush=True,
+      )
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+  """Holds Ctrl-C (SIGINT) while a preemption save commits (the process exits after it)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield []
+    return
+  held: list[int] = []
+  previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+  try:
+    yield held
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
 class Checkpointer:
   """Saves and restores zero-sharded training state in a folder, one sub-folder per step.
 
@@ -180,6 +280,16 @@ class Checkpointer:
     clean_incomplete: remove the temporary folders (`*.orbax-checkpoint-tmp`)
       of saves that were killed before they committed. Pass False while
       another job may be saving into `directory`.
+    save_on_preemption: on a preemption notice (SIGTERM), the next `save`
+      writes its step whatever the interval, waits until it is committed and
+      raises `Preempted` (exit code 143). Call `save` every step for this. In
+      one process a SIGTERM handler notes the notice (created in the main
+      thread; the previous handler returns on `close`). With several
+      processes JAX's preemption service catches SIGTERM on any host and
+      every process saves the same step (`jax.distributed` starts it; it
+      needs `jax_enable_preemption_service`, on by default). A second SIGTERM
+      changes nothing and Ctrl-C is held while that save commits; SIGKILL
+      cannot be caught: the last committed step stays the latest.
 
   >>> import tempfile, jax, jax.numpy as jnp, zerojax
   >>> with zerojax.checkpoint.Checkpointer(tempfile.mkdtemp(), async_save=False) as ckpt:
@@ -198,8 +308,21 @@ class Checkpointer:
     save_interval_steps: int = 1,
     async_save: bool = True,
     clean_incomplete: bool = True,
+    save_on_preemption: bool = False,
   ):
     self.directory = os.path.abspath(os.fspath(directory))
+    self._notice = None
+    if save_on_preemption and jax.process_count() > 1:
+      if not jax.config.jax_enable_preemption_service:
+        raise ValueError(
+          "Checkpointer(save_on_preemption=True) with several processes needs JAX's"
+          ' preemption service, which picks the step every process saves; it is off'
+          ' (jax_enable_preemption_service=False). Turn it on before'
+          ' zerojax.distributed.initialize.'
+        )
+    elif save_on_preemption:
+      self._notice = _SigtermNotice(self.directory)
+    self.save_on_preemption = bool(save_on_preemption)
     options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep,
       keep_period=keep_every,
@@ -213,7 +336,7 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     # A script that ends without close() must not lose its last save: finish
     # pending writes when this object goes away or the interpreter exits.
-    self._finalizer = weakref.finalize(self, _finish, self._manager)
+    self._finalizer = weakref.finalize(self, _finish, self._manager, self._notice)
     # At exit, before the thread pools shut down: orbax commits a background
     # save on them, and interpreter shutdown stops them before any atexit
     # hook runs (the save would stay `N.orbax-checkpoint-tmp`). This is the
@@ -221,7 +344,16 @@ class Checkpointer:
     runtime.before_thread_pools_stop(self._finalizer)
 
   # --- Writing.
-  def save(self, step: int, state: Any, *, extra: dict | None = None, force: bool = False) -> bool:
+  def save(
+    self,
+    step: int,
+    state: Any,
+    *,
+    extra: dict | None = None,
+    global_batch: int | None = None,
+    micro_batches: int = 1,
+    force: bool = False,
+  ) -> bool:
     """Saves `state` (a train state or any pytree of arrays) at `step`.
 
     Args:
@@ -230,15 +362,101 @@ class Checkpointer:
         any pytree of arrays (e.g. NNX `nnx.state(model)`).
       extra: more arrays to resume exactly: RNG keys (typed keys are fine),
         the data position, ...; nested dicts, lists and tuples of them too.
+      global_batch: the rows of one step, all devices together. Recorded, so
+        that `restore(..., global_batch=...)` refuses another one and
+        `micro_batches_for` can keep the micro-batch size on another mesh.
+      micro_batches: the `micro_batches` of `zerojax.value_and_grad` in this
+        run (recorded with `global_batch`).
       force: save even if `step` is not a multiple of `save_interval_steps`.
 
     Returns:
       Whether a checkpoint was started.
 
     Raises:
+      Preempted: with `save_on_preemption`, after a preemption notice, once
+        this step's checkpoint is committed.
       TypeError: `extra` holds something other than arrays in dicts, lists
         and tuples.
+      ValueError: `global_batch` does not split into the devices and
+        `micro_batches`.
     """
+    run = self._run_record(state, global_batch, micro_batches)
+    if self.reached_preemption(step):
+      self._save_and_exit(step, state, extra, run)
+    return self._save(step, state, extra, run, force=force)
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether a preemption notice came and `step` is the one to save (False without
+    `save_on_preemption`). With several processes every process must ask at every step."""
+    if not self.save_on_preemption:
+      return False
+    if self._notice is not None:
+      return self._notice.received is not None
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.reached_preemption_sync_point(int(step)))
+
+  def _save_and_exit(self, step: int, state: Any, extra: dict | None, run: dict | None) -> None:
+    """Saves `step` and waits for it (a second signal changes nothing); raises Preempted."""
+    t0 = time.monotonic()
+    with _interrupts_held() as held:
+      if self._notice is not None:
+        self._notice.acted = True
+      if step not in self.all_steps():
+        self._save(step, state, extra, run, force=True, reason='preemption')
+      self._manager.wait_until_finished()
+    who = f'process {jax.process_index()}: ' if jax.process_count() > 1 else ''
+    repeats = 0 if self._notice is None else self._notice.repeats
+    more = [f'{repeats} more SIGTERM ignored'] * bool(repeats) + ['Ctrl-C held'] * bool(held)
+    print(
+      f'zerojax: {who}preemption notice: checkpoint step {step} committed in {self.directory}'
+      f' in {time.monotonic() - t0:.1f} s'
+      + (f' ({", ".join(more)})' if more else '')
+      + f'; exiting with code {PREEMPTED_EXIT_CODE}. Restart with the same folder to resume.',
+      file=sys.stderr,
+      flush=True,
+    )
+    raise Preempted(step, self.directory)
+
+  def _run_record(self, state: Any, global_batch: int | None, micro_batches: int) -> dict | None:
+    """The batch split to carry over: global rows, micro-batches, rows per micro-batch part."""
+    if global_batch is None:
+      return None
+    for name, value, low in (
+      ('global_batch', global_batch, 1),
+      ('micro_batches', micro_batches, 1),
+    ):
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f'Checkpointer.save({name}=...) must be a positive int, got {value!r}.')
+    config = transform.config_of(getattr(state, 'tx', None))
+    devices = (
+      mesh_lib.axes_size(config.mesh, config.axes) if config is not None else jax.device_count()
+    )
+    if global_batch % (devices * micro_batches):
+      raise ValueError(
+        f'Checkpointer.save(global_batch={global_batch}, micro_batches={micro_batches}): the'
+        f' global batch does not split into {devices} devices x {micro_batches} micro-batches;'
+        ' pass the rows of one whole step and the micro_batches given to value_and_grad.'
+      )
+    return {
+      'global_batch': int(global_batch),
+      'micro_batches': int(micro_batches),
+      'devices': int(devices),
+      'micro_batch_rows': int(global_batch) // (devices * int(micro_batches)),
+    }
+
+  def _save(
+    self,
+    step: int,
+    state: Any,
+    extra: dict | None,
+    run: dict | None,
+    *,
+    force: bool,
+    reason: str | None = None,
+  ) -> bool:
+    if not force and not self._manager.should_save(step):
+      return False  # nothing to gather or checksum off the interval
     extra = extra or {}
     structure = _structure(extra, "['extra']")
     state_tree = _state_tree(state)
@@ -265,6 +483,8 @@ class Checkpointer:
       'leaves': _leaf_table(tree),
       'extra_structure': structure,
       'checksums': _checksums(tree),
+      'run': run,
+      'reason': reason,
     }
     return self._manager.save(
       step,
@@ -307,12 +527,50 @@ class Checkpointer:
       )
     return step
 
+  def micro_batches_for(self, tx: optax.GradientTransformation, step: int | None = None) -> int:
+    """The `micro_batches` for `zerojax.value_and_grad` that resume `step`'s run on `tx`'s mesh.
+
+    It keeps the rows of each micro-batch part as saved, so every part holds
+    the same rows and folds the same index into the loss's random keys as in
+    the saved run, on any device count that divides its parts.
+
+    Raises:
+      ValueError: the checkpoint records no batch split (saved without
+        `global_batch`), or its parts do not divide over `tx`'s devices.
+    """
+    step = self._step_or_latest(step)
+    run = self.metadata(step).get('run')
+    if not run:
+      raise ValueError(
+        f'checkpoint step {step} in {self.directory} records no batch split: save with'
+        ' Checkpointer.save(..., global_batch=..., micro_batches=...) to carry it over.'
+      )
+    config = transform.require_config(tx)
+    devices = mesh_lib.axes_size(config.mesh, config.axes)
+    parts = run['global_batch'] // run['micro_batch_rows']
+    if parts % devices:
+      raise ValueError(
+        f'checkpoint step {step} in {self.directory} splits its global batch of'
+        f' {run["global_batch"]} rows into {parts} micro-batch parts of'
+        f' {run["micro_batch_rows"]} rows ({run["devices"]} devices x {run["micro_batches"]}),'
+        f' which do not divide over {devices} devices. Resume on a device count that divides'
+        f' {parts}; any other split draws different random numbers per row.'
+      )
+    return parts // devices
+
   def metadata(self, step: int | None = None) -> dict:
     """What was saved at `step` (default: latest): stage, mesh, version, leaves."""
     step = self._step_or_latest(step)
     return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
 
-  def restore(self, target: Any, step: int | None = None, *, extra: Any = None) -> tuple[Any, dict]:
+  def restore(
+    self,
+    target: Any,
+    step: int | None = None,
+    *,
+    extra: Any = None,
+    global_batch: int | None = None,
+  ) -> tuple[Any, dict]:
     """Restores the checkpoint at `step` (default: latest) into `target`'s layout.
 
     Args:
@@ -322,19 +580,26 @@ class Checkpointer:
       step: which checkpoint; default the latest committed one.
       extra: the structure of the saved `extra` (arrays or ShapeDtypeStructs);
         default: what was saved, replicated.
+      global_batch: this run's rows per step, checked against the one saved
+        (a different global batch is a different run).
 
     Returns:
       (restored state, restored extra).
 
     Raises:
       FileNotFoundError: no such committed step, or a file of it is missing.
-      ValueError: the target's tree, shapes or dtypes differ from the
-        checkpoint's (naming the first mismatching path and both); an array's
-        bytes differ from the checksum recorded at save (naming the step, the
-        path and where it is stored); or orbax cannot decode a file.
+      ValueError: the checkpoint was written by a newer zerojax; the global
+        batch differs from the one saved; the target's tree, shapes or dtypes
+        differ from the checkpoint's (naming the first mismatching path and
+        both); an array's bytes differ from the checksum recorded at save
+        (naming the step, the path and where it is stored); or orbax cannot
+        decode a file.
     """
     step = self._step_or_latest(step)
     meta = self.metadata(step)
+    _check_version(meta, self.directory, step)
+    if global_batch is not None:
+      _check_global_batch(meta, global_batch, self.directory, step)
     state_tree = _state_tree(target)
     rep = _replicated_on_target(target)
     if extra is None:
@@ -390,9 +655,48 @@ class Checkpointer:
     return state, out['extra']
 
 
-def _finish(manager: Any) -> None:
-  manager.wait_until_finished()
-  manager.close()
+def _version_tuple(version: str) -> tuple[int, ...]:
+  """'0.2.0' -> (0, 2, 0); the release's numbers, local and pre-release parts dropped."""
+  match = re.match(r'\d+(\.\d+)*', version)
+  return tuple(int(x) for x in match.group(0).split('.')) if match else ()
+
+
+def _check_version(meta: dict, directory: str, step: int) -> None:
+  saved = str(meta.get('zerojax_version', ''))
+  if _version_tuple(saved) > _version_tuple(_version()):
+    raise ValueError(
+      f'checkpoint step {step} in {directory} was written by zerojax {saved}, newer than'
+      f' this zerojax {_version()}; its layout may hold what this version cannot read.'
+      f' Upgrade zerojax to {saved} or later (pip install -U zerojax) to restore it.'
+    )
+
+
+def _check_global_batch(meta: dict, global_batch: int, directory: str, step: int) -> None:
+  run = meta.get('run') or {}
+  saved = run.get('global_batch')
+  if saved is None:
+    warnings.warn(
+      f'checkpoint step {step} in {directory} records no global batch (it was saved without'
+      ' Checkpointer.save(global_batch=...)); the global batch of this run was not checked.',
+      stacklevel=3,
+    )
+    return
+  if int(global_batch) != saved:
+    raise ValueError(
+      f'checkpoint step {step} in {directory} was trained with a global batch of {saved} rows'
+      f' per step; this run has {global_batch}. A resumed run keeps the global batch (the'
+      f' device count may change): resume with a global batch of {saved}, or start a new run'
+      ' in another folder.'
+    )
+
+
+def _finish(manager: Any, notice: _SigtermNotice | None = None) -> None:
+  try:
+    manager.wait_until_finished()
+    manager.close()
+  finally:
+    if notice is not None:
+      notice.uninstall()
 
 
 def _logical_struct(x: jax.ShapeDtypeStruct, pad: tuple[int, int], rep: Any):
@@ -564,21 +868,23 @@ def restore_train_state(
   *init_args: Any,
   tx: optax.GradientTransformation,
   step: int | None = None,
+  global_batch: int | None = None,
   **kwargs: Any,
 ) -> tuple[Any, dict]:
   """Restores a train state into `tx`'s stage and mesh, whatever it was saved on.
 
   Builds the target abstractly (`zerojax.inspect.abstract_train_state`), then reads each
   device's shards straight into it. `tx` is the optimizer wrapped by
-  `zerojax.zero_stage` for the new layout; `kwargs` (`apply_fn`, `param_dtype`,
-  ...) are as for `create_train_state`.
+  `zerojax.zero_stage` for the new layout; `global_batch` is checked as in
+  `Checkpointer.restore`; `kwargs` (`apply_fn`, `param_dtype`, ...) are as for
+  `create_train_state`.
 
   Returns:
     (train state, extra).
   """
   target = train_state_lib.abstract_train_state(init_fn, *init_args, tx=tx, **kwargs)
   with Checkpointer(directory, async_save=False) as ckpt:
-    return ckpt.restore(target, step)
+    return ckpt.restore(target, step, global_batch=global_batch)
 
 
 def export_params(params: Any, path: str | os.PathLike) -> str:
@@ -616,21 +922,27 @@ def format_checkpoint(directory: str | os.PathLike, step: int | None = None) -> 
   """
   with Checkpointer(directory, async_save=False, clean_incomplete=False) as ckpt:
     steps = ckpt.all_steps()
-    incomplete = [os.path.basename(p) for p in ckpt.incomplete()]
-    note = (
-      f'incomplete saves (killed before committing; never restored, removed when a'
-      f' Checkpointer next opens the folder): {", ".join(incomplete)}'
-    )
+    incomplete = ckpt.incomplete()
+    note = [
+      'incomplete saves (never restored; removed when a Checkpointer next opens the folder):'
+    ] + [f'  {_describe_incomplete(path, steps)}' for path in incomplete]
     if not steps:
       return '\n'.join(
-        [f'{ckpt.directory}: no committed checkpoints'] + ([note] if incomplete else [])
+        [f'{ckpt.directory}: no committed checkpoints'] + (note if incomplete else [])
       )
     meta = ckpt.metadata(step)
+  why = ', saved on a preemption notice' if meta.get('reason') == 'preemption' else ''
   lines = [
     f'{os.path.abspath(os.fspath(directory))}: steps {steps}',
     f'step {meta["step"]}: {meta["kind"]}, ZeRO stage {meta["stage"]}, mesh {meta["mesh"]},'
-    f' axes {meta["axes"]}, zerojax {meta["zerojax_version"]}',
+    f' axes {meta["axes"]}, zerojax {meta["zerojax_version"]}{why}',
   ]
+  run = meta.get('run')
+  if run:
+    lines.append(
+      f'batch: {run["global_batch"]} rows per step = {run["devices"]} devices x'
+      f' {run["micro_batches"]} micro-batches x {run["micro_batch_rows"]} rows'
+    )
   total = 0
   width = max(len(p) for p in meta['leaves'])
   for path, leaf in meta['leaves'].items():
@@ -641,5 +953,23 @@ def format_checkpoint(directory: str | os.PathLike, step: int | None = None) -> 
     )
   lines.append(f'  total {total:,} bytes (logical, all devices together)')
   if incomplete:
-    lines.append(note)
+    lines.extend(note)
   return '\n'.join(lines)
+
+
+def _describe_incomplete(path: str, committed: list[int]) -> str:
+  """One save that never committed: its step, what it wrote, when, and what restores instead."""
+  name = os.path.basename(path)
+  step = name.split('.')[0]
+  files, written, last = 0, 0, os.path.getmtime(path)
+  for folder, _, names in os.walk(path):
+    for f in names:
+      info = os.stat(os.path.join(folder, f))
+      files, written, last = files + 1, written + info.st_size, max(last, info.st_mtime)
+  older = [s for s in committed if not step.isdigit() or s < int(step)]
+  instead = f'step {older[-1]} restores instead' if older else 'no earlier step to restore'
+  return (
+    f'{name}: step {step}, {files} files, {written:,} bytes written, last written'
+    f' {time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last))}; killed mid-save, or still'
+    f' being written by a running job; {instead}'
+  )
