@@ -5,13 +5,14 @@ python _checkpoint_worker.py restore N DIR STAGE [...]      -> restores every DI
 python _checkpoint_worker.py kill DIR                       -> saves step 1, then a big step 2
 python _checkpoint_worker.py exit DIR                       -> starts an async save, then exits
 python _checkpoint_worker.py exit-state DIR                 -> the same with a flax TrainState
+python _checkpoint_worker.py preempt DIR                    -> trains a 256 MiB state until SIGTERM
 """
 
 import json
 import os
 import sys
 
-N = int(sys.argv[2]) if sys.argv[1] not in ('kill', 'exit', 'exit-state') else 2
+N = int(sys.argv[2]) if sys.argv[1] not in ('kill', 'exit', 'exit-state', 'preempt') else 2
 os.environ['JAX_PLATFORMS'] = 'cpu'
 os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={N}'
 
@@ -118,6 +119,20 @@ def exit_state_without_close(folder):
   print('RETURNED', flush=True)
 
 
+def preempt(folder):
+  # Saves every step on a SIGTERM only (and the first step); a state big enough that the
+  # preemption save takes a while, so the test can signal again while it runs.
+  w = jnp.ones((64, 1024, 1024), jnp.float32)
+  add = jax.jit(lambda w: w + 1, donate_argnums=0)
+  ckpt = zerojax.checkpoint.Checkpointer(folder, save_interval_steps=10**6, save_on_preemption=True)
+  ckpt.save(1, {'w': w}, extra={'step': jnp.array(1)})
+  ckpt.wait_until_finished()
+  print('TRAINING', flush=True)
+  for step in range(2, 10**6):
+    w = add(w)
+    ckpt.save(step, {'w': w}, extra={'step': jnp.array(step)})
+
+
 if __name__ == '__main__':
   mode, rest = sys.argv[1], sys.argv[2:]
   if mode == 'save':
@@ -128,5 +143,7 @@ if __name__ == '__main__':
     exit_without_close(rest[0])
   elif mode == 'exit-state':
     exit_state_without_close(rest[0])
+  elif mode == 'preempt':
+    preempt(rest[0])
   else:
     kill(rest[0])
