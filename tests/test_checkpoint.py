@@ -139,9 +139,21 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
   tmp = glob.glob(str(tmp_path / '2*tmp*'))
   assert tmp  # the partial save is there...
   text = zerojax.checkpoint.format_checkpoint(tmp_path)  # ...shown, not removed, by inspect...
-  assert text.splitlines()[0] == f'{tmp_path}: steps [1]'
-  assert text.splitlines()[-1].startswith('incomplete saves (killed before committing;')
-  assert os.path.basename(tmp[0]) in text and glob.glob(str(tmp_path / '2*tmp*'))
+  lines = text.splitlines()
+  assert lines[0] == f'{tmp_path}: steps [1]'
+  assert lines[-2] == (
+    'incomplete saves (never restored; removed when a Checkpointer next opens the folder):'
+  )
+  # Which step, how far it got, when, and what restores instead.
+  written = sum(
+    os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(tmp[0]) for f in names
+  )
+  assert lines[-1].startswith(f'  {os.path.basename(tmp[0])}: step 2, ')
+  assert f' files, {written:,} bytes written, last written ' in lines[-1]
+  assert lines[-1].endswith(
+    '; killed mid-save, or still being written by a running job; step 1 restores instead'
+  )
+  assert glob.glob(str(tmp_path / '2*tmp*'))
   with zerojax.checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
     assert ckpt.all_steps() == [1] and ckpt.latest_step() == 1  # ...never restored...
     assert ckpt.incomplete() == []  # ...and cleaned when a Checkpointer opens the folder

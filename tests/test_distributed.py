@@ -19,6 +19,7 @@ import pytest
 from _tolerance import reordered
 
 import zerojax
+from zerojax._src import distributed as distributed_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, 'examples', 'multiprocess.py')
@@ -178,7 +179,7 @@ def test_too_few_processes_fail_within_the_timeout():
   t0 = time.monotonic()
   p = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=60)
   assert time.monotonic() - t0 < 40
-  assert p.returncode == zerojax._src.distributed.TIMEOUT_EXIT_CODE
+  assert p.returncode == distributed_lib.TIMEOUT_EXIT_CODE
   assert (
     f'zerojax: process 0 of 2: not all processes joined the coordinator at 127.0.0.1:{port}'
     ' within 5 s. Check that 2 processes were launched' in p.stderr
