@@ -469,3 +469,110 @@ def test_a_notice_no_save_acted_on_ends_the_process_on_close(tmp_path):
   assert (
     'zerojax: SIGTERM arrived but no Checkpointer.save came after it; passing it on' in p.stderr
   )
+
+
+class Shuffled:
+  """A pipeline zerojax does not own: its position lives inside it (as grain's iterators)."""
+
+  def __init__(self, seed=0, as_bytes=False):
+    self.seed, self.next, self.as_bytes = seed, 0, as_bytes
+
+  def __next__(self):
+    self.next += 1
+    return np.random.default_rng((self.seed, self.next)).integers(0, 100, 4)
+
+  def get_state(self):
+    state = {'seed': self.seed, 'next': self.next}
+    return json.dumps(state).encode() if self.as_bytes else state
+
+  def set_state(self, state):
+    state = json.loads(state) if isinstance(state, bytes) else state
+    self.seed, self.next = state['seed'], state['next']
+
+
+@pytest.mark.parametrize('as_bytes', [False, True], ids=['json', 'bytes'])
+def test_data_iterator_state_is_saved_with_the_step(tmp_path, as_bytes):
+  state = fresh(2, 8)
+  data = Shuffled(seed=5, as_bytes=as_bytes)
+  for _ in range(3):
+    next(data)
+  with zerojax.checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(3, state, data_iterator=data, global_batch=32)
+  want = [next(data) for _ in range(4)]
+  resumed = Shuffled(seed=0, as_bytes=as_bytes)
+  with zerojax.checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.restore(state, data_iterator=resumed, global_batch=32)
+    assert ckpt.metadata()['run']['global_batch'] == 32
+  assert (resumed.seed, resumed.next) == (5, 3)
+  np.testing.assert_array_equal([next(resumed) for _ in range(4)], want)
+
+
+def test_data_iterator_errors(tmp_path, monkeypatch):
+  state = fresh(2, 8)
+
+  class Opaque:
+    def get_state(self):
+      return object()
+
+    def set_state(self, state):
+      raise AssertionError('not called')
+
+  with zerojax.checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+    with pytest.raises(TypeError) as e:
+      ckpt.save(1, state, data_iterator=Opaque())
+    assert str(e.value).startswith(
+      'Checkpointer.save(data_iterator=...): Opaque.get_state() returned a object that is'
+      ' neither bytes nor JSON-serialisable ('
+    )
+    with pytest.raises(TypeError, match=r'takes an object with get_state\(\) and set_state'):
+      ckpt.save(1, state, data_iterator=iter([1, 2]))
+    assert ckpt.all_steps() == []  # nothing was written
+    ckpt.save(1, state)
+    with pytest.raises(ValueError, match='holds no data iterator state'):
+      ckpt.restore(state, data_iterator=Shuffled())
+    # Saved by two processes (each one's share), restored by one: refused, iterator untouched.
+    monkeypatch.setattr(checkpoint_lib, '_gather_process_states', lambda s: [s, s])
+    ckpt.save(2, state, data_iterator=Shuffled(seed=9))
+    resumed = Shuffled(seed=1)
+    with pytest.raises(ValueError) as e:
+      ckpt.restore(state, data_iterator=resumed)
+  assert (resumed.seed, resumed.next) == (1, 0)
+  assert str(e.value) == (
+    f'checkpoint step 2 in {tmp_path} holds the data iterator states of 2 process(es); this run'
+    " has 1. An iterator state is one process's share of the data and does not map onto"
+    ' another process count: resume on 2 process(es), or make the pipeline a function of the'
+    ' step (saved in `extra`) and restore without data_iterator=.'
+  )
+
+
+@pytest.mark.slow
+def test_each_process_gets_its_own_data_iterator_state(tmp_path):
+  import socket
+
+  def launch(mode, count):
+    with socket.socket() as s:
+      s.bind(('127.0.0.1', 0))
+      port = s.getsockname()[1]
+    worker = os.path.join(HERE, '_iterator_worker.py')
+    procs = [
+      subprocess.Popen(
+        [sys.executable, worker, mode, str(tmp_path), str(i), str(count), str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+      )
+      for i in range(count)
+    ]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    for p, out in zip(procs, outs):
+      assert p.returncode == 0, out[-3000:]
+    return [[line for line in out.splitlines() if line.isupper() or ' ' in line] for out in outs]
+
+  assert all('SAVED' in out for out in launch('save', 2))
+  restored = launch('restore', 2)
+  for i, out in enumerate(restored):
+    assert f'STATE {{"seed": {10 + i}, "next": {3 + i}}}' in out, out
+  (one,) = launch('restore', 1)
+  assert any(line.startswith('REFUSED checkpoint step 1 in') for line in one), one
+  assert any('holds the data iterator states of 2 process(es); this run has 1.' in x for x in one)

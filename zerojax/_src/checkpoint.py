@@ -352,6 +352,7 @@ class Checkpointer:
     extra: dict | None = None,
     global_batch: int | None = None,
     micro_batches: int = 1,
+    data_iterator: Any = None,
     force: bool = False,
   ) -> bool:
     """Saves `state` (a train state or any pytree of arrays) at `step`.
@@ -367,6 +368,10 @@ class Checkpointer:
         `micro_batches_for` can keep the micro-batch size on another mesh.
       micro_batches: the `micro_batches` of `zerojax.value_and_grad` in this
         run (recorded with `global_batch`).
+      data_iterator: a data pipeline that zerojax does not own, with
+        `get_state()` and `set_state(state)` (grain's iterators have them):
+        each process's state (JSON-serialisable, or bytes) is saved with the
+        step, for `restore(..., data_iterator=...)`. Every process passes its own.
       force: save even if `step` is not a multiple of `save_interval_steps`.
 
     Returns:
@@ -376,11 +381,14 @@ class Checkpointer:
       Preempted: with `save_on_preemption`, after a preemption notice, once
         this step's checkpoint is committed.
       TypeError: `extra` holds something other than arrays in dicts, lists
-        and tuples.
+        and tuples; `data_iterator` has no `get_state`, or its state is
+        neither JSON-serialisable nor bytes.
       ValueError: `global_batch` does not split into the devices and
         `micro_batches`.
     """
     run = self._run_record(state, global_batch, micro_batches)
+    if data_iterator is not None:
+      run = dict(run or {}, data_iterator=data_iterator)
     if self.reached_preemption(step):
       self._save_and_exit(step, state, extra, run)
     return self._save(step, state, extra, run, force=force)
@@ -457,6 +465,9 @@ class Checkpointer:
   ) -> bool:
     if not force and not self._manager.should_save(step):
       return False  # nothing to gather or checksum off the interval
+    run = dict(run) if run else None
+    iterator = run.pop('data_iterator', None) if run else None
+    data_states = None if iterator is None else _gather_process_states(_iterator_state(iterator))
     extra = extra or {}
     structure = _structure(extra, "['extra']")
     state_tree = _state_tree(state)
@@ -483,8 +494,9 @@ class Checkpointer:
       'leaves': _leaf_table(tree),
       'extra_structure': structure,
       'checksums': _checksums(tree),
-      'run': run,
+      'run': run or None,
       'reason': reason,
+      'data_iterator': data_states,
     }
     return self._manager.save(
       step,
@@ -570,6 +582,7 @@ class Checkpointer:
     *,
     extra: Any = None,
     global_batch: int | None = None,
+    data_iterator: Any = None,
   ) -> tuple[Any, dict]:
     """Restores the checkpoint at `step` (default: latest) into `target`'s layout.
 
@@ -582,6 +595,9 @@ class Checkpointer:
         default: what was saved, replicated.
       global_batch: this run's rows per step, checked against the one saved
         (a different global batch is a different run).
+      data_iterator: gets this process's saved state (`set_state`), after
+        the arrays are restored. Only on the process count it was saved
+        from: an iterator's state is its process's share of the data.
 
     Returns:
       (restored state, restored extra).
@@ -600,6 +616,9 @@ class Checkpointer:
     _check_version(meta, self.directory, step)
     if global_batch is not None:
       _check_global_batch(meta, global_batch, self.directory, step)
+    data_state = None
+    if data_iterator is not None:
+      data_state = _saved_iterator_state(meta, data_iterator, self.directory, step)
     state_tree = _state_tree(target)
     rep = _replicated_on_target(target)
     if extra is None:
@@ -652,7 +671,80 @@ class Checkpointer:
       )
     else:
       state = restored['tree']
+    if data_iterator is not None:  # last: nothing is changed if the arrays fail to restore
+      data_iterator.set_state(data_state)
     return state, out['extra']
+
+
+def _iterator_state(iterator: Any) -> dict:
+  """`iterator.get_state()` as JSON: {'json': value} or {'bytes': base64 text}."""
+  import base64
+  import json
+
+  if not callable(getattr(iterator, 'get_state', None)) or not callable(
+    getattr(iterator, 'set_state', None)
+  ):
+    raise TypeError(
+      f'Checkpointer.save(data_iterator=...) takes an object with get_state() and'
+      f" set_state(state) (as grain's iterators have); got a {type(iterator).__name__}. For a"
+      ' pipeline that is a function of the step, save the step in `extra` instead.'
+    )
+  value = iterator.get_state()
+  if isinstance(value, (bytes, bytearray)):
+    return {'bytes': base64.b64encode(bytes(value)).decode('ascii')}
+  try:
+    json.dumps(value)
+  except (TypeError, ValueError) as e:
+    raise TypeError(
+      f'Checkpointer.save(data_iterator=...): {type(iterator).__name__}.get_state() returned'
+      f' a {type(value).__name__} that is neither bytes nor JSON-serialisable ({e}); return'
+      ' numbers, strings, lists and dicts of them, or bytes.'
+    ) from None
+  return {'json': value}
+
+
+def _gather_process_states(state: dict) -> list[dict]:
+  """Every process's iterator state, in process order (one per process; a collective)."""
+  import json
+
+  if jax.process_count() == 1:
+    return [state]
+  from jax.experimental import multihost_utils
+
+  data = np.frombuffer(json.dumps(state).encode(), np.uint8)
+  lengths = multihost_utils.process_allgather(np.array([data.size], np.int64))
+  padded = np.zeros(int(np.max(lengths)), np.uint8)
+  padded[: data.size] = data
+  rows = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(rows, np.ravel(lengths))]
+
+
+def _saved_iterator_state(meta: dict, iterator: Any, directory: str, step: int) -> Any:
+  """This process's saved iterator state, decoded; raises if it cannot be this process's."""
+  import base64
+
+  states = meta.get('data_iterator')
+  if not states:
+    raise ValueError(
+      f'checkpoint step {step} in {directory} holds no data iterator state (it was saved'
+      ' without Checkpointer.save(data_iterator=...)); restore without data_iterator= and'
+      ' position the pipeline from `extra`.'
+    )
+  if len(states) != jax.process_count():
+    raise ValueError(
+      f'checkpoint step {step} in {directory} holds the data iterator states of'
+      f' {len(states)} process(es); this run has {jax.process_count()}. An iterator state is one'
+      " process's share of the data and does not map onto another process count: resume on"
+      f' {len(states)} process(es), or make the pipeline a function of the step (saved in'
+      ' `extra`) and restore without data_iterator=.'
+    )
+  if not callable(getattr(iterator, 'set_state', None)):
+    raise TypeError(
+      f'Checkpointer.restore(data_iterator=...) needs set_state(state); a'
+      f' {type(iterator).__name__} has none.'
+    )
+  saved = states[jax.process_index()]
+  return base64.b64decode(saved['bytes']) if 'bytes' in saved else saved['json']
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
