@@ -504,6 +504,9 @@ def test_data_iterator_state_is_saved_with_the_step(tmp_path, as_bytes):
     ckpt.restore(state, data_iterator=resumed, global_batch=32)
     assert ckpt.metadata()['run']['global_batch'] == 32
   assert (resumed.seed, resumed.next) == (5, 3)
+  text = zerojax.checkpoint.format_checkpoint(tmp_path)
+  assert 'batch: 32 rows per step = 8 devices x 1 micro-batches x 4 rows' in text
+  assert 'data iterator: the states of 1 process(es), restored only on as many' in text
   np.testing.assert_array_equal([next(resumed) for _ in range(4)], want)
 
 

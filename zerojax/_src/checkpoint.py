@@ -1035,6 +1035,11 @@ def format_checkpoint(directory: str | os.PathLike, step: int | None = None) -> 
       f'batch: {run["global_batch"]} rows per step = {run["devices"]} devices x'
       f' {run["micro_batches"]} micro-batches x {run["micro_batch_rows"]} rows'
     )
+  if meta.get('data_iterator'):
+    lines.append(
+      f'data iterator: the states of {len(meta["data_iterator"])} process(es), restored only on'
+      ' as many'
+    )
   total = 0
   width = max(len(p) for p in meta['leaves'])
   for path, leaf in meta['leaves'].items():
