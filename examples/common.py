@@ -292,7 +292,7 @@ def run(
     if ckpt.latest_step() is not None:
       state, extra = ckpt.restore(state, global_batch=task.batch)
       start = int(extra['data_position'])
-      rng = extra.get('rng', rng)
+      rng = extra.get('rng', rng) if task.rngs else None
       split = ''
       if ckpt.metadata().get('run'):
         # The saved micro-batch size, on this device count: each micro-batch

@@ -9,6 +9,14 @@ loss and the accuracy of predicting each next byte.
 
   python examples/gpt.py --stage 3 --steps 200
   python examples/gpt.py --compare --steps 100    # stages 0-3 side by side
+
+Preempted and resumed elsewhere: SIGTERM saves the next step and exits with 143;
+the same folder then resumes on any device count and stage, the same run
+(data position, dropout keys and micro-batch size carried over):
+
+  python examples/gpt.py --stage 2 --dropout 0.1 --micro-batches 2 --checkpoint-dir ckpt \
+      --save-on-preemption
+  python examples/gpt.py --stage 3 --dropout 0.1 --devices 4 --checkpoint-dir ckpt
 """
 
 from __future__ import annotations
