@@ -293,14 +293,14 @@ def run(
       state, extra = ckpt.restore(state, global_batch=task.batch)
       start = int(extra['data_position'])
       rng = extra.get('rng', rng) if task.rngs else None
-      split = ''
+      how = ''
       if ckpt.metadata().get('run'):
         # The saved micro-batch size, on this device count: each micro-batch
         # holds the rows, and draws the random numbers, it did before.
         micro_batches = ckpt.micro_batches_for(state.tx)
-        split = f', {micro_batches} micro-batch(es) per device on {jax.device_count()} devices'
+        how = f', {micro_batches} micro-batch(es) per device on {jax.device_count()} devices'
       if jax.process_index() == 0:
-        print(f'resumed from {checkpoint_dir} at step {start}{split}', flush=True)
+        print(f'resumed from {checkpoint_dir} at step {start}{how}', flush=True)
   if grad == 'auto':
     use_zerojax = zero_options.get('quantize') is not None or micro_batches > 1
     grad = 'zerojax' if use_zerojax else 'jax'
