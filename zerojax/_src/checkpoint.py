@@ -24,8 +24,10 @@ reads as terminated by SIGTERM).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import glob
+import json
 import os
 import re
 import shutil
@@ -387,11 +389,9 @@ class Checkpointer:
         `micro_batches`.
     """
     run = self._run_record(state, global_batch, micro_batches)
-    if data_iterator is not None:
-      run = dict(run or {}, data_iterator=data_iterator)
     if self.reached_preemption(step):
-      self._save_and_exit(step, state, extra, run)
-    return self._save(step, state, extra, run, force=force)
+      self._save_and_exit(step, state, extra, run, data_iterator)
+    return self._save(step, state, extra, run, data_iterator, force=force)
 
   def reached_preemption(self, step: int) -> bool:
     """Whether a preemption notice came and `step` is the one to save (False without
@@ -404,14 +404,16 @@ class Checkpointer:
 
     return bool(multihost_utils.reached_preemption_sync_point(int(step)))
 
-  def _save_and_exit(self, step: int, state: Any, extra: dict | None, run: dict | None) -> None:
+  def _save_and_exit(
+    self, step: int, state: Any, extra: dict | None, run: dict | None, data_iterator: Any
+  ) -> None:
     """Saves `step` and waits for it (a second signal changes nothing); raises Preempted."""
     t0 = time.monotonic()
     with _interrupts_held() as held:
       if self._notice is not None:
         self._notice.acted = True
       if step not in self.all_steps():
-        self._save(step, state, extra, run, force=True, reason='preemption')
+        self._save(step, state, extra, run, data_iterator, force=True, reason='preemption')
       self._manager.wait_until_finished()
     who = f'process {jax.process_index()}: ' if jax.process_count() > 1 else ''
     repeats = 0 if self._notice is None else self._notice.repeats
@@ -459,15 +461,16 @@ class Checkpointer:
     state: Any,
     extra: dict | None,
     run: dict | None,
+    data_iterator: Any,
     *,
     force: bool,
     reason: str | None = None,
   ) -> bool:
     if not force and not self._manager.should_save(step):
       return False  # nothing to gather or checksum off the interval
-    run = dict(run) if run else None
-    iterator = run.pop('data_iterator', None) if run else None
-    data_states = None if iterator is None else _gather_process_states(_iterator_state(iterator))
+    data_states = None
+    if data_iterator is not None:
+      data_states = _gather_process_states(_iterator_state(data_iterator))
     extra = extra or {}
     structure = _structure(extra, "['extra']")
     state_tree = _state_tree(state)
@@ -494,7 +497,7 @@ class Checkpointer:
       'leaves': _leaf_table(tree),
       'extra_structure': structure,
       'checksums': _checksums(tree),
-      'run': run or None,
+      'run': run,
       'reason': reason,
       'data_iterator': data_states,
     }
@@ -678,9 +681,6 @@ class Checkpointer:
 
 def _iterator_state(iterator: Any) -> dict:
   """`iterator.get_state()` as JSON: {'json': value} or {'bytes': base64 text}."""
-  import base64
-  import json
-
   if not callable(getattr(iterator, 'get_state', None)) or not callable(
     getattr(iterator, 'set_state', None)
   ):
@@ -705,8 +705,6 @@ def _iterator_state(iterator: Any) -> dict:
 
 def _gather_process_states(state: dict) -> list[dict]:
   """Every process's iterator state, in process order (one per process; a collective)."""
-  import json
-
   if jax.process_count() == 1:
     return [state]
   from jax.experimental import multihost_utils
@@ -721,8 +719,6 @@ def _gather_process_states(state: dict) -> list[dict]:
 
 def _saved_iterator_state(meta: dict, iterator: Any, directory: str, step: int) -> Any:
   """This process's saved iterator state, decoded; raises if it cannot be this process's."""
-  import base64
-
   states = meta.get('data_iterator')
   if not states:
     raise ValueError(
