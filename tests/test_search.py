@@ -137,7 +137,9 @@ def test_search_reads_v5p_and_v6e_programs(topology, chip):
   assert report.target.chip is search.CHIPS[chip]
   (r,) = report.results
   assert r.fits, r.status
-  assert r.predicted['compute'] == pytest.approx(r.flops / search.CHIPS[chip].peak_flops)
+  # The kernels' time (the compiler's estimates) cannot beat the matmuls at peak.
+  assert r.predicted['compute'] == pytest.approx(r.kernel_seconds)
+  assert r.kernel_seconds >= r.flops / search.CHIPS[chip].peak_flops
   # Every collective is found: a stage-3 step moves at least about the floor (measured:
   # v5p 0.98x, its small bias gathers below a tile; v6e 1.31x, the compiler all-reduces
   # some of this tiny model's gradients).

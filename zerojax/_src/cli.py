@@ -54,30 +54,56 @@ def _devices(topology: str):
 _GRID_AXES = ('x', 'y', 'z')
 
 
+# The mesh axis `--mesh` names for tensor parallelism; every other axis is a ZeRO axis.
+TENSOR = 'tensor'
+
+
 def _mesh_shape(mesh: str, n: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-  """The device mesh `--mesh` asks for: 'data' (one axis) or a grid like '16x16'."""
-  if mesh == 'data':
-    return (n,), ('data',)
-  try:
-    shape = tuple(int(d) for d in mesh.lower().split('x'))
-  except ValueError:
-    shape = ()
-  if not shape or len(shape) > len(_GRID_AXES) or min(shape) < 1:
-    raise SystemExit(
-      f"error: --mesh {mesh!r}: expected 'data' or a grid of up to {len(_GRID_AXES)}"
-      ' dimensions like 16x16'
-    )
+  """The device mesh `--mesh` asks for: 'data' (one axis), a grid like '16x16', or named
+  axes like 'data=16,tensor=4' (an axis named 'tensor' is tensor-parallel)."""
+  if '=' in mesh:
+    try:
+      pairs = [(k.strip(), int(v)) for k, v in (p.split('=') for p in mesh.split(','))]
+    except ValueError:
+      pairs = []
+    names = tuple(k for k, _ in pairs)
+    shape = tuple(v for _, v in pairs)
+    if not pairs or min(shape) < 1 or len(set(names)) != len(names) or names == (TENSOR,):
+      raise SystemExit(
+        f'error: --mesh {mesh!r}: expected named axes like data=16,{TENSOR}=4 (distinct'
+        f' names, sizes >= 1, at least one ZeRO axis beside {TENSOR!r})'
+      )
+  else:
+    if mesh == 'data':
+      return (n,), ('data',)
+    try:
+      shape = tuple(int(d) for d in mesh.lower().split('x'))
+    except ValueError:
+      shape = ()
+    if not shape or len(shape) > len(_GRID_AXES) or min(shape) < 1:
+      raise SystemExit(
+        f"error: --mesh {mesh!r}: expected 'data', a grid of up to {len(_GRID_AXES)}"
+        f' dimensions like 16x16, or named axes like data=16,{TENSOR}=4'
+      )
+    names = _GRID_AXES[: len(shape)]
   if math.prod(shape) != n:
     raise SystemExit(
       f'error: --mesh {mesh} has {math.prod(shape)} devices but the topology has {n};'
-      ' give the chip grid, e.g. --mesh 16x16 for v5e:16x16'
+      ' give the chip grid, e.g. --mesh 16x16 for v5e:16x16, or sizes whose product is'
+      f' {n}'
     )
-  return shape, _GRID_AXES[: len(shape)]
+  return shape, names
 
 
 def _load_model(args) -> Any:
   from zerojax._src import presets
 
+  if args.model.startswith('decoder:'):
+    try:
+      cfg = presets.parse_decoder(args.model[len('decoder:') :], args.seq_len)
+    except ValueError as e:
+      raise SystemExit(f'error: --model: {e}') from None
+    return _preset_spec(args, cfg)
   if ':' in args.model:
     if args.attention_chunk:
       raise SystemExit(
@@ -92,17 +118,26 @@ def _load_model(args) -> Any:
         ' zerojax.inspect.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
       )
     return spec
+  return _preset_spec(args, args.model)
+
+
+def _preset_spec(args, model) -> Any:
   import jax.numpy as jnp
 
-  return presets.decoder_spec(
-    args.model,
-    seq_len=args.seq_len,
-    compute_dtype=jnp.dtype(args.compute_dtype),
-    remat='none' if args.no_remat else 'full',
-    per_layer=not args.gather_all,
-    prefetch_next=args.prefetch,
-    attention_chunk=args.attention_chunk,
-  )
+  from zerojax._src import presets
+
+  try:
+    return presets.decoder_spec(
+      model,
+      seq_len=args.seq_len,
+      compute_dtype=jnp.dtype(args.compute_dtype),
+      remat='none' if args.no_remat else args.remat,
+      per_layer=not args.gather_all,
+      prefetch_next=args.prefetch,
+      attention_chunk=args.attention_chunk,
+    )
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
 
 
 def _csv(kind):
@@ -135,7 +170,7 @@ SEARCH_ONLY = (
   'stages', 'layouts', 'micro_batches', 'remats', 'prefetch_options', 'offloads', 'update_ons',
   'quantizes', 'batches_per_chip', 'hbm_gib', 'max_candidates', 'out',
 )  # fmt: skip
-SINGLE_ONLY = ('stage', 'batch_per_chip', 'no_remat', 'gather_all', 'mesh', 'grad', 'prefetch', 'json',
+SINGLE_ONLY = ('stage', 'batch_per_chip', 'no_remat', 'remat', 'gather_all', 'mesh', 'grad', 'prefetch', 'json',
                'offload', 'update_on')  # fmt: skip
 
 
@@ -247,50 +282,142 @@ def cmd_plan(args) -> int:
     return cmd_search(args)
   print(f'command: {args.command_line}', flush=True)
   start = time.perf_counter()
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+  built = _build_step(args, start)
+  _log(start, 'lowered; compiling (large models take minutes on a small machine)')
+  from rich.console import Console
 
-  from zerojax._src import precision, search, train_state, transform, zero_stage
   from zerojax._src import report as report_lib
 
+  compile_start = time.perf_counter()
+  with Console(stderr=True).status('compiling...'):
+    compiled, text = report_lib.compile_with_text(built['lowered'])
+  built['compile_seconds'] = time.perf_counter() - compile_start
+  _log(start, f'compiled ({built["compile_seconds"]:.1f} s of XLA compile)')
+  out = _report_plan(args, built, compiled, text)
+  _log(start, 'reported')
+  if args.json:
+    out['compile_seconds'] = built['compile_seconds']
+    out['phase_seconds'] = built['phases'] | {
+      'compile': built['compile_seconds'],
+      'total': time.perf_counter() - start,
+    }
+    with open(args.json, 'w') as f:
+      json.dump(out, f, indent=2)
+    _log(start, f'wrote {args.json}')
+  return 0 if out['fits'] in (None, True) else 3
+
+
+def _build_step(args, start: float) -> dict:
+  """The plan's mesh, model, abstract state and lowered step (every phase timed)."""
+  import jax
+  import numpy as np
+  from jax.sharding import AxisType, Mesh
+
+  from zerojax._src import precision, transform, zero_stage
+
+  phases: dict[str, float] = {}
+  t = time.perf_counter()
   devices, hbm_gib = _devices(args.topology)
   n = len(devices)
   _log(start, f'topology {args.topology}: {n} devices ({devices[0].device_kind})')
   shape, names = _mesh_shape(args.mesh, n)
   mesh = Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
+  zero_axes = tuple(a for a in names if a != TENSOR)
+  explicit = _gradients(args, names)
+  _log(
+    start,
+    f'mesh {dict(zip(names, shape))}, ZeRO over {zero_axes}'
+    + (f', tensor-parallel over {TENSOR!r}' if TENSOR in names else '')
+    + '; gradients through '
+    + (
+      f'zerojax.value_and_grad(per_layer={args.stage >= 2})' if explicit else 'jax.value_and_grad'
+    ),
+  )
+  spec = _load_model(args)
+  param_specs = _tensor_specs(args, spec, mesh)
+  phases['topology'] = time.perf_counter() - t
+  t = time.perf_counter()
+  axis = zero_axes[0] if len(zero_axes) == 1 else zero_axes
+  inner = _optimizer(args.optimizer)
+  if args.mixed_precision:
+    inner = precision.mixed_precision(inner)
+  try:
+    tx = zero_stage.zero_stage(
+      inner, args.stage, mesh=mesh, axis=axis, offload=args.offload, update_on=args.update_on,
+      param_specs=param_specs,
+    )  # fmt: skip
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
+  state, batch, batch_sds, grad_fn = _abstract_step(args, spec, tx, mesh, axis, explicit, n)
+  plan = transform.plan_for(state.tx, state.params)
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  _log(start, f'model {spec.name}: {num_params:,} parameters; stage {args.stage} plan built')
+  phases['plan'] = time.perf_counter() - t
+
+  def train_step(state, batch):
+    loss, grads = grad_fn(state.params, batch)
+    return state.apply_gradients(grads=grads), loss
+
+  t = time.perf_counter()
+  lowered = jax.jit(train_step, donate_argnums=0).trace(state, batch).lower()
+  phases['trace and lower'] = time.perf_counter() - t
+  return dict(
+    devices=devices, hbm_gib=hbm_gib, n=n, names=names, shape=shape, zero_axes=zero_axes,
+    explicit=explicit, spec=spec, state=state, plan=plan, num_params=num_params,
+    batch_sds=batch_sds, lowered=lowered, phases=phases,
+  )  # fmt: skip
+
+
+def _gradients(args, names: tuple[str, ...]) -> bool:
+  """Whether the plan takes gradients through zerojax.value_and_grad (else jax's)."""
   stream = args.update_on == 'stream'
   if stream and args.grad == 'jax':
     raise SystemExit(
       'error: --update-on stream writes gradients to host memory from inside'
       " zerojax.value_and_grad's layer loop; drop --grad jax (or use --grad zerojax)."
     )
-  explicit = args.grad == 'zerojax' or (args.grad == 'auto' and (len(names) > 1 or stream))
-  _log(
-    start,
-    f'mesh {dict(zip(names, shape))}, ZeRO over {names}; gradients through '
-    + (
-      f'zerojax.value_and_grad(per_layer={args.stage >= 2})' if explicit else 'jax.value_and_grad'
-    ),
-  )
-  spec = _load_model(args)
-  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-  axis = names[0] if len(names) == 1 else names
-  inner = _optimizer(args.optimizer)
-  if args.mixed_precision:
-    inner = precision.mixed_precision(inner)
-  try:
-    tx = zero_stage.zero_stage(
-      inner, args.stage, mesh=mesh, axis=axis, offload=args.offload, update_on=args.update_on
+  if TENSOR in names:
+    if args.grad == 'zerojax' or stream:
+      raise SystemExit(
+        f'error: a mesh with a {TENSOR!r} axis takes gradients through jax.value_and_grad'
+        ' (the compiler places the tensor-parallel collectives); drop --grad zerojax and'
+        ' --update-on stream, or the tensor axis.'
+      )
+    return False
+  return args.grad == 'zerojax' or (args.grad == 'auto' and (len(names) > 1 or stream))
+
+
+def _tensor_specs(args, spec, mesh) -> Any:
+  """The parameters' tensor-parallel PartitionSpecs when the mesh has a tensor axis."""
+  if TENSOR not in mesh.axis_names:
+    return None
+  if spec.tensor_specs is None:
+    raise SystemExit(
+      f'error: --mesh {args.mesh} has a {TENSOR!r} axis but --model {args.model} gives no'
+      ' tensor-parallel layout (ModelSpec.tensor_specs); drop the tensor axis, or give one.'
     )
+  try:
+    return spec.tensor_specs(TENSOR, mesh.shape[TENSOR])
   except ValueError as e:
-    raise SystemExit(f'error: {e}') from None
+    raise SystemExit(f'error: --mesh {args.mesh}: {e}') from None
+
+
+def _abstract_step(args, spec, tx, mesh, axis, explicit: bool, n: int):
+  """(abstract train state, sharded batch, the batch's struct, gradient function)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from zerojax._src import train_state
+
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   extra = {'param_dtype': jnp.dtype(args.compute_dtype)} if args.mixed_precision else {}
   state = train_state.abstract_train_state(spec.init_fn, key, tx=tx, **extra)
+  from zerojax._src import transform
+
   plan = transform.plan_for(state.tx, state.params)
-  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-  _log(start, f'model {spec.name}: {num_params:,} parameters; stage {args.stage} plan built')
+  # As MaxText counts it: the global batch is the batch per chip times every chip; the chips
+  # of one tensor-parallel group share their sequences.
   batch_sds = spec.batch(args.batch_per_chip * n)
   batch = jax.ShapeDtypeStruct(
     batch_sds.shape, batch_sds.dtype, sharding=NamedSharding(mesh, PartitionSpec(axis))
@@ -303,20 +430,19 @@ def cmd_plan(args) -> int:
     )
   else:
     grad_fn = lambda p, b: jax.value_and_grad(lambda q: spec.loss_fn(q, b, plan))(p)
+  return state, batch, batch_sds, grad_fn
 
-  def train_step(state, batch):
-    loss, grads = grad_fn(state.params, batch)
-    return state.apply_gradients(grads=grads), loss
 
-  traced = jax.jit(train_step, donate_argnums=0).trace(state, batch)
-  lowered = traced.lower()
-  _log(start, 'lowered; compiling (large models take minutes on a small machine)')
-  from rich.console import Console
+def _report_plan(args, built: dict, compiled, text: str) -> dict:
+  """Prints the plan's report (memory, collectives, host link, predicted step) and returns
+  its JSON record."""
+  import jax
+  import jax.numpy as jnp
 
-  with Console(stderr=True).status('compiling...'):
-    compiled, text = report_lib.compile_with_text(lowered)
-  _log(start, 'compiled')
+  from zerojax._src import report as report_lib
+  from zerojax._src import search
 
+  spec, state, plan, n = built['spec'], built['state'], built['plan'], built['n']
   # The floor's unit: at stage 3 parameters travel in the compute dtype (cast
   # before they are gathered) and so do their gradients (the gather's
   # transpose); below it the gradients of the stored parameters are reduced
@@ -326,15 +452,75 @@ def cmd_plan(args) -> int:
   else:
     unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
   report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit, hlo_text=text)
-  peak = report.memory.peak
   print(
-    f'\n{spec.name} | {num_params / 1e9:.2f}B params | ZeRO stage {args.stage} | {args.optimizer}'
-    f' | {args.topology} ({n} chips) | batch {args.batch_per_chip}/chip x {batch_sds.shape[1:]}'
+    f'\n{spec.name} | {built["num_params"] / 1e9:.2f}B params | ZeRO stage {args.stage} |'
+    f' {args.optimizer} | {args.topology} ({n} chips) | batch {args.batch_per_chip}/chip x'
+    f' {built["batch_sds"].shape[1:]}'
   )
   sizes = {k: v for k, v in plan.bytes_per_device().items() if v or k != 'host'}
   print('plan per chip: ' + ', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in sizes.items()))
   print(report)
-  fits = None
+  fits = _print_fit(args, built, report, sizes)
+  chip = search.CHIPS.get(args.topology.split(':')[0])
+  candidate = search.Candidate(args.stage, offload=args.offload, update_on=args.update_on)
+  traffic = search.host_traffic(
+    text, candidate, sizes.get('host', 0), search.updated_param_bytes(plan, args.stage)
+  )
+  if traffic['source'] != 'none':
+    print(_format_traffic(traffic, chip))
+  if sizes.get('host') and chip is not None and sizes['host'] > chip.host_bytes_per_chip:
+    fits = False
+  work = search.program_cost(chip, text)
+  print(
+    f'matmul FLOPs per chip per step (counted in the compiled program): {work.matmul_flops:.4g}'
+  )
+  predicted = None
+  if chip is not None:
+    costed = search.Result(
+      candidate, 'fits', ring_bytes=report.collectives.total_ring_bytes,
+      overlapped_bytes=sum(report.collectives.overlapped_ring_bytes.values()),
+      collective_count=sum(report.collectives.counts.values()), flops=work.matmul_flops,
+      kernel_seconds=work.kernel_seconds,
+    )  # fmt: skip
+    predicted = search.predict(
+      chip, costed, traffic['to_host'] + traffic['to_device'], traffic['overlapped']
+    )
+    print(
+      f'predicted step (not measured; docs/design.md "The step-time model"):'
+      f' {predicted["step"]:.3f} s = kernels {predicted["compute"]:.3f} s (compiler estimates'
+      f' for {work.estimated_kernels} of {work.kernels} kernel runs), collectives exposed'
+      f' {predicted["exposed"]:.3f} s, host link exposed {predicted["host_exposed"]:.3f} s;'
+      f' {work.matmul_flops / predicted["step"] / 1e12:.1f} TFLOP/s per chip'
+    )
+  return {
+    'command': args.command_line, 'model': spec.name, 'num_params': built['num_params'],
+    'stage': args.stage, 'mixed_precision': args.mixed_precision, 'offload': args.offload,
+    'update_on': args.update_on, 'plan_bytes_per_chip': sizes,
+    'host_limit_bytes': chip.host_bytes_per_chip if chip is not None else None,
+    'host_traffic': traffic, 'predicted_seconds': predicted,
+    'matmul_flops_per_chip': work.matmul_flops, 'kernel_seconds': work.kernel_seconds,
+    'kernels': dataclasses.asdict(work),
+    'roofline': None if chip is None else dataclasses.asdict(chip) | {'clock_hz': chip.clock_hz},
+    'topology': args.topology, 'num_devices': n, 'batch_per_chip': args.batch_per_chip,
+    'mesh': dict(zip(built['names'], built['shape'])),
+    'gradients': 'zerojax.value_and_grad' if built['explicit'] else 'jax.value_and_grad',
+    'memory': dataclasses.asdict(report.memory) | {'peak': report.memory.peak},
+    'hbm_bytes': None if built['hbm_gib'] is None else built['hbm_gib'] * 2**30, 'fits': fits,
+    'collectives': {
+      'counts': report.collectives.counts, 'result_bytes': report.collectives.result_bytes,
+      'ring_bytes': report.collectives.ring_bytes,
+      'overlapped_ring_bytes': report.collectives.overlapped_ring_bytes,
+    },
+    'zero_floor_bytes': report.floor_bytes,
+  }  # fmt: skip
+
+
+def _print_fit(args, built: dict, report, sizes: dict) -> bool | None:
+  """Prints peak memory against HBM (and host memory against the host's share); returns
+  whether the plan fits (None where the device memory is not known)."""
+  from zerojax._src import search
+
+  fits, hbm_gib, peak = None, built['hbm_gib'], report.memory.peak
   if hbm_gib is not None:
     fits = peak <= hbm_gib * 2**30
     print(
@@ -354,64 +540,7 @@ def cmd_plan(args) -> int:
         else ''
       )
     )
-  candidate = search.Candidate(args.stage, offload=args.offload, update_on=args.update_on)
-  traffic = search.host_traffic(
-    text, candidate, sizes.get('host', 0), search.updated_param_bytes(plan, args.stage)
-  )
-  if traffic['source'] != 'none':
-    print(_format_traffic(traffic, chip))
-  predicted = None
-  if chip is not None:
-    costed = search.Result(
-      candidate,
-      'fits',
-      ring_bytes=report.collectives.total_ring_bytes,
-      overlapped_bytes=sum(report.collectives.overlapped_ring_bytes.values()),
-      collective_count=sum(report.collectives.counts.values()),
-      flops=search.traced_flops(traced.jaxpr),
-    )
-    moved = traffic['to_host'] + traffic['to_device']
-    predicted = search.predict(chip, costed, moved, traffic['overlapped'])
-    print(
-      f'predicted step (roofline, not measured): {predicted["step"]:.3f} s = compute'
-      f' {predicted["compute"]:.3f} s, collectives exposed {predicted["exposed"]:.3f} s,'
-      f' host link exposed {predicted["host_exposed"]:.3f} s'
-    )
-  if args.json:
-    out = {
-      'command': args.command_line,
-      'model': spec.name,
-      'num_params': num_params,
-      'stage': args.stage,
-      'mixed_precision': args.mixed_precision,
-      'offload': args.offload,
-      'update_on': args.update_on,
-      'plan_bytes_per_chip': sizes,
-      'host_limit_bytes': host_limit,
-      'host_traffic': traffic,
-      'predicted_seconds': predicted,
-      'roofline': None if chip is None else dataclasses.asdict(chip),
-      'topology': args.topology,
-      'num_devices': n,
-      'batch_per_chip': args.batch_per_chip,
-      'mesh': dict(zip(names, shape)),
-      'gradients': 'zerojax.value_and_grad' if explicit else 'jax.value_and_grad',
-      'memory': dataclasses.asdict(report.memory) | {'peak': peak},
-      'hbm_bytes': None if hbm_gib is None else hbm_gib * 2**30,
-      'fits': fits,
-      'collectives': {
-        'counts': report.collectives.counts,
-        'result_bytes': report.collectives.result_bytes,
-        'ring_bytes': report.collectives.ring_bytes,
-        'overlapped_ring_bytes': report.collectives.overlapped_ring_bytes,
-      },
-      'zero_floor_bytes': report.floor_bytes,
-      'compile_seconds': time.perf_counter() - start,
-    }
-    with open(args.json, 'w') as f:
-      json.dump(out, f, indent=2)
-    _log(start, f'wrote {args.json}')
-  return 0 if fits in (None, True) else 3
+  return fits
 
 
 def _format_traffic(traffic: dict, chip: Any) -> str:
@@ -491,7 +620,10 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument(
     '--model',
     default='gpt2-small',
-    help=f'a preset {sorted(presets.PRESETS)} or module:function returning a zerojax.inspect.ModelSpec',
+    help=f'a preset {sorted(presets.PRESETS)}; a decoder of any shape, decoder:KEY=VALUE,...'
+    ' (vocab, d_model, n_layers, n_heads, n_kv_heads, d_ff, head_size, gated) or'
+    ' decoder:FILE.json of the same keys; or module:function returning a'
+    ' zerojax.inspect.ModelSpec',
   )
   p.add_argument(
     '--topology', default='v5e:2x4', help='TPU topology (v5e:16x16, v4:2x2x1, ...) or cpu:N'
@@ -501,16 +633,25 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument('--batch-per-chip', type=int, default=1, help='sequences per chip per step')
   p.add_argument('--seq-len', type=int, default=None, help="sequence length; None: the preset's")
   p.add_argument('--compute-dtype', default='bfloat16', help='dtype of the matmuls')
-  p.add_argument('--no-remat', action='store_true', help='keep activations instead of recomputing')
+  p.add_argument(
+    '--remat',
+    default='full',
+    choices=presets.REMAT,
+    help="what each block recomputes in the backward pass: full, gathers (only the parameters'"
+    " gathers), minimal (MaxText's: keep the projections' outputs), none",
+  )
+  p.add_argument('--no-remat', action='store_true', help='the same as --remat none')
   p.add_argument(
     '--gather-all', action='store_true', help='gather all parameters up front (not per layer)'
   )
   p.add_argument(
     '--mesh',
     default='data',
-    help="the device mesh: 'data' (one ZeRO axis over every chip) or the chip grid, e.g."
+    help="the device mesh: 'data' (one ZeRO axis over every chip), the chip grid, e.g."
     ' 16x16 (one ZeRO axis per torus dimension, named x, y, z: on a 2-D torus the TPU'
-    ' compiler keeps per-axis reduce-scatters, where over a whole 2-D torus it all-reduces)',
+    ' compiler keeps per-axis reduce-scatters, where over a whole 2-D torus it all-reduces),'
+    f' or named axes, e.g. data=16,{TENSOR}=4: the axis named {TENSOR!r} splits the presets'
+    ' Megatron-style (heads, MLP columns, vocabulary), ZeRO splits over the others',
   )
   p.add_argument(
     '--grad',

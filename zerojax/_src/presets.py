@@ -35,6 +35,9 @@ class DecoderConfig:
     d_ff: width of the MLP.
     seq_len: default sequence length.
     gated: SwiGLU MLP (LLaMA) rather than GELU (GPT-2).
+    head_size: width of each attention head; None: `d_model // n_heads`. MaxText's
+      family keeps 128 at any width, so its attention width `n_heads * head_size`
+      need not be `d_model`.
   """
 
   vocab: int
@@ -45,21 +48,51 @@ class DecoderConfig:
   d_ff: int
   seq_len: int
   gated: bool
+  head_size: int | None = None
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.n_heads
+    return self.head_size or self.d_model // self.n_heads
+
+  def param_specs(self, tensor: str) -> dict[str, Any]:
+    """Megatron-style tensor-parallel PartitionSpecs over mesh axis `tensor`: the query,
+    key, value, gate and input projections split by output (heads, MLP columns), the
+    output projections by input, the embedding and the head by vocabulary; norms whole.
+
+    Raises:
+      ValueError: a split that does not divide (named with the fix) is left to
+        `check_tensor`; this only writes the specs.
+    """
+    P = jax.sharding.PartitionSpec
+    cols, rows = P(None, None, tensor), P(None, tensor, None)
+    layers = {'attn_norm': P(), 'mlp_norm': P(), 'wq': cols, 'wk': cols, 'wv': cols, 'wo': rows,
+              'w_in': cols, 'w_out': rows}  # fmt: skip
+    if self.gated:
+      layers['w_gate'] = cols
+    return {'embed': P(tensor, None), 'layers': layers, 'final_norm': P(), 'head': P(None, tensor)}
+
+  def check_tensor(self, size: int) -> None:
+    """Raises ValueError unless a tensor-parallel axis of `size` divides the heads, the
+    key/value heads, the MLP width and the vocabulary (naming each that it does not)."""
+    dims = {'n_heads': self.n_heads, 'n_kv_heads': self.n_kv_heads, 'd_ff': self.d_ff,
+            'vocab': self.vocab}  # fmt: skip
+    bad = [f'{k}={v}' for k, v in dims.items() if v % size]
+    if bad:
+      raise ValueError(
+        f'a tensor axis of {size} does not divide {", ".join(bad)}: pick a tensor size that'
+        f' divides each (e.g. a divisor of {math.gcd(*dims.values())}), or drop the tensor axis.'
+      )
 
   def shapes(self) -> dict[str, Any]:
     """Parameter shapes; block parameters carry a leading layer axis."""
     L, d, f = self.n_layers, self.d_model, self.d_ff
-    kv = self.n_kv_heads * self.head_dim
+    q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
     layers = {
       'attn_norm': (L, d),
-      'wq': (L, d, d),
+      'wq': (L, d, q),
       'wk': (L, d, kv),
       'wv': (L, d, kv),
-      'wo': (L, d, d),
+      'wo': (L, q, d),
       'mlp_norm': (L, d),
       'w_in': (L, d, f),
       'w_out': (L, f, d),
@@ -133,23 +166,57 @@ def chunked_attention(q, k, v, chunk: int):
   return out.swapaxes(0, 1).reshape(b, t, h, d)
 
 
-def _block(cfg: DecoderConfig, x, p, attention_chunk: int | None = None):
+# The projections whose outputs remat='minimal' keeps: the inputs of attention and of the
+# MLP's nonlinearity. The output projections are not kept: their results only join the
+# residual stream, which the layer loop keeps anyway.
+KEPT = 'zerojax_projection'
+
+
+def _kept(x):
+  return jax.ad_checkpoint.checkpoint_name(x, KEPT)
+
+
+def _no_constraint(x, kind: str):
+  del kind
+  return x
+
+
+def tensor_constraint(plan: plan_lib.ZeroPlan, tensor: str = 'tensor'):
+  """Activation layouts for a mesh with a tensor-parallel axis: the batch over the ZeRO
+  axes, and over `tensor` the residual stream's width, the heads and the MLP's columns
+  (as MaxText lays them out), so that no activation a block keeps is whole on a chip."""
+  P, axes = jax.sharding.PartitionSpec, plan.axes
+  specs = {
+    'residual': P(axes, None, tensor),
+    'heads': P(axes, None, tensor, None),
+    'hidden': P(axes, None, tensor),
+  }
+
+  def constrain(x, kind: str):
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(plan.mesh, specs[kind]))
+
+  return constrain
+
+
+def _block(cfg: DecoderConfig, x, p, attention_chunk: int | None = None, constrain=_no_constraint):
   b, t, _ = x.shape
+  x = constrain(x, 'residual')
   h = _rms_norm(x, p['attn_norm'])
-  q = (h @ p['wq']).reshape(b, t, cfg.n_heads, cfg.head_dim)
-  k = (h @ p['wk']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-  v = (h @ p['wv']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+  q = _kept(constrain((h @ p['wq']).reshape(b, t, cfg.n_heads, cfg.head_dim), 'heads'))
+  k = _kept(constrain((h @ p['wk']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'))
+  v = _kept(constrain((h @ p['wv']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'))
   if attention_chunk and attention_chunk < t:
     attn = chunked_attention(q, k, v, attention_chunk)
   else:
     attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  x = x + attn.reshape(b, t, cfg.d_model) @ p['wo']
+  x = constrain(x + attn.reshape(b, t, cfg.n_heads * cfg.head_dim) @ p['wo'], 'residual')
   h = _rms_norm(x, p['mlp_norm'])
   if cfg.gated:
-    h = jax.nn.silu(h @ p['w_gate']) * (h @ p['w_in'])
+    gate = _kept(constrain(h @ p['w_gate'], 'hidden'))
+    h = jax.nn.silu(gate) * _kept(constrain(h @ p['w_in'], 'hidden'))
   else:
-    h = jax.nn.gelu(h @ p['w_in'])
-  return x + h @ p['w_out']
+    h = jax.nn.gelu(_kept(constrain(h @ p['w_in'], 'hidden')))
+  return constrain(x + h @ p['w_out'], 'residual')
 
 
 GatherFn = Callable[[Any, str, bool], Any]
@@ -166,7 +233,57 @@ def plan_gather(plan: plan_lib.ZeroPlan, compute_dtype=None) -> GatherFn:
 
 
 # What a block recomputes in the backward pass (the plan search's `remat` too).
-REMAT = ('gathers', 'full', 'none')
+REMAT = ('gathers', 'full', 'minimal', 'none')
+
+
+def parse_decoder(text: str, seq_len: int | None = None) -> DecoderConfig:
+  """A `DecoderConfig` from 'key=value,...' (its field names; `gated` true/false) or a
+  JSON file of the same keys: a decoder of any shape, planned without writing code.
+
+  >>> parse_decoder('vocab=32000,d_model=8192,n_layers=32,n_heads=64,n_kv_heads=64,'
+  ...               'd_ff=28672,head_size=128', seq_len=2048).head_dim
+  128
+
+  Raises:
+    ValueError: an unknown or missing key, or a value that is not a number (each named).
+  """
+  import json
+  import os
+
+  if text.endswith('.json') and os.path.exists(text):
+    with open(text) as f:
+      given = {k: str(v) for k, v in json.load(f).items()}
+  else:
+    given = {}
+    for part in filter(None, (p.strip() for p in text.split(','))):
+      key, eq, value = part.partition('=')
+      if not eq:
+        raise ValueError(f'decoder shape: expected key=value, got {part!r}.')
+      given[key.strip()] = value.strip()
+  fields = {f.name for f in dataclasses.fields(DecoderConfig)}
+  unknown = sorted(set(given) - fields)
+  if unknown:
+    raise ValueError(f'decoder shape: unknown {unknown}; the keys are {sorted(fields)}.')
+  given.setdefault('gated', 'true')
+  if seq_len is not None or 'seq_len' not in given:
+    given['seq_len'] = str(seq_len or 2048)
+  required = {'vocab', 'd_model', 'n_layers', 'n_heads', 'd_ff'}
+  missing = sorted(required - set(given))
+  if missing:
+    raise ValueError(f'decoder shape: {missing} missing; give each as key=value.')
+  given.setdefault('n_kv_heads', given['n_heads'])
+  out: dict[str, Any] = {}
+  for key, value in given.items():
+    if key == 'gated':
+      if value.lower() not in ('true', 'false', '1', '0'):
+        raise ValueError(f'decoder shape: gated={value!r}; give true or false.')
+      out[key] = value.lower() in ('true', '1')
+    else:
+      try:
+        out[key] = int(float(value))
+      except ValueError:
+        raise ValueError(f'decoder shape: {key}={value!r} is not a number.') from None
+  return DecoderConfig(**out)
 
 
 def decoder_loss(
@@ -196,7 +313,9 @@ def decoder_loss(
     remat: what each block recomputes in the backward pass: 'full' (the
       default) drops its gathered parameters and activations and recomputes
       them; 'gathers' (`zerojax.recompute_gathers`) drops only the gathered
-      parameters and gathers them again; 'none' keeps everything.
+      parameters and gathers them again; 'minimal' (as MaxText's) keeps the
+      outputs of the query, key, value and MLP input projections and
+      recomputes the rest (attention, norms, gathers); 'none' keeps everything.
     per_layer: gather each block's parameters inside the scan; False gathers
       the whole model up front (simple, and ZeRO-3 then saves nothing at peak).
     prefetch_next: inside `zerojax.value_and_grad(per_layer=True)` with
@@ -221,6 +340,9 @@ def decoder_loss(
       gather_fn({k: v for k, v in params.items() if k != 'layers'}, 'top', False),
       layers=params['layers'],
     )
+  constrain = _no_constraint
+  if plan is not None and 'tensor' in plan.mesh.axis_names and 'tensor' not in plan.axes:
+    constrain = tensor_constraint(plan)
   cast = lambda t: jax.tree.map(lambda x: x.astype(compute_dtype), t)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   x = jnp.take(cast(params['embed']), inputs, axis=0)
@@ -228,8 +350,10 @@ def decoder_loss(
   def body(x, layer):
     if gather_fn is not None:
       layer = gather_fn(layer, 'layers', True)
-    return _block(cfg, x, cast(layer), attention_chunk), None
+    return _block(cfg, x, cast(layer), attention_chunk, constrain), None
 
+  if prefetch_next and remat == 'minimal':
+    raise ValueError("decoder_loss: prefetch_next runs remat 'gathers' or 'full', not 'minimal'.")
   if (
     prefetch_next
     and plan is not None
@@ -251,8 +375,11 @@ def decoder_loss(
     )
   else:
     if remat != 'none':
-      policy = gather.recompute_gathers if remat == 'gathers' else None
-      body = jax.checkpoint(body, policy=policy or jax.checkpoint_policies.nothing_saveable)
+      policy = {
+        'gathers': gather.recompute_gathers,
+        'minimal': jax.checkpoint_policies.save_only_these_names(KEPT),
+      }.get(remat, jax.checkpoint_policies.nothing_saveable)
+      body = jax.checkpoint(body, policy=policy)
     x, _ = jax.lax.scan(body, x, params['layers'])
   x = _rms_norm(x, params['final_norm'])
   logits = (x @ cast(params['head'])).astype(jnp.float32)
@@ -275,6 +402,10 @@ class ModelSpec:
       (e.g. `zerojax.gather(params, plan)`, or per layer).
     batch: a function of the global batch size returning the batch's
       ShapeDtypeStruct (without sharding).
+    tensor_specs: optional, for a mesh with a tensor-parallel axis: a function
+      (axis name, axis size) -> PartitionSpecs of the parameters over it (a
+      prefix tree, as `zerojax.Options.param_specs`), raising ValueError where
+      the size does not divide the model.
 
   >>> import jax, jax.numpy as jnp, zerojax
   >>> spec = zerojax.inspect.ModelSpec(
@@ -290,10 +421,11 @@ class ModelSpec:
   init_fn: Callable[[jax.Array], Any]
   loss_fn: Callable[[Any, Any, plan_lib.ZeroPlan], jax.Array]
   batch: Callable[[int], jax.ShapeDtypeStruct]
+  tensor_specs: Callable[[str, int], Any] | None = None
 
 
 def decoder_spec(
-  name: str,
+  name: str | DecoderConfig,
   *,
   seq_len: int | None = None,
   compute_dtype=jnp.bfloat16,
@@ -302,14 +434,17 @@ def decoder_spec(
   prefetch_next: bool = False,
   attention_chunk: int | None = None,
 ) -> ModelSpec:
-  """A `ModelSpec` for a preset in `PRESETS`.
+  """A `ModelSpec` for a preset in `PRESETS`, or for a `DecoderConfig` of any shape.
 
   Raises:
     ValueError: for an unknown preset name.
   """
-  if name not in PRESETS:
+  if isinstance(name, DecoderConfig):
+    cfg, name = name, 'decoder'
+  elif name not in PRESETS:
     raise ValueError(f'`model`={name!r} is not a preset; choose one of {sorted(PRESETS)}.')
-  cfg = PRESETS[name]
+  else:
+    cfg = PRESETS[name]
   seq = seq_len or cfg.seq_len
   loss = functools.partial(
     decoder_loss,
@@ -325,4 +460,5 @@ def decoder_spec(
     init_fn=functools.partial(init_decoder, cfg),
     loss_fn=lambda params, tokens, plan: loss(params, tokens, plan=plan),
     batch=lambda global_batch: jax.ShapeDtypeStruct((global_batch, seq + 1), jnp.int32),
+    tensor_specs=lambda axis, size: (cfg.check_tensor(size), cfg.param_specs(axis))[1],
   )

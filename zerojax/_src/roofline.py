@@ -1,11 +1,18 @@
-"""The roofline the plan search predicts step times with: per-chip constants and the model.
+"""The step-time model of the planner: per-chip constants and how they combine.
 
 `CHIPS` holds each TPU generation's published figures, with their sources;
-`calibrate_cpu` measures the faked CPU devices' instead. `predict` turns a
-compiled candidate's FLOPs, ring bytes, overlap and host transfers into
-seconds: compute at peak FLOP/s, collectives at one torus axis's ICI bandwidth
-less what overlaps compute, host transfers at the host link's bandwidth.
-`jaxprs.traced_flops` counts the FLOPs on the traced step, every loop iteration.
+`calibrate_cpu` measures the faked CPU devices' instead. `predict` turns what
+one chip runs in a compiled step into seconds (docs/design.md, "The step-time
+model"):
+
+- kernels (`cost.program_cost`): each fusion at the TPU compiler's own estimate
+  of its cycles (its model of the MXU rate for that matmul's shape, and of the
+  vector and HBM work of the fusion), at the chip's clock; a kernel without an
+  estimate at its roofline (FLOPs at peak, bytes at HBM bandwidth);
+  rematerialised work is in the program, so it is counted as it runs;
+- collectives at one torus axis's ICI bandwidth, less the share the compiler
+  overlaps with compute;
+- host transfers at the host link's bandwidth, less their overlapped share.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ class Chip:
     source: where the figures come from.
     collective_latency: seconds each collective costs beyond its bytes (measured
       on `cpu:N`; not modelled for TPUs, 0).
+    tensorcores: TensorCores per chip (0 for a CPU device).
+    mxus: matrix units per TensorCore.
+    mxu_dim: each matrix unit multiplies `mxu_dim` x `mxu_dim` tiles per cycle.
   """
 
   name: str
@@ -49,25 +59,41 @@ class Chip:
   host_link_bandwidth: float
   source: str
   collective_latency: float = 0.0
+  tensorcores: int = 0
+  mxus: int = 0
+  mxu_dim: int = 0
 
   @property
   def axis_bandwidth(self) -> float:
     return self.ici_bandwidth / self.torus_dims
 
+  @property
+  def clock_hz(self) -> float | None:
+    """The clock the compiler's cycle estimates run at: the published peak divided by
+    what the matrix units do in a cycle (2 FLOPs per multiply-add); None off TPU."""
+    per_cycle = 2 * self.tensorcores * self.mxus * self.mxu_dim**2
+    return self.peak_flops / per_cycle if per_cycle else None
+
 
 # Figures from Google Cloud's TPU documentation pages (docs.cloud.google.com/tpu/docs/v5e,
 # /v5p-training, /v6e). The host link is not published per chip: PCIe Gen4 x16 (32 GB/s) is
-# assumed for v5e and v5p, Gen5 x16 (64 GB/s, the v6e page names Gen5) for v6e.
+# assumed for v5e and v5p, Gen5 x16 (64 GB/s, the v6e page names Gen5) for v6e. Matrix units:
+# v5e one TensorCore of four 128x128 MXUs (1.50 GHz at 197 TFLOP/s); v5p two TensorCores per
+# chip (its topology table: 8 cores on 4 chips), four MXUs each, 128x128 as v5e's (1.75 GHz);
+# v6e one TensorCore of two 256x256 MXUs (3.50 GHz).
 CHIPS = {
   'v5e': Chip('v5e', 197e12, 16 * GiB, 819e9, 400e9, 2, 512 * GiB // 8, 32e9,
               'v5e page: 197 TFLOP/s bf16, 16 GB HBM at 819 GB/s, 400 GB/s ICI (4 ports, 2-D'
-              ' torus), 512 GiB DRAM per 8-chip host; host link PCIe Gen4 x16 assumed'),
+              ' torus), 512 GiB DRAM per 8-chip host, 1 TensorCore x 4 MXUs (128x128); host link'
+              ' PCIe Gen4 x16 assumed', tensorcores=1, mxus=4, mxu_dim=128),
   'v5p': Chip('v5p', 459e12, 95 * GiB, 2765e9, 1200e9, 3, 448 * 10**9 // 4, 32e9,
               'v5p page: 459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, 1200 GB/s ICI (3-D torus),'
-              ' 448 GB RAM per 4-chip VM; host link PCIe Gen4 x16 assumed'),
+              ' 448 GB RAM per 4-chip VM, 2 TensorCores x 4 MXUs (128x128 assumed, as v5e); host link'
+              ' PCIe Gen4 x16 assumed', tensorcores=2, mxus=4, mxu_dim=128),
   'v6e': Chip('v6e', 918e12, 32 * GiB, 1638e9, 800e9, 2, 1536 * GiB // 8, 64e9,
               'v6e page: 918 TFLOP/s bf16, 32 GB HBM at 1638 GB/s, 800 GB/s ICI (4 ports, 2-D'
-              ' torus), 1536 GiB DRAM per 8-chip host, PCIe Gen5 (x16 assumed)'),
+              ' torus), 1536 GiB DRAM per 8-chip host, 1 TensorCore x 2 MXUs (256x256), PCIe Gen5'
+              ' (x16 assumed)', tensorcores=1, mxus=2, mxu_dim=256),
 }  # fmt: skip
 
 
@@ -76,15 +102,16 @@ def predict(
 ) -> dict[str, float]:
   """Predicted seconds per step: compute, collectives (exposed part), host transfers.
 
-  compute = FLOPs / peak (HBM traffic is not modelled: XLA's byte count, like its
-  FLOP count, sees each loop body once); collectives = ring bytes /
-  one axis's ICI bandwidth (plus a latency per collective where one is known),
-  of which the overlapped share hides under compute; host = bytes moved over
-  the host link / its bandwidth (assumed, see `Chip.source`), of which the share
-  `host_overlap` (asynchronous transfers with compute scheduled before their
-  end, as `count_host_transfers` finds them) hides under compute likewise.
+  compute = the kernels' time (`r.kernel_seconds`, from `cost.program_cost`: the
+  compiler's estimate of each kernel, or its roofline), or where a result has
+  none, its matmul FLOPs at peak; collectives = ring bytes / one axis's ICI
+  bandwidth (plus a latency per collective where one is known), of which the
+  overlapped share hides under compute; host = bytes moved over the host link /
+  its bandwidth (assumed, see `Chip.source`), of which the share `host_overlap`
+  (asynchronous transfers with compute scheduled before their end, as
+  `count_host_transfers` finds them) hides under compute likewise.
   """
-  compute = r.flops / chip.peak_flops
+  compute = getattr(r, 'kernel_seconds', 0.0) or r.flops / chip.peak_flops
   comm = r.ring_bytes / chip.axis_bandwidth + r.collective_count * chip.collective_latency
   share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
   exposed = comm * (1 - share)

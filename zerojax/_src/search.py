@@ -6,15 +6,14 @@ model states at rest against HBM, its offloaded state against host memory),
 and the survivors are compiled ahead of time for the real topology. Each
 compiled program gives its own peak memory and collectives (ring bytes against
 the ZeRO floor, bytes overlapped with compute); its FLOPs are counted on the
-traced step with every loop iteration (XLA's cost analysis, also reported,
-counts a loop body once); a roofline (`CHIPS`) turns those into a *predicted*
-step time. The
-ranking is by predicted time among the candidates that fit.
+compiled program per chip with every loop iteration (XLA's cost analysis,
+also reported, counts a loop body once); the step-time model (`roofline`)
+turns the program's kernels, collectives and host transfers into a *predicted*
+step time. The ranking is by predicted time among the candidates that fit.
 
-Predicted is not measured: the roofline counts compute at peak FLOPs,
-collectives at the ICI bandwidth one torus axis
-gets, less what the compiler overlaps with compute, and host transfers at the
-host link's bandwidth. On `cpu:N` the constants are measured on this machine
+Predicted is not measured: kernels take the TPU compiler's own cycle estimates,
+collectives the ICI bandwidth one torus axis gets, less what the compiler
+overlaps with compute, and host transfers the host link's bandwidth. On `cpu:N` the constants are measured on this machine
 and the prediction is checked against the step's measured time.
 """
 
@@ -31,8 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax._src import runtime
-from zerojax._src.jaxprs import traced_flops
+from zerojax._src import cost, runtime
 from zerojax._src.options import UPDATE_ON, Options
 from zerojax._src.presets import REMAT
 from zerojax._src.roofline import (
@@ -127,7 +125,8 @@ class Result:
   floor_bytes: float = 0.0
   overlapped_bytes: float = 0.0
   collective_count: int = 0
-  flops: float = 0.0  # traced, loops counted per iteration (`traced_flops`)
+  flops: float = 0.0  # matmul FLOPs per chip in the compiled program (`cost.program_cost`)
+  kernel_seconds: float = 0.0  # the program's kernels, one after another (`cost.program_cost`)
   cost_analysis_flops: float = 0.0  # XLA's, loop bodies counted once
   bytes_accessed: float = 0.0
   predicted: dict = dataclasses.field(default_factory=dict)  # seconds, by part
@@ -305,6 +304,16 @@ def _cost(compiled) -> tuple[float, float]:
   return float(flops), float(cost.get('bytes accessed', 0.0))
 
 
+def program_cost(chip: Chip | None, hlo_text: str) -> cost.ProgramCost:
+  """One chip's matmul FLOPs and kernel time in a compiled step, with `chip`'s constants
+  (the TPU compiler's cycle estimates at its clock; rooflines where there are none)."""
+  if chip is None:  # no constants: count the FLOPs only
+    chip = Chip('none', 1.0, 0, 1.0, 1.0, 1, 0, 1.0, '')
+  return cost.program_cost(
+    hlo_text, clock_hz=chip.clock_hz, peak_flops=chip.peak_flops, hbm_bandwidth=chip.hbm_bandwidth
+  )
+
+
 def updated_param_bytes(plan: Any, stage: int) -> int:
   """One chip's share of the parameters an offloaded update sends each way (the formula's
   unit): its shards at stage 3; below it the whole parameters it holds, split over the shards."""
@@ -389,7 +398,8 @@ def evaluate(target: Target, c: Candidate, *, hbm_bytes: int | None) -> Result:
   result.collective_count = sum(report.collectives.counts.values())
   result.floor_bytes = report.floor_bytes
   result.cost_analysis_flops, result.bytes_accessed = _cost(compiled)
-  result.flops = traced_flops(traced.jaxpr)
+  work = program_cost(chip, text)
+  result.flops, result.kernel_seconds = work.matmul_flops, work.kernel_seconds
   if hbm_bytes is not None and result.peak_bytes > hbm_bytes:
     result.status = 'over HBM'
   result.host_traffic = host_traffic(text, c, result.host_bytes, updated_param_bytes(plan, c.stage))

@@ -1,0 +1,306 @@
+"""The work one chip does in a compiled step: matmul FLOPs and kernel time, read from the HLO.
+
+The compiled program is what one chip runs (SPMD), so everything counted here is
+per chip, whichever way the step was written (`jax.value_and_grad` outside
+`shard_map` or `zerojax.value_and_grad` inside it). A *kernel* is an
+instruction the chip executes as a unit: a fusion, or an unfused instruction
+at the top level of the entry computation, a `while` body, a branch or a call.
+Each kernel counts once per execution: a `while` body's kernels are multiplied
+by the loop's trip count (read as `count_collectives` reads it), so a scanned
+model and its rematerialised backward pass are counted in full.
+
+- Matmul FLOPs: every `dot` and `convolution` inside a kernel, 2 x the output's
+  elements x the contracted size (XLA's own `cost_analysis()` counts a loop
+  body once; this does not).
+- Kernel time: the TPU compiler writes its own estimate of each kernel's cycles
+  into the program (`estimated_cycles` in the backend config): its cost model of
+  the MXU rate for that matmul's shape and of the vector and memory work of the
+  fusion. The cycles become seconds at the chip's clock (`Chip.clock_hz`, derived
+  from the published peak and MXU count). A kernel without an estimate (XLA:CPU
+  writes none; on TPU, copies and slices) costs its own roofline: the larger of
+  its FLOPs at peak and the bytes it reads and writes at HBM bandwidth.
+
+Collectives are not kernels here: `hlo.count_collectives` counts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import warnings
+from typing import Any
+
+import numpy as np
+
+from zerojax._src import hlo
+
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_LHS_CONTRACTING = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')
+_DIM_LABELS = re.compile(r'dim_labels=([\w]+)_([\w]+)->([\w]+)')
+_WINDOW = re.compile(r'window=\{([^}]*)\}')
+_DIMS = re.compile(r'\[([\d,]*)\]')
+# Instructions that launch nothing of their own.
+_FREE = frozenset(
+  {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all', 'partition-id',
+   'replica-id', 'opt-barrier', 'add-dependency'}
+)  # fmt: skip
+_CONTROL = frozenset({'while', 'conditional', 'call'})
+
+
+class CostCountWarning(UserWarning):
+  """A kernel count could not be determined exactly from the HLO."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCost:
+  """One chip's work in one step of a compiled program.
+
+  Attributes:
+    matmul_flops: FLOPs of every dot and convolution executed per step.
+    kernel_seconds: the kernels' time one after another, with the clock and
+      roofline constants given: the compiler's estimate where the program has one,
+      the kernel's roofline elsewhere.
+    estimated_seconds: the part of `kernel_seconds` from the compiler's estimates.
+    roofline_seconds: the part from rooflines (kernels without an estimate).
+    matmul_seconds: the part spent in kernels that contain a matmul.
+    kernels: kernel executions per step.
+    estimated_kernels: how many of them carried the compiler's estimate.
+    uncertain: why a count is not exact (a loop with no trip count in the HLO,
+      counted once; a conditional, counted as its costliest branch).
+  """
+
+  matmul_flops: float
+  kernel_seconds: float
+  estimated_seconds: float
+  roofline_seconds: float
+  matmul_seconds: float
+  kernels: int
+  estimated_kernels: int
+  uncertain: tuple[str, ...] = ()
+
+
+def _shape(type_str: str) -> tuple[int, ...]:
+  m = _DIMS.search(type_str)
+  return tuple(int(d) for d in m.group(1).split(',') if d) if m else ()
+
+
+def _types(lines: list[str]) -> dict[str, str]:
+  """Instruction name -> its result type, for one computation."""
+  out = {}
+  for line in lines:
+    m = hlo._INSTR.match(line)
+    if m is not None:
+      out[m.group('name')] = hlo._split_type(m.group('rest'))[0]
+  return out
+
+
+def _matmul_flops(op: str, operands: list[str], line: str, types: dict[str, str]) -> float:
+  """FLOPs of one dot or convolution: 2 x output elements x the contracted size."""
+  out = math.prod(_shape(hlo._split_type(hlo._INSTR.match(line).group('rest'))[0]))
+  if op == 'dot':
+    lhs = _shape(types.get(operands[0], ''))
+    dims = _LHS_CONTRACTING.search(line)
+    contracted = [int(d) for d in dims.group(1).split(',') if d] if dims else []
+    return 2.0 * out * math.prod(lhs[d] for d in contracted if d < len(lhs))
+  # convolution: each output element sums over the kernel's input features ('i')
+  # times the window taps that land on an input element (not on padding, not on
+  # a hole of a dilated input). The TPU compiler writes batched matmuls as such
+  # convolutions, their batch dimensions spatial: one tap of each window is real.
+  lhs, rhs = _shape(types.get(operands[0], '')), _shape(types.get(operands[1], ''))
+  labels = _DIM_LABELS.search(line)
+  if not lhs or not rhs or labels is None or 'i' not in labels.group(2):
+    raise ValueError(f'cannot read the convolution on this HLO line: {line.strip()[:200]}')
+  in_labels, out_labels = labels.group(1), labels.group(3)
+  out_shape = _shape(hlo._split_type(hlo._INSTR.match(line).group('rest'))[0])
+  window = _WINDOW.search(line)
+  fields = dict(f.split('=', 1) for f in window.group(1).split()) if window else {}
+  spatial = sorted(c for c in in_labels if c.isdigit())
+  share = 1.0
+  for k, dim in enumerate(spatial):
+    pick = lambda key, default, k=k: int(fields[key].split('x')[k]) if key in fields else default
+    pad = [int(v) for v in fields['pad'].split('x')[k].split('_')] if 'pad' in fields else [0, 0]
+    share *= _real_taps(
+      n=lhs[in_labels.index(dim)], m=out_shape[out_labels.index(dim)], size=pick('size', 1),
+      stride=pick('stride', 1), low=pad[0], lhs_dilate=pick('lhs_dilate', 1),
+      rhs_dilate=pick('rhs_dilate', 1),
+    )  # fmt: skip
+  return 2.0 * out * rhs[labels.group(2).index('i')] * share
+
+
+def _real_taps(*, n, m, size, stride, low, lhs_dilate, rhs_dilate) -> float:
+  """Window taps per output position, on average, that read an input element along one
+  spatial dimension (input n elements dilated by `lhs_dilate`, padded `low` before)."""
+  out = np.arange(m)[:, None] * stride + np.arange(size)[None, :] * rhs_dilate - low
+  real = (out >= 0) & (out <= (n - 1) * lhs_dilate) & (out % lhs_dilate == 0)
+  return float(real.sum()) / max(m, 1)
+
+
+class _Walk:
+  """Per-computation caches for one program."""
+
+  def __init__(self, text: str):
+    self.bodies, self.entry = hlo._parse_computations(text)
+    self.parsed: dict = {}
+    self.types: dict = {}
+    self.flops_memo: dict = {}
+
+  def instrs(self, name: str) -> dict:
+    return hlo._parsed(self.bodies, name, self.parsed)
+
+  def typed(self, name: str) -> dict[str, str]:
+    if name not in self.types:
+      self.types[name] = _types(self.bodies.get(name, []))
+    return self.types[name]
+
+  def flops_inside(self, name: str, stack: tuple = ()) -> float:
+    """Matmul FLOPs of one execution of a fused (or called) computation."""
+    if name in self.flops_memo:
+      return self.flops_memo[name]
+    if name in stack:
+      return 0.0
+    types, total = self.typed(name), 0.0
+    for op, operands, line in self.instrs(name).values():
+      if op in ('dot', 'convolution'):
+        total += _matmul_flops(op, operands, line, types)
+      for _, callee in hlo._CALLS.findall(line):
+        total += self.flops_inside(callee, stack + (name,))
+    self.flops_memo[name] = total
+    return total
+
+
+@dataclasses.dataclass
+class _Tally:
+  flops: float = 0.0
+  estimated: float = 0.0
+  roofline: float = 0.0
+  matmul: float = 0.0
+  kernels: int = 0
+  estimated_kernels: int = 0
+
+  def add(self, other: _Tally, mult: int) -> None:
+    for f in dataclasses.fields(self):
+      setattr(self, f.name, getattr(self, f.name) + mult * getattr(other, f.name))
+
+  @property
+  def seconds(self) -> float:
+    return self.estimated + self.roofline
+
+
+def program_cost(
+  compiled_or_text: Any,
+  *,
+  clock_hz: float | None,
+  peak_flops: float,
+  hbm_bandwidth: float,
+) -> ProgramCost:
+  """Counts one chip's matmul FLOPs and kernel time in a compiled step.
+
+  Args:
+    compiled_or_text: a `jax.stages.Compiled`, or its `as_text()`.
+    clock_hz: the chip's clock, to turn the compiler's cycle estimates into
+      seconds; None ignores them (every kernel then costs its roofline).
+    peak_flops: the chip's dense FLOP/s, for kernels without an estimate.
+    hbm_bandwidth: the chip's HBM bytes/s, for kernels without an estimate.
+
+  Returns:
+    A `ProgramCost`. Where the HLO does not determine a count, `uncertain` says
+    why and a `CostCountWarning` is issued (nothing is guessed silently).
+
+  >>> from zerojax._src import cost
+  >>> c = cost.program_cost(
+  ...     'ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {\\n'
+  ...     '  %a = f32[8,16]{1,0} parameter(0)\\n'
+  ...     '  %b = f32[16,4]{1,0} parameter(1)\\n'
+  ...     '  ROOT %d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1},'
+  ...     ' rhs_contracting_dims={0}\\n'
+  ...     '}', clock_hz=None, peak_flops=1e9, hbm_bandwidth=1e9)
+  >>> c.matmul_flops, c.kernels
+  (1024.0, 1)
+  """
+  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+  walk = _Walk(text)
+  uncertain: list[str] = []
+
+  def kernel(name: str, op: str, operands: list[str], line: str, tally: _Tally) -> None:
+    types = walk.typed(name)
+    if op in ('dot', 'convolution'):
+      flops = _matmul_flops(op, operands, line, types)
+    else:
+      flops = (
+        sum(walk.flops_inside(c) for _, c in hlo._CALLS.findall(line)) if op == 'fusion' else 0.0
+      )
+    cycles = _CYCLES.search(line)
+    if cycles and clock_hz:
+      seconds = int(cycles.group(1)) / clock_hz
+      tally.estimated += seconds
+      tally.estimated_kernels += 1
+    else:
+      moved = hlo._type_bytes(types.get(hlo._INSTR.match(line).group('name'), ''))
+      moved += sum(hlo._type_bytes(types.get(o, '')) for o in operands)
+      seconds = max(flops / peak_flops, moved / hbm_bandwidth)
+      tally.roofline += seconds
+    tally.flops += flops
+    tally.kernels += 1
+    if flops:
+      tally.matmul += seconds
+
+  def visit(name: str, stack: tuple[str, ...], tally: _Tally) -> None:
+    if name in stack or name not in walk.bodies:
+      return
+    inner = stack + (name,)
+    for instr, (op, operands, line) in walk.instrs(name).items():
+      if op in _FREE or hlo._collective(line) is not None or op.endswith(('-done', '-update')):
+        continue
+      if op == 'while':
+        body = hlo._BODY.search(line)
+        trip = hlo._trip_count(line, name, walk.bodies, walk.parsed)
+        sub = _Tally()
+        if body:
+          visit(body.group(1), inner, sub)
+        if trip is None and sub.kernels:
+          uncertain.append(
+            f'while loop %{instr} in %{name} has no known trip count in the HLO; its'
+            ' kernels are counted once'
+          )
+        tally.add(sub, 1 if trip is None else trip)
+      elif op == 'conditional':
+        branches = hlo._BRANCHES.search(line)
+        names = (
+          [b.strip().lstrip('%') for b in branches.group(1).split(',')]
+          if branches
+          else hlo._TRUE_FALSE.findall(line)
+        )
+        subs = []
+        for b in names:
+          subs.append(_Tally())
+          visit(b, inner, subs[-1])
+        if subs:
+          if len({round(s.seconds, 12) for s in subs}) > 1:
+            uncertain.append(
+              f'conditional %{instr} in %{name}: its branches cost differently and one runs'
+              ' per step; the costliest is counted'
+            )
+          tally.add(max(subs, key=lambda s: s.seconds), 1)
+      elif op in ('call', 'async-start') or op.endswith('-start') and op != 'copy-start':
+        for _, callee in hlo._CALLS.findall(line):
+          if callee.startswith('async_collective_fusion'):
+            continue
+          visit(callee, inner, tally)
+      else:
+        kernel(name, op, operands, line, tally)
+
+  total = _Tally()
+  visit(walk.entry, (), total)
+  for reason in uncertain:
+    warnings.warn(f'program_cost: {reason}.', CostCountWarning, stacklevel=2)
+  return ProgramCost(
+    matmul_flops=total.flops,
+    kernel_seconds=total.seconds,
+    estimated_seconds=total.estimated,
+    roofline_seconds=total.roofline,
+    matmul_seconds=total.matmul,
+    kernels=total.kernels,
+    estimated_kernels=total.estimated_kernels,
+    uncertain=tuple(uncertain),
+  )
