@@ -114,3 +114,66 @@ def test_stream_needs_zerojax_gradients():
     'error: --update-on stream writes gradients to host memory from inside'
     " zerojax.value_and_grad's layer loop; drop --grad jax (or use --grad zerojax)."
   )
+
+
+@pytest.mark.parametrize(
+  'args, message',
+  [
+    (
+      ['--model', 'decoder:vocab=256,d_model=128,n_layers=2,n_heads=4,d_ff=512,width=3'],
+      "error: --model: decoder shape: unknown ['width']; the keys are ['d_ff', 'd_model',"
+      " 'gated', 'head_size', 'n_heads', 'n_kv_heads', 'n_layers', 'seq_len', 'vocab'].",
+    ),
+    (
+      ['--model', 'decoder:vocab=256,d_model=128,n_heads=4'],
+      "error: --model: decoder shape: ['d_ff', 'n_layers'] missing; give each as key=value.",
+    ),
+    (
+      ['--model', 'decoder:vocab=256,d_model=128,n_layers=2,n_heads=6,d_ff=512',
+       '--mesh', 'data=2,tensor=4'],
+      'error: --mesh data=2,tensor=4: a tensor axis of 4 does not divide n_heads=6,'
+      ' n_kv_heads=6: pick a tensor size that divides each (e.g. a divisor of 2), or drop the'
+      ' tensor axis.',
+    ),
+    (
+      ['--model', 'tiny', '--mesh', 'data=3,tensor=2'],
+      'error: --mesh data=3,tensor=2 has 6 devices but the topology has 8; give the chip grid,'
+      ' e.g. --mesh 16x16 for v5e:16x16, or sizes whose product is 8',
+    ),
+    (
+      ['--model', 'tiny', '--mesh', 'data=4,tensor=2', '--grad', 'zerojax'],
+      "error: a mesh with a 'tensor' axis takes gradients through jax.value_and_grad (the"
+      ' compiler places the tensor-parallel collectives); drop --grad zerojax and --update-on'
+      ' stream, or the tensor axis.',
+    ),
+  ],
+)  # fmt: skip
+def test_a_decoder_shape_or_tensor_axis_that_cannot_work_is_named(args, message):
+  proc = _cli('--topology', 'cpu:8', *args)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert proc.stderr.strip().endswith(message), proc.stderr[-2000:]
+
+
+def test_a_decoder_of_any_shape_plans_tensor_parallel_with_each_phase_timed(tmp_path):
+  """A decoder given on the command line (128-wide heads on a 256-wide model, as MaxText's
+  family has), split over a tensor axis beside the ZeRO axis: the projections keep their
+  tensor split at rest, the report gives FLOPs per chip, and the JSON each phase's time."""
+  out = tmp_path / 'plan.json'
+  model = 'decoder:vocab=512,d_model=256,n_layers=2,n_heads=4,d_ff=512,head_size=128'
+  proc = _cli('--topology', 'cpu:8', '--model', model, '--mesh', 'data=4,tensor=2',
+              '--remat', 'minimal', '--seq-len', '64', '--json', str(out))  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "ZeRO over ('data',), tensor-parallel over 'tensor'" in proc.stdout
+  import json
+
+  report = json.loads(out.read_text())
+  assert report['num_params'] == 2 * (4 * 256 * 512 + 3 * 256 * 512 + 2 * 256) + 2 * 512 * 256 + 256
+  assert report['mesh'] == {'data': 4, 'tensor': 2}
+  # At rest (fp32): every matrix split over both axes (8 ways), the norms over 'data' only.
+  matrices = 2 * (4 * 256 * 512 + 3 * 256 * 512) + 2 * 512 * 256
+  assert report['plan_bytes_per_chip']['params'] == 4 * (matrices // 8 + (2 * 2 * 256 + 256) // 4)
+  assert set(report['phase_seconds']) == {'topology', 'plan', 'trace and lower', 'compile', 'total'}
+  assert report['matmul_flops_per_chip'] > 0
+  line = [x for x in proc.stdout.splitlines() if x.startswith('matmul FLOPs per chip')]
+  assert line == [f'matmul FLOPs per chip per step (counted in the compiled program):'
+                  f' {report["matmul_flops_per_chip"]:.4g}']  # fmt: skip
