@@ -136,14 +136,35 @@ def _real_taps(*, n, m, size, stride, low, lhs_dilate, rhs_dilate) -> float:
   return float(real.sum()) / max(m, 1)
 
 
-class _Walk:
-  """Per-computation caches for one program."""
+@dataclasses.dataclass
+class _Tally:
+  flops: float = 0.0
+  estimated: float = 0.0
+  roofline: float = 0.0
+  matmul: float = 0.0
+  kernels: int = 0
+  estimated_kernels: int = 0
 
-  def __init__(self, text: str):
+  def add(self, other: _Tally, mult: int) -> None:
+    for f in dataclasses.fields(self):
+      setattr(self, f.name, getattr(self, f.name) + mult * getattr(other, f.name))
+
+  @property
+  def seconds(self) -> float:
+    return self.estimated + self.roofline
+
+
+class _Walk:
+  """One walk over a program: per-computation caches, the chip's constants, and what could
+  not be determined."""
+
+  def __init__(self, text: str, clock_hz: float | None, peak_flops: float, hbm_bandwidth: float):
     self.bodies, self.entry = hlo._parse_computations(text)
+    self.clock_hz, self.peak_flops, self.hbm_bandwidth = clock_hz, peak_flops, hbm_bandwidth
     self.parsed: dict = {}
     self.types: dict = {}
     self.flops_memo: dict = {}
+    self.uncertain: list[str] = []
 
   def instrs(self, name: str) -> dict:
     return hlo._parsed(self.bodies, name, self.parsed)
@@ -168,23 +189,80 @@ class _Walk:
     self.flops_memo[name] = total
     return total
 
+  def kernel(self, name: str, op: str, operands: list[str], line: str, tally: _Tally) -> None:
+    """Adds one kernel execution: its matmul FLOPs and its time."""
+    types = self.typed(name)
+    if op in ('dot', 'convolution'):
+      flops = _matmul_flops(op, operands, line, types)
+    elif op == 'fusion':
+      flops = sum(self.flops_inside(c) for _, c in hlo._CALLS.findall(line))
+    else:
+      flops = 0.0
+    cycles = _CYCLES.search(line)
+    if cycles and self.clock_hz:
+      seconds = int(cycles.group(1)) / self.clock_hz
+      tally.estimated += seconds
+      tally.estimated_kernels += 1
+    else:
+      moved = hlo._type_bytes(types.get(hlo._INSTR.match(line).group('name'), ''))
+      moved += sum(hlo._type_bytes(types.get(o, '')) for o in operands)
+      seconds = max(flops / self.peak_flops, moved / self.hbm_bandwidth)
+      tally.roofline += seconds
+    tally.flops += flops
+    tally.kernels += 1
+    if flops:
+      tally.matmul += seconds
 
-@dataclasses.dataclass
-class _Tally:
-  flops: float = 0.0
-  estimated: float = 0.0
-  roofline: float = 0.0
-  matmul: float = 0.0
-  kernels: int = 0
-  estimated_kernels: int = 0
+  def visit(self, name: str, stack: tuple[str, ...], tally: _Tally) -> None:
+    """Adds every kernel computation `name` runs (loops times their trip counts)."""
+    if name in stack or name not in self.bodies:
+      return
+    inner = stack + (name,)
+    for instr, (op, operands, line) in self.instrs(name).items():
+      if op in _FREE or hlo._collective(line) is not None or op.endswith(('-done', '-update')):
+        continue
+      if op == 'while':
+        self.loop(name, instr, line, inner, tally)
+      elif op == 'conditional':
+        self.branches(name, instr, line, inner, tally)
+      elif op == 'call' or op.endswith('-start') and op != 'copy-start':
+        for _, callee in hlo._CALLS.findall(line):
+          if not callee.startswith('async_collective_fusion'):
+            self.visit(callee, inner, tally)
+      else:
+        self.kernel(name, op, operands, line, tally)
 
-  def add(self, other: _Tally, mult: int) -> None:
-    for f in dataclasses.fields(self):
-      setattr(self, f.name, getattr(self, f.name) + mult * getattr(other, f.name))
+  def loop(self, name: str, instr: str, line: str, inner: tuple, tally: _Tally) -> None:
+    body = hlo._BODY.search(line)
+    trip = hlo._trip_count(line, name, self.bodies, self.parsed)
+    sub = _Tally()
+    if body:
+      self.visit(body.group(1), inner, sub)
+    if trip is None and sub.kernels:
+      self.uncertain.append(
+        f'while loop %{instr} in %{name} has no known trip count in the HLO; its kernels'
+        ' are counted once'
+      )
+    tally.add(sub, 1 if trip is None else trip)
 
-  @property
-  def seconds(self) -> float:
-    return self.estimated + self.roofline
+  def branches(self, name: str, instr: str, line: str, inner: tuple, tally: _Tally) -> None:
+    found = hlo._BRANCHES.search(line)
+    names = (
+      [b.strip().lstrip('%') for b in found.group(1).split(',')]
+      if found
+      else hlo._TRUE_FALSE.findall(line)
+    )
+    subs = []
+    for b in names:
+      subs.append(_Tally())
+      self.visit(b, inner, subs[-1])
+    if subs:
+      if len({round(s.seconds, 12) for s in subs}) > 1:
+        self.uncertain.append(
+          f'conditional %{instr} in %{name}: its branches cost differently and one runs per'
+          ' step; the costliest is counted'
+        )
+      tally.add(max(subs, key=lambda s: s.seconds), 1)
 
 
 def program_cost(
@@ -219,80 +297,10 @@ def program_cost(
   (1024.0, 1)
   """
   text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-  walk = _Walk(text)
-  uncertain: list[str] = []
-
-  def kernel(name: str, op: str, operands: list[str], line: str, tally: _Tally) -> None:
-    types = walk.typed(name)
-    if op in ('dot', 'convolution'):
-      flops = _matmul_flops(op, operands, line, types)
-    else:
-      flops = (
-        sum(walk.flops_inside(c) for _, c in hlo._CALLS.findall(line)) if op == 'fusion' else 0.0
-      )
-    cycles = _CYCLES.search(line)
-    if cycles and clock_hz:
-      seconds = int(cycles.group(1)) / clock_hz
-      tally.estimated += seconds
-      tally.estimated_kernels += 1
-    else:
-      moved = hlo._type_bytes(types.get(hlo._INSTR.match(line).group('name'), ''))
-      moved += sum(hlo._type_bytes(types.get(o, '')) for o in operands)
-      seconds = max(flops / peak_flops, moved / hbm_bandwidth)
-      tally.roofline += seconds
-    tally.flops += flops
-    tally.kernels += 1
-    if flops:
-      tally.matmul += seconds
-
-  def visit(name: str, stack: tuple[str, ...], tally: _Tally) -> None:
-    if name in stack or name not in walk.bodies:
-      return
-    inner = stack + (name,)
-    for instr, (op, operands, line) in walk.instrs(name).items():
-      if op in _FREE or hlo._collective(line) is not None or op.endswith(('-done', '-update')):
-        continue
-      if op == 'while':
-        body = hlo._BODY.search(line)
-        trip = hlo._trip_count(line, name, walk.bodies, walk.parsed)
-        sub = _Tally()
-        if body:
-          visit(body.group(1), inner, sub)
-        if trip is None and sub.kernels:
-          uncertain.append(
-            f'while loop %{instr} in %{name} has no known trip count in the HLO; its'
-            ' kernels are counted once'
-          )
-        tally.add(sub, 1 if trip is None else trip)
-      elif op == 'conditional':
-        branches = hlo._BRANCHES.search(line)
-        names = (
-          [b.strip().lstrip('%') for b in branches.group(1).split(',')]
-          if branches
-          else hlo._TRUE_FALSE.findall(line)
-        )
-        subs = []
-        for b in names:
-          subs.append(_Tally())
-          visit(b, inner, subs[-1])
-        if subs:
-          if len({round(s.seconds, 12) for s in subs}) > 1:
-            uncertain.append(
-              f'conditional %{instr} in %{name}: its branches cost differently and one runs'
-              ' per step; the costliest is counted'
-            )
-          tally.add(max(subs, key=lambda s: s.seconds), 1)
-      elif op in ('call', 'async-start') or op.endswith('-start') and op != 'copy-start':
-        for _, callee in hlo._CALLS.findall(line):
-          if callee.startswith('async_collective_fusion'):
-            continue
-          visit(callee, inner, tally)
-      else:
-        kernel(name, op, operands, line, tally)
-
+  walk = _Walk(text, clock_hz, peak_flops, hbm_bandwidth)
   total = _Tally()
-  visit(walk.entry, (), total)
-  for reason in uncertain:
+  walk.visit(walk.entry, (), total)
+  for reason in walk.uncertain:
     warnings.warn(f'program_cost: {reason}.', CostCountWarning, stacklevel=2)
   return ProgramCost(
     matmul_flops=total.flops,
@@ -302,5 +310,5 @@ def program_cost(
     matmul_seconds=total.matmul,
     kernels=total.kernels,
     estimated_kernels=total.estimated_kernels,
-    uncertain=tuple(uncertain),
+    uncertain=tuple(walk.uncertain),
   )
