@@ -51,7 +51,7 @@ def maxtext_flops(width, heads, mlp, layers, batch, seq=SEQ, vocab=VOCAB, head=H
   return 3 * ((mlp_f + qkv + proj) * layers + embed) + 3 * attention * layers
 
 
-def plan_row(row, out: str) -> dict:
+def plan_row(row, out: str, reuse: bool = False) -> dict:
   name, width, heads, mlp, layers, topology, tensor, batch, published = row
   chips = 1
   for d in topology.split(':')[1].split('x'):
@@ -65,14 +65,22 @@ def plan_row(row, out: str) -> dict:
     sys.executable, '-m', 'zerojax', 'plan', '--model', model, '--topology', topology,
     '--mesh', f'data={chips // tensor},tensor={tensor}', '--stage', '3',
     '--batch-per-chip', str(batch), '--seq-len', str(SEQ), '--remat', 'minimal',
-    '--attention-chunk', '512', '--json', stem + '.json',
+    '--attention-chunk', '512', '--json', os.path.relpath(stem + '.json'),
   ]  # fmt: skip
   start = time.perf_counter()
-  done = subprocess.run(cmd, capture_output=True, text=True)
-  with open(stem + '.txt', 'w') as f:
-    f.write(done.stdout)
+  if reuse and os.path.exists(stem + '.json'):
+    print(f'  (reusing {stem}.json)', flush=True)
+  else:
+    if os.path.exists(stem + '.json'):
+      os.remove(stem + '.json')
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    with open(stem + '.txt', 'w') as f:
+      f.write(done.stdout)
   if not os.path.exists(stem + '.json'):
     raise SystemExit(f'{name}: the plan failed (exit {done.returncode}):\n{done.stderr[-3000:]}')
+  with open(stem + '.json') as f:
+    if json.load(f)['command'].split(' --json ')[0] != 'python -m zerojax ' + ' '.join(cmd[3:-2]):
+      raise SystemExit(f'{name}: {stem}.json was planned with another command; drop --reuse')
   with open(stem + '.json') as f:
     plan = json.load(f)
   flops = maxtext_flops(width, heads, mlp, layers, batch)
@@ -93,6 +101,9 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rows', default=','.join(r[0] for r in ROWS))
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
+  parser.add_argument(
+    '--reuse', action='store_true', help="reuse a row's plan JSON already in --out (same command)"
+  )
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   import jax
@@ -103,7 +114,7 @@ def main() -> int:
   for row in ROWS:
     if row[0] in wanted:
       print(f'planning {row[0]} on {row[5]} ...', flush=True)
-      results.append(plan_row(row, args.out))
+      results.append(plan_row(row, args.out, args.reuse))
       r = results[-1]
       print(f'  predicted {r["predicted_tflops"]:.0f} TFLOP/s, published {r["published_tflops"]:.0f}:'
             f' {r["ratio"]:.2f}x; peak {r["peak_gib"]:.1f} GiB; {r["wall_seconds"]:.0f} s', flush=True)  # fmt: skip

@@ -98,3 +98,14 @@ def test_readme_planner_commands_reproduce_the_committed_results():
       untimed = lambda text: [s for s in text.splitlines() if not s.startswith('[')]
       assert untimed(proc.stdout) == untimed(committed)
       assert 'measured/floor = 0.998' in proc.stdout
+
+
+def test_readme_maxtext_table_is_the_committed_benchmark():
+  """The README's check against MaxText's published v5p runs is the table
+  benchmarks/bench_maxtext.py wrote (benchmarks/results/maxtext_v5p.md), row for row."""
+  committed = (README.parent / 'benchmarks/results/maxtext_v5p.md').read_text()
+  rows = [line for line in committed.splitlines() if line.startswith('|')]
+  assert len(rows) >= 2 + 4, committed  # header, rule and the single-slice rows planned
+  readme = README.read_text()
+  for row in rows:
+    assert row in readme, row
