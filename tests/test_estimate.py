@@ -156,9 +156,13 @@ def test_plan_command_floor_counts_the_parameters_own_dtype_below_stage_3(stage)
     (
       '4x4',
       '--mesh 4x4 has 16 devices but the topology has 8; give the chip grid, e.g. --mesh 16x16'
-      ' for v5e:16x16',
+      ' for v5e:16x16, or sizes whose product is 8',
     ),
-    ('2xa', "--mesh '2xa': expected 'data' or a grid of up to 3 dimensions like 16x16"),
+    (
+      '2xa',
+      "--mesh '2xa': expected 'data', a grid of up to 3 dimensions like 16x16, or named axes"
+      ' like data=16,tensor=4',
+    ),
   ],
 )
 def test_plan_command_rejects_a_mesh_that_does_not_fit(mesh, message):
