@@ -313,7 +313,7 @@ def _build_step(args, start: float) -> dict:
   import numpy as np
   from jax.sharding import AxisType, Mesh
 
-  from zerojax._src import precision, transform, zero_stage
+  from zerojax._src import precision, zero_stage
 
   phases: dict[str, float] = {}
   t = time.perf_counter()
@@ -348,8 +348,7 @@ def _build_step(args, start: float) -> dict:
     )  # fmt: skip
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
-  state, batch, batch_sds, grad_fn = _abstract_step(args, spec, tx, mesh, axis, explicit, n)
-  plan = transform.plan_for(state.tx, state.params)
+  state, plan, batch, batch_sds, grad_fn = _abstract_step(args, spec, tx, mesh, axis, explicit, n)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   _log(start, f'model {spec.name}: {num_params:,} parameters; stage {args.stage} plan built')
   phases['plan'] = time.perf_counter() - t
@@ -403,18 +402,16 @@ def _tensor_specs(args, spec, mesh) -> Any:
 
 
 def _abstract_step(args, spec, tx, mesh, axis, explicit: bool, n: int):
-  """(abstract train state, sharded batch, the batch's struct, gradient function)."""
+  """(abstract train state, its plan, sharded batch, the batch's struct, gradient function)."""
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
 
-  from zerojax._src import train_state
+  from zerojax._src import train_state, transform
 
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   extra = {'param_dtype': jnp.dtype(args.compute_dtype)} if args.mixed_precision else {}
   state = train_state.abstract_train_state(spec.init_fn, key, tx=tx, **extra)
-  from zerojax._src import transform
-
   plan = transform.plan_for(state.tx, state.params)
   # As MaxText counts it: the global batch is the batch per chip times every chip; the chips
   # of one tensor-parallel group share their sequences.
@@ -430,7 +427,7 @@ def _abstract_step(args, spec, tx, mesh, axis, explicit: bool, n: int):
     )
   else:
     grad_fn = lambda p, b: jax.value_and_grad(lambda q: spec.loss_fn(q, b, plan))(p)
-  return state, batch, batch_sds, grad_fn
+  return state, plan, batch, batch_sds, grad_fn
 
 
 def _report_plan(args, built: dict, compiled, text: str) -> dict:
