@@ -105,22 +105,35 @@ def test_abstract_train_state_allocates_nothing(explicit_mesh):
   assert state.params['w'].sharding.shard_shape((1 << 15, 1 << 15)) == (1 << 12, 1 << 15)
 
 
-def test_stage3_apply_fn_on_an_explicit_mesh_gathers_where_it_is_used(explicit_mesh):
-  # On an Explicit mesh, JAX itself refuses a product of two operands split on the same axis
-  # (its ShardingTypeError, unchanged); the README shows gathering the parameters first.
+def _dense_state(mesh, stage=3):
   import flax.linen as nn
   from flax.training import train_state as flax_train_state
-  from jax.sharding import NamedSharding, PartitionSpec
 
   model = nn.Dense(64)
   x = jnp.ones((16, 32))
   state = flax_train_state.TrainState.create(
     apply_fn=model.apply, params=model.init(jax.random.key(0), x)['params'], tx=optax.adam(1e-3)
   )
-  state = zerojax.zero_stage(state, 3, mesh=explicit_mesh)
+  return model, x, zerojax.zero_stage(state, stage, mesh=mesh)
+
+
+def test_stage3_apply_fn_on_split_params_names_the_parameter_and_the_gather(explicit_mesh):
+  # On an Explicit mesh a layer run on its split parameters would fail inside jax
+  # (ShardingTypeError); the state zerojax returns says which parameter and the fix.
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  model, x, state = _dense_state(explicit_mesh)
   xs = jax.device_put(x, NamedSharding(explicit_mesh, PartitionSpec('data')))
-  with pytest.raises(Exception, match='illegally sharded result'):
+  with pytest.raises(ValueError) as e:
     jax.jit(lambda s, x: s.apply_fn({'params': s.params}, x))(state, xs)
+  assert str(e.value) == (
+    "zerojax: Dense (the top module) runs __call__ on params['bias'], float32[64@data]"
+    " split over 'data' as ZeRO stage 3 keeps it at rest; a layer needs its parameters whole."
+    " Gather them where they are used: the whole model with state.apply_fn({'params':"
+    ' zerojax.gather(state.params, state.tx)}, x), or block by block (less memory) by building'
+    ' the model from zerojax.linen.gathered(Block, tx). A module that gathers its own'
+    ' parameters is built with zerojax.linen.gathered too.'
+  )
 
   # Gathered where they are used, the parameters give the unsplit model's output.
   def fixed(s, x):
@@ -130,6 +143,35 @@ def test_stage3_apply_fn_on_an_explicit_mesh_gathers_where_it_is_used(explicit_m
   want = model.apply({'params': jax.device_get(state.params)}, x)
   # One Dense layer: each output sums 32 products, in another order once gathered.
   assert_close(out, want, reordered(32))
+
+
+def test_stage3_apply_fn_check_passes_gathered_blocks_and_lower_stages(explicit_mesh):
+  import flax.linen as nn
+  from flax.training import train_state as flax_train_state
+
+  # Below stage 3 the parameters are whole: apply_fn is the model's own.
+  model, x, state = _dense_state(explicit_mesh, stage=2)
+  assert state.apply_fn == model.apply
+
+  # A model whose layers gather their own parameters runs on the split ones.
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=explicit_mesh)
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = zerojax.linen.gathered(nn.Dense, tx)(64, name='a')(x)
+      return zerojax.linen.gathered(nn.Dense, tx)(8, name='b')(jax.nn.relu(x))
+
+  net = Net()
+  params = net.init(jax.random.key(1), x)['params']
+  state = zerojax.zero_stage(
+    flax_train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adam(1e-3)),
+    3,
+    mesh=explicit_mesh,
+  )
+  assert state.params['a']['kernel'].sharding.spec != (None, None)
+  out = jax.jit(lambda s, x: s.apply_fn({'params': s.params}, x))(state, x)
+  assert_close(out, net.apply({'params': params}, x), reordered(64))
 
 
 def test_builders_take_the_options_from_the_wrapped_optimizer(explicit_mesh):

@@ -4,8 +4,9 @@ tensor parallelism declared with Flax logical partitioning."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ from flax.core import lift
 from jax.sharding import PartitionSpec
 
 from zerojax._src import gather as gather_lib
+from zerojax._src import rules
 
 
 def gathered(module_cls: type[nn.Module], zero: Any, *, dtype: Any = None) -> type[nn.Module]:
@@ -51,6 +53,7 @@ def gathered(module_cls: type[nn.Module], zero: Any, *, dtype: Any = None) -> ty
     _gather_params, module_cls, trans_in, methods=_public_methods(module_cls)
   )
   cls.__name__, cls.__qualname__ = module_cls.__name__, module_cls.__qualname__
+  cls._zerojax_gathers = True  # its own parameters arrive split; it gathers them
   return cls
 
 
@@ -71,6 +74,62 @@ def _gather_params(fn: Any, trans_in: Any) -> Any:
     return run(scopes, *args, **kwargs)
 
   return call
+
+
+def guard_split_params(apply_fn: Callable[..., Any] | None, axes: tuple[str, ...]) -> Any:
+  """`apply_fn`, refusing in zerojax's words a linen module run on parameters split over `axes`.
+
+  At stage 3 a train state's parameters rest split over the ZeRO axes. On an
+  Explicit mesh their split is part of their type, and a layer run on them
+  directly fails deep inside jax (`ShardingTypeError: dot_general ...
+  produces an illegally sharded result`). The returned function runs
+  `apply_fn` under `flax.linen.intercept_methods`: before each module method
+  runs, the module's own 'params' are checked, and one still split over `axes`
+  is a ValueError naming it and the gather to use. Modules from `gathered`
+  gather their own parameters and are not checked; their submodules see the
+  gathered values. On Auto axes no split is in the types, and nothing is refused.
+  """
+  if apply_fn is None or getattr(apply_fn, '_zerojax_guards', None) == tuple(axes):
+    return apply_fn
+
+  @functools.wraps(apply_fn)
+  def apply(*args, **kwargs):
+    with nn.intercept_methods(functools.partial(_refuse_split, tuple(axes))):
+      return apply_fn(*args, **kwargs)
+
+  apply._zerojax_guards = tuple(axes)
+  return apply
+
+
+def _refuse_split(axes: tuple[str, ...], next_fun, args, kwargs, context):
+  """The interceptor of `guard_split_params`: checks the module's own parameters, then runs."""
+  module = context.module
+  scope = module.scope
+  if (
+    scope is None
+    or getattr(type(module), '_zerojax_gathers', False)
+    or scope.is_mutable_collection('params')  # init: the parameters are being created
+  ):
+    return next_fun(*args, **kwargs)
+  for name, value in module.variables.get('params', {}).items():
+    if isinstance(value, Mapping):  # a submodule's: checked when it runs
+      continue
+    for leaf in jax.tree.leaves(value):
+      spec = getattr(getattr(jax.typeof(leaf), 'sharding', None), 'spec', None) or ()
+      split = [a for entry in spec for a in rules.spec_axes(entry) if a in axes]
+      if split:
+        path = ''.join(f'[{k!r}]' for k in (*scope.path, name))
+        where = '/'.join(scope.path) or 'the top module'
+        raise ValueError(
+          f'zerojax: {type(module).__name__} ({where}) runs {context.method_name} on'
+          f' params{path}, {jax.typeof(leaf).str_short()} split over {split[0]!r} as ZeRO'
+          ' stage 3 keeps it at rest; a layer needs its parameters whole. Gather them where'
+          " they are used: the whole model with state.apply_fn({'params':"
+          ' zerojax.gather(state.params, state.tx)}, x), or block by block (less memory) by'
+          ' building the model from zerojax.linen.gathered(Block, tx). A module that gathers'
+          ' its own parameters is built with zerojax.linen.gathered too.'
+        )
+  return next_fun(*args, **kwargs)
 
 
 def _public_methods(module_cls: type[nn.Module]) -> list[str]:

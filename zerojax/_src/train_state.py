@@ -11,7 +11,7 @@ import optax
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import options as options_lib
 from zerojax._src import plan as plan_lib
-from zerojax._src import precision, rules, transform, validation
+from zerojax._src import linen, precision, rules, transform, validation
 
 State = TypeVar('State')
 
@@ -52,7 +52,16 @@ def zero_train_state(state: State, tx: optax.GradientTransformation) -> State:
     )
   _refuse_regathering(state.params, plan)
   params, opt_state = jax.device_put((state.params, state.opt_state), (plan.params, plan.opt_state))
-  return state.replace(tx=tx, params=params, opt_state=opt_state)
+  state = state.replace(tx=tx, params=params, opt_state=opt_state)
+  return _guarded(state, plan.stage, plan.axes)
+
+
+def _guarded(state: State, stage: int, axes: tuple[str, ...]) -> State:
+  """At stage 3, the state with its `apply_fn` refusing split parameters in zerojax's words
+  (`zerojax.linen` `guard_split_params`); `replace` sets it, as for any field."""
+  if stage < 3 or getattr(state, 'apply_fn', None) is None:
+    return state
+  return state.replace(apply_fn=linen.guard_split_params(state.apply_fn, axes))
 
 
 def _refuse_regathering(params: Any, plan: Any) -> None:
@@ -136,6 +145,7 @@ def _layout(
       lambda p: mesh_lib.constrain(p, plan.params, config.mesh), config.mesh, plan.params
     )(params)
     state = state_class.create(apply_fn=apply_fn, params=params, tx=tx, **fields)
+    state = _guarded(state, config.stage, config.axes)
     if param_dtype is not None:  # mixed precision: tx.init saw the full-precision values
       state = state.replace(params=precision.cast(state.params, param_dtype))
     return state

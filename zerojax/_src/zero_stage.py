@@ -40,7 +40,10 @@ def zero_stage(target: Any, stage: int, *, mesh: Mesh | None = None, **options: 
     returns the state already sharded and whose `update` lays gradients,
     updates and state out for the stage, inside or outside `jax.jit`. For a
     train state: the same class with `tx` wrapped and `params` and `opt_state`
-    placed per the plan.
+    placed per the plan; at stage 3 its `apply_fn` (linen) also refuses, with a
+    ValueError naming the parameter and the gather to use, a module run on
+    parameters still split on an Explicit mesh (`state.replace(apply_fn=...)`
+    sets another, unchecked).
 
   Raises:
     ValueError: `stage` not in 0-3; `axis` not in the mesh; no mesh; a large
