@@ -200,16 +200,27 @@ def test_scalar_and_sum_aux_mean_what_they_mean_on_the_global_batch(micro, mesh)
   assert abs(float(aux['accuracy']) - float(want['accuracy'])) <= EPS32
 
   # A scalar aux is a mean over the rows, under the rule a scalar loss follows: one divided
-  # by a count computed from the batch is refused, as the loss would be.
+  # by a count computed from the batch is refused, as the loss would be, and named. Here the
+  # loss is a WeightedMean (it does not divide) and the aux holds sum / count, as nanodo's
+  # log_perplexity does.
   def per_device_rate(p, b):
-    out = mlp_apply(p, b['x'])
-    hits = (jnp.argmax(out, -1) == jnp.argmax(b['y'], -1)) * b['mask']
-    return jnp.mean((out - b['y']) ** 2), {'accuracy': jnp.sum(hits) / jnp.sum(b['mask'])}
+    err = jnp.sum((mlp_apply(p, b['x']) - b['y']) ** 2, axis=-1)
+    total, count = jnp.sum(err * b['mask']), jnp.sum(b['mask'])
+    aux = {'log_perplexity': total / count, 'tokens': zerojax.Sum(count)}
+    return zerojax.WeightedMean(total, count), aux
 
-  with pytest.raises(ValueError, match=re.escape(LOCAL_NORMALISATION)):
+  with pytest.raises(ValueError) as e:
     jax.jit(zerojax.value_and_grad(per_device_rate, tx, has_aux=True))(
       params, {'x': xs, 'y': ys, 'mask': ms}
     )
+  assert str(e.value) == (
+    "zerojax.value_and_grad: aux['log_perplexity'], a scalar aux output, divides by a value"
+    ' computed from its batch (f32[] / f32[]), such as a count of tokens that are not padding.'
+    ' A scalar aux value is averaged over the parts of the batch as the loss is, so it would be'
+    " normalised by each part's count, not the whole batch's. Return aux['log_perplexity'] as"
+    ' zerojax.WeightedMean(total, count) (the sums before dividing) and value_and_grad divides'
+    ' the global sums.'
+  )
 
 
 def _dropout_loss(p, b, key):

@@ -21,12 +21,13 @@ def test_aux_kinds_say_how_each_leaf_combines():
   assert reduction.aux_kinds(aux, rows=4) == ['scalar', 'rows', 'mean', 'sum']
   # A plain scalar is checked for a division by a batch count, as a scalar loss is; a
   # WeightedMean's two sums are not divided; Sum and per-row values have nothing to check.
-  assert reduction.checked_aux_outputs(['scalar', 'rows', 'mean', 'sum']) == [
-    True,
-    False,
-    False,
-    False,
-    False,
+  # Each flattened output (a WeightedMean is two): the plain scalar is named by its path.
+  assert reduction.aux_output_names(aux, ['scalar', 'rows', 'mean', 'sum']) == [
+    "aux['accuracy']",
+    None,
+    None,
+    None,
+    None,
   ]
 
 

@@ -281,12 +281,12 @@ def _check_loss(r: Routes, loss_fn, treedef, flat_params, mb, args, meta: dict) 
       ' loss_fn(params, batch), called as fn(params, batch).'
     )
   # The scalar loss, and scalar aux values (means over the rows under the same rule).
-  outputs = [True] + [False] * meta['weighted']
+  outputs = ['loss'] + [None] * meta['weighted']
   if r.has_aux:
     meta['aux_kinds'] = reduction.aux_kinds(aux, jax.tree.leaves(mb)[0].shape[0])
     meta['aux_treedef'] = jax.tree.structure(aux, is_leaf=reduction.is_combined)
-    outputs += reduction.checked_aux_outputs(meta['aux_kinds'])
-  outputs += [False] * (len(closed.jaxpr.outvars) - len(outputs))
+    outputs += reduction.aux_output_names(aux, meta['aux_kinds'])
+  outputs += [None] * (len(closed.jaxpr.outvars) - len(outputs))
   reduction.check_normalisation(closed, num_params, num_batch, outputs)
   if meta['weighted'] and reduction.depends_on_params(deps[1]):
     raise ValueError(
@@ -544,7 +544,9 @@ def value_and_grad(
   Raises:
     ValueError: the rows do not divide into devices x `micro_batches`; a batch
       leaf is a scalar; `per_layer` below stage 2 or with `param_axis`; at
-      trace time, a loss or aux whose parts cannot be combined exactly.
+      trace time, a loss or aux whose parts cannot be combined exactly (a
+      division by a batch-computed count names its output: the loss, or the
+      scalar aux leaf's path such as `aux['log_perplexity']`).
   """
   config = transform.require_config(tx)
   if per_layer and (config.stage < 2 or config.options.param_axis is not None):

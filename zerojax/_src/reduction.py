@@ -143,15 +143,6 @@ def aux_kinds(aux: Any, rows: int) -> list[str]:
   return kinds
 
 
-def checked_aux_outputs(kinds: list[str]) -> list[bool]:
-  """Per flattened aux output (a WeightedMean is two), whether it is a plain scalar: those
-  are means over the rows, and are checked for a division by a batch count as the loss is."""
-  flags = []
-  for kind in kinds:
-    flags += [False, False] if kind == 'mean' else [kind == 'scalar']
-  return flags
-
-
 def stack_aux(aux: Any, kinds: list[str]) -> Any:
   """One part's aux as arrays to carry through the micro-batch loop."""
   flat, treedef = jax.tree.flatten(aux, is_leaf=is_combined)
@@ -224,11 +215,11 @@ def fold_keys(args: Any, index: jax.Array) -> Any:
 _PARAMS, _BATCH = jaxprs.PARAMS, jaxprs.BATCH
 
 
-def check_normalisation(closed: Any, num_params: int, num_batch: int, outputs: list[bool]) -> None:
-  """Refuses a loss that divides by a count it computed from its batch.
+def check_normalisation(closed: Any, num_params: int, num_batch: int, outputs: list) -> None:
+  """Refuses a loss, or a scalar aux value, that divides by a count computed from its batch.
 
-  Per device, such a loss normalises by that device's count, and the mean of
-  the parts is not the loss of the whole batch (off by the spread of the
+  Per device, such a value is normalised by that device's count, and the mean
+  of the parts is not the value on the whole batch (off by the spread of the
   counts). Divisions by values computed from the parameters (softmax, layer
   norms) or by constants (`jnp.mean`) are per-row or exact, and pass.
 
@@ -236,21 +227,46 @@ def check_normalisation(closed: Any, num_params: int, num_batch: int, outputs: l
     closed: the jaxpr of `loss(params, batch, ...)`, params' leaves first.
     num_params: how many inputs are parameter leaves, followed by
     num_batch: batch leaves (the rest are other arguments).
-    outputs: which outputs to check (the scalar loss; aux is checked by shape).
+    outputs: per output, its name to check it under ('loss', or an aux path such
+      as "aux['log_perplexity']"), or None not to check it.
   """
   jaxpr = closed.jaxpr
   rest = len(jaxpr.invars) - num_params - num_batch
   in_deps = [_PARAMS] * num_params + [_BATCH] * num_batch + [0] * rest
-  found = jaxprs.divisions_by(jaxpr, in_deps, outputs, _BATCH)
-  if found:
-    raise ValueError(
-      'zerojax.value_and_grad: the loss divides by a value computed from its batch'
-      f' ({"; ".join(found)}), such as a count of tokens that are not padding. The loss runs'
-      " per device, on part of the batch, so it would be normalised by that part's count,"
-      " not the whole batch's. Return zerojax.WeightedMean(total, count) (the sums before"
-      ' dividing) and value_and_grad divides the global sums, as jax.value_and_grad on the'
-      ' whole batch would.'
-    )
+  for i, name in enumerate(outputs):
+    if name is None:
+      continue
+    live = [j == i for j in range(len(outputs))]
+    found = jaxprs.divisions_by(jaxpr, in_deps, live, _BATCH)
+    if found and name == 'loss':
+      raise ValueError(
+        'zerojax.value_and_grad: the loss divides by a value computed from its batch'
+        f' ({"; ".join(found)}), such as a count of tokens that are not padding. The loss runs'
+        " per device, on part of the batch, so it would be normalised by that part's count,"
+        " not the whole batch's. Return zerojax.WeightedMean(total, count) (the sums before"
+        ' dividing) and value_and_grad divides the global sums, as jax.value_and_grad on the'
+        ' whole batch would.'
+      )
+    if found:
+      raise ValueError(
+        f'zerojax.value_and_grad: {name}, a scalar aux output, divides by a value computed'
+        f' from its batch ({"; ".join(found)}), such as a count of tokens that are not'
+        ' padding. A scalar aux value is averaged over the parts of the batch as the loss is,'
+        " so it would be normalised by each part's count, not the whole batch's. Return"
+        f' {name} as zerojax.WeightedMean(total, count) (the sums before dividing) and'
+        ' value_and_grad divides the global sums.'
+      )
+
+
+def aux_output_names(aux: Any, kinds: list[str]) -> list:
+  """Per flattened aux output (a WeightedMean is two), its path if it is a plain scalar (a
+  mean over the rows, checked for a division by a batch count as the loss is), else None."""
+  flat = jax.tree_util.tree_flatten_with_path(aux, is_leaf=is_combined)[0]
+  names = []
+  for (path, _), kind in zip(flat, kinds):
+    name = f'aux{jax.tree_util.keystr(path)}'
+    names += [None, None] if kind == 'mean' else [name if kind == 'scalar' else None]
+  return names
 
 
 def output_deps(closed: Any, num_params: int, num_batch: int) -> list[int]:
