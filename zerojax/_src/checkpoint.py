@@ -606,13 +606,15 @@ class Checkpointer:
       (restored state, restored extra).
 
     Raises:
-      FileNotFoundError: no such committed step, or a file of it is missing.
+      FileNotFoundError: no such committed step.
       ValueError: the checkpoint was written by a newer zerojax; the global
         batch differs from the one saved; the target's tree, shapes or dtypes
         differ from the checkpoint's (naming the first mismatching path and
         both); an array's bytes differ from the checksum recorded at save
         (naming the step, the path and where it is stored); or orbax cannot
-        decode a file.
+        read an array (a truncated, missing or undecodable data file: naming the step and
+        the first array that cannot be read, with TensorStore's error chained
+        as the cause).
     """
     step = self._step_or_latest(step)
     meta = self.metadata(step)
@@ -647,14 +649,8 @@ class Checkpointer:
         step,
         args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted)),
       )['state']
-    except Exception as e:  # TensorStore: truncated, missing or undecodable files
-      e.add_note(
-        f'zerojax: checkpoint step {step} in {self.directory} could not be read from'
-        f' {os.path.join(self.directory, str(step), "state")} (its files are damaged, or it'
-        f' was not written by this model and optimizer). Restore another step (committed:'
-        f' {self.all_steps()}) or save it again.'
-      )
-      raise
+    except Exception as e:  # TensorStore: truncated, missing or undecodable data files
+      raise _unreadable(self.directory, step, wanted, self.all_steps()) from e
     _verify(meta, out, self.directory, step)
     out = _decode_keys(out, meta['prng_keys'])
     restored = out['state']
@@ -807,6 +803,50 @@ def _with_default_sharding(x: jax.ShapeDtypeStruct, rep: Any) -> jax.ShapeDtypeS
     return x
   sharding = rep or jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _unreadable(directory: str, step: int, wanted: Any, committed: list[int]) -> ValueError:
+  """The error for a step orbax could not read: which array, found by reading each alone.
+
+  Only on this failure path: every array is restored on its own (orbax's partial
+  restore) until one fails, so the message names it rather than TensorStore's
+  array index. The caller chains TensorStore's error as the cause.
+  """
+  where = os.path.join(directory, str(step), 'state')
+  checkpointer = ocp.PyTreeCheckpointer()
+  damaged = None
+  for path, leaf in jax.tree_util.tree_flatten_with_path(wanted)[0]:
+    one = _single_leaf(path, leaf)
+    try:
+      checkpointer.restore(
+        where,
+        args=ocp.args.PyTreeRestore(
+          item=one,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(one),
+          partial_restore=True,
+        ),
+      )
+    except Exception:  # noqa: BLE001 - any failure to read this array names it
+      damaged = jax.tree_util.keystr(path)
+      break
+  what = (
+    f'{damaged} cannot be read'
+    if damaged is not None
+    else 'its arrays cannot be read together, though each reads alone'
+  )
+  return ValueError(
+    f'checkpoint step {step} in {directory}: {what} from {where} (its files are damaged or'
+    " truncated, or it was not written by this model and optimizer; TensorStore's error is"
+    f' the cause above). Restore another step (committed: {committed}) or save it again.'
+  )
+
+
+def _single_leaf(path: tuple, leaf: Any) -> dict:
+  """The nested dicts of `path` (dict keys only, as orbax saves them) around `leaf`."""
+  out = leaf
+  for key in reversed(path):
+    out = {getattr(key, 'key', getattr(key, 'idx', getattr(key, 'name', None))): out}
+  return out
 
 
 def _verify(meta: dict, restored: Any, directory: str, step: int) -> None:
