@@ -15,6 +15,7 @@ from _models import collective_ops, make_init, step
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import zerojax
+from zerojax._src import quantize as zerojax_quantize
 
 pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu) for ahead-of-time compilation')
 from jax.experimental import topologies  # noqa: E402
@@ -231,10 +232,53 @@ def test_quantized_collectives_compile_for_tpu(fmt, limit, topology):
   assert {dtype for dtype, _ in collective_ops(quant, 'all-gather')} == {'s8', 'f32'}
   assert stats.result_bytes['all-gather'] / (2 * big * 2) <= 0.53
   packed = 's8' if fmt == 'int8' else 'u8'
-  assert {dtype for dtype, _ in collective_ops(quant, 'all-to-all')} == {packed, 'f32'}
-  assert stats['all-to-all'] == 4
+  # One all-to-all per matrix: its values and, after them, its scales' bytes.
+  assert {dtype for dtype, _ in collective_ops(quant, 'all-to-all')} == {packed}
+  assert stats['all-to-all'] == 2
+  per_value = 1 if fmt == 'int8' else 0.5
+  assert stats.result_bytes['all-to-all'] == 2 * (int(big * per_value) + big // 256 * 4)
   assert stats.result_bytes['all-to-all'] / (2 * big * 4) <= limit
   assert stats['reduce-scatter'] == 0  # no full-precision gradient collective left
+
+
+def _laid_out_bytes(type_str):
+  """Bytes of an HLO array type as the TPU compiler lays it out: its two minor dimensions
+  padded to the first tile of its layout (`s8[8,94,256]{2,1,0:T(8,128)(4,1)}`)."""
+  import re
+
+  dtype, dims, tile = re.match(r'(\w+)\[([\d,]*)\]\{[\d,]*:T\(([\d,]+)\)', type_str).groups()
+  dims, tile = [int(d) for d in dims.split(',')], [int(t) for t in tile.split(',')]
+  for i, t in enumerate(tile, start=len(dims) - len(tile)):
+    dims[i] = -(-dims[i] // t) * t
+  return int(np.prod(dims)) * {'s8': 1, 'u8': 1, 'f32': 4}[dtype]
+
+
+def test_gradient_scales_take_one_per_block_as_laid_out_on_tpu(topology):
+  # A leaf whose share per peer holds fewer than 128 blocks (here 94): sent on their own, its
+  # scales filled a row of 128 float32 lanes per peer (f32[8,1,94] laid out as [8,1,128]) and
+  # its values whole tiles of 8 blocks (s8[8,94,256] as [8,96,256]): 200,704 bytes. Sent in
+  # one buffer, values then scales, what the compiler lays out is the values and one scale
+  # per block rounded up to its tile, at most 512 bytes per peer: 196,608 bytes.
+  mesh = Mesh(np.array(topology.devices), ('data',), axis_types=(AxisType.Explicit,))
+  shape, n = (376, 512), 8
+  grad = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+  scatter = jax.jit(
+    jax.shard_map(
+      lambda g: zerojax_quantize.reduce_scatter(g, ('data',), 0, zerojax.Quantize(grads='int8')),
+      mesh=mesh,
+      in_specs=PartitionSpec(),
+      out_specs=PartitionSpec('data'),
+    )
+  )
+  text = scatter.lower(grad).compile().as_text()
+  blocks = shape[0] * shape[1] // n // 256
+  assert blocks == 94
+  sent = [line for line in text.splitlines() if ' all-to-all(' in line]
+  assert len(sent) == 1, sent
+  type_str = sent[0].split('=', 1)[1].strip().split(' ')[0]
+  logical = n * blocks * (256 + 4)  # int8 values and one float32 scale per block, per peer
+  assert collective_ops(text, 'all-to-all') == [('s8', logical)]
+  assert logical <= _laid_out_bytes(type_str) <= logical + 512 * n, type_str
 
 
 def test_scan_layers_prefetches_the_next_layers_gather_on_tpu(topology):
