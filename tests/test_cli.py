@@ -177,3 +177,16 @@ def test_a_decoder_of_any_shape_plans_tensor_parallel_with_each_phase_timed(tmp_
   line = [x for x in proc.stdout.splitlines() if x.startswith('matmul FLOPs per chip')]
   assert line == [f'matmul FLOPs per chip per step (counted in the compiled program):'
                   f' {report["matmul_flops_per_chip"]:.4g}']  # fmt: skip
+  # Where the memory goes: the largest arrays, largest first, and the values the layer loop
+  # stacks one per layer (what it saves for the backward pass) said as such.
+  largest = report['largest_arrays']
+  assert len(largest) == 6
+  assert [g['bytes'] for g in largest] == sorted((g['bytes'] for g in largest), reverse=True)
+  assert any(
+    g.get('stacked_over') == 2 and g['type'].split('[')[1].startswith('2,') for g in largest
+  )
+  lines = proc.stdout.splitlines()
+  at = lines.index(next(x for x in lines if x.startswith('largest arrays in one chip')))
+  assert all(
+    lines[at + 1 + i].lstrip().split('  ')[1].startswith(g['type']) for i, g in enumerate(largest)
+  )

@@ -17,6 +17,7 @@ from _models import (
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
+from zerojax._src import hlo
 
 N, D, PSI = TWO_LAYER_N, TWO_LAYER_D, TWO_LAYER_PSI
 
@@ -152,3 +153,22 @@ def test_count_host_transfers_counts_what_a_host_computation_reads_and_writes():
   got = zerojax.inspect.count_host_transfers(text)
   assert (got.to_host, got.to_device) == (8, 8)  # the bf16[4] operand down, the result back
   assert got.host_computations == 1
+
+
+def test_largest_arrays_names_what_a_loop_stacks_per_iteration():
+  # A scanned, rematerialised 6-layer stack: the forward loop stacks each layer's input for
+  # the backward pass (f32[6,512,256]) and the backward loop stacks the weights' gradients.
+  def f(ws, x):
+    def body(h, w):
+      return jnp.tanh(h @ w), None
+
+    h, _ = jax.lax.scan(jax.checkpoint(body), x, ws)
+    return jnp.sum(h)
+
+  text = jax.jit(jax.grad(f)).lower(jnp.ones((6, 256, 256)), jnp.ones((512, 256))).compile()
+  arrays = hlo.largest_arrays(text, count=50)
+  assert [a.nbytes for a in arrays] == sorted((a.nbytes for a in arrays), reverse=True)
+  stacked = {a.type for a in arrays if a.stacked}
+  assert {'f32[6,512,256]', 'f32[6,256,256]'} <= stacked
+  assert all(a.loop_trips == 6 for a in arrays if a.stacked)
+  assert arrays[0].nbytes == 6 * 512 * 256 * 4

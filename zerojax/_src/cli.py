@@ -458,6 +458,8 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
   print('plan per chip: ' + ', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in sizes.items()))
   print(report)
   fits = _print_fit(args, built, report, sizes)
+  largest = _largest_arrays(text)
+  print(_format_largest(largest))
   chip = search.CHIPS.get(args.topology.split(':')[0])
   candidate = search.Candidate(args.stage, offload=args.offload, update_on=args.update_on)
   traffic = search.host_traffic(
@@ -496,7 +498,7 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
     'host_limit_bytes': chip.host_bytes_per_chip if chip is not None else None,
     'host_traffic': traffic, 'predicted_seconds': predicted,
     'matmul_flops_per_chip': work.matmul_flops, 'kernel_seconds': work.kernel_seconds,
-    'kernels': dataclasses.asdict(work),
+    'kernels': dataclasses.asdict(work), 'largest_arrays': largest,
     'roofline': None if chip is None else dataclasses.asdict(chip) | {'clock_hz': chip.clock_hz},
     'topology': args.topology, 'num_devices': n, 'batch_per_chip': args.batch_per_chip,
     'mesh': dict(zip(built['names'], built['shape'])),
@@ -538,6 +540,48 @@ def _print_fit(args, built: dict, report, sizes: dict) -> bool | None:
       )
     )
   return fits
+
+
+def _largest_arrays(text: str, count: int = 6) -> list[dict]:
+  """The largest arrays of the program, those of one type together (the entry's zeros and
+  the loop's stacked updates of one buffer, or one value per layer), largest first."""
+  from zerojax._src import hlo
+
+  groups: dict[str, dict] = {}
+  for a in hlo.largest_arrays(text, count=None):
+    g = groups.setdefault(a.type, dict(type=a.type, bytes=a.nbytes, count=0, sources=[]))
+    g['count'] += 1
+    if a.stacked:
+      g['stacked_over'] = a.loop_trips
+    if a.source and a.source not in g['sources']:
+      g['sources'].append(a.source)
+  return list(groups.values())[:count]
+
+
+def _format_largest(groups: list[dict]) -> str:
+  """Lines naming the program's largest arrays, so a plan that does not fit says why."""
+
+  def size(n: int) -> str:
+    for unit, scale in (('GiB', 2**30), ('MiB', 2**20)):
+      if n >= scale:
+        return f'{n / scale:.2f} {unit}'
+    return f'{n / 2**10:.1f} KiB'
+
+  lines = [
+    "largest arrays in one chip's program (each made by one instruction; the compiler may"
+    ' place several in one buffer, so they do not add up to the peak):'
+  ]
+  for g in groups:
+    what = f'{size(g["bytes"]):>10}  {g["type"]}' + (f' x{g["count"]}' if g['count'] > 1 else '')
+    if g.get('stacked_over'):
+      what += (
+        f', stacked over a loop of {g["stacked_over"]}'
+        f' ({size(g["bytes"] // g["stacked_over"])} per iteration)'
+      )
+    if g['sources']:
+      what += ': ' + '; '.join(g['sources'][:2])
+    lines.append('  ' + what)
+  return '\n'.join(lines)
 
 
 def _format_traffic(traffic: dict, chip: Any) -> str:

@@ -821,3 +821,125 @@ def _overlapping_copies(lines: list[str]) -> set[int]:
     if op and op not in _BOOKKEEPING and _collective(line) is None:
       starts = {k: (j, True) for k, (j, _) in starts.items()}
   return out
+
+
+# -- where the memory goes ------------------------------------------------------------------
+
+_OP_NAME = re.compile(r'\bop_name="([^"]*)"')
+_SOURCE = re.compile(r'\bsource_file="([^"]*)"\s+source_line=(\d+)')
+_NOT_ARRAYS = _BOOKKEEPING | {'while', 'conditional', 'call', 'dynamic-slice', 'slice'}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramArray:
+  """One array a compiled program makes (an instruction's result), for `largest_arrays`.
+
+  Attributes:
+    nbytes: its size on one device.
+    type: its HLO type, e.g. 'bf16[48,4,2048,5120]'.
+    opcode: the instruction that makes it ('fusion', 'dot', ...).
+    source: what made it in the JAX program (the end of XLA's op_name, and the
+      Python file and line where the metadata has them); '' where there is none.
+    loop_trips: iterations of the loop whose body makes it (None: outside any
+      loop, 0: a loop whose trip count the HLO does not give).
+    stacked: written one slice per iteration inside a loop (a dynamic update
+      slice) and its leading dimension is the loop's trip count: a value kept
+      per layer (saved activations, per-layer gradients).
+  """
+
+  nbytes: int
+  type: str
+  opcode: str
+  source: str
+  loop_trips: int | None
+  stacked: bool
+
+
+def largest_arrays(compiled_or_text: Any, count: int | None = 8) -> list[ProgramArray]:
+  """The `count` largest arrays one device's compiled program makes (None: all), largest first.
+
+  Every instruction of the entry computation and of the computations it runs
+  (loop bodies, branches, calls; not the insides of fusions, which are not
+  materialised) is one array, except tuples, parameters, constants, views and
+  copies. These are arrays, not buffers: the compiler may place several in the
+  same memory, so they do not add up to the peak; they say which values are big
+  and where they come from.
+  """
+  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+  bodies, entry = _parse_computations(text)
+  memo: dict = {}
+  found: list[ProgramArray] = []
+  visited: set[str] = set()
+
+  def walk(name: str, trips: int | None) -> None:
+    if name in visited:
+      return
+    visited.add(name)
+    for line in bodies.get(name, []):
+      _, op = _opcode(line)
+      if op == 'while':
+        body = _BODY.search(line)
+        if body:
+          walk(body.group(1), _trip_count(line, name, bodies, memo) or 0)
+      elif op == 'conditional':
+        branches = _BRANCHES.search(line)
+        names = branches.group(1).split(',') if branches else _TRUE_FALSE.findall(line)
+        for branch in names:
+          walk(branch.strip().lstrip('%'), trips)
+      elif op == 'call' and _CALLS.search(line):
+        walk(_CALLS.search(line).group(2), trips)
+      if not op or op in _NOT_ARRAYS or op.endswith(('-start', '-done', '-update')):
+        continue
+      found.extend(_program_arrays(line, op, trips, _slice_updated(line, op, bodies)))
+
+  walk(entry, None)
+  found.sort(key=lambda a: -a.nbytes)
+  return found if count is None else found[:count]
+
+
+def _slice_updated(line: str, op: str, bodies: dict[str, list[str]]) -> set[str]:
+  """Shapes ('2,64,256') of the buffers the instruction writes one slice into: its own if it
+  is a dynamic-update-slice, those of the dynamic-update-slices inside it if it is a fusion
+  (how a loop stacks one value per iteration; a fusion may convert the result's dtype)."""
+  if op == 'dynamic-update-slice':
+    lines = [line]
+  elif op == 'fusion' and _CALLS.search(line):
+    lines = bodies.get(_CALLS.search(line).group(2), [])
+  else:
+    return set()
+  out = set()
+  for x in lines:
+    if _opcode(x)[1] == 'dynamic-update-slice':
+      found = _SHAPE.search(_split_type(_INSTR.match(x).group('rest'))[0])
+      if found:
+        out.add(found.group(2))
+  return out
+
+
+def _program_arrays(
+  line: str, op: str, trips: int | None, slice_updated: set[str]
+) -> list[ProgramArray]:
+  """The arrays one instruction makes: one, or one per element of a tuple result."""
+  type_str, _ = _split_type(_INSTR.match(line).group('rest'))
+  name = _OP_NAME.search(line)
+  source = '/'.join(name.group(1).split('/')[-2:]) if name else ''
+  where = _SOURCE.search(line)
+  if where:
+    source += f' ({where.group(1).rsplit("/", 1)[-1]}:{where.group(2)})'
+  out = []
+  for dtype, shape in _SHAPE.findall(type_str):
+    dims = [int(d) for d in shape.split(',') if d]
+    out.append(
+      ProgramArray(
+        nbytes=_DTYPE_BYTES[dtype] * int(np.prod(dims or [1])),
+        type=f'{dtype}[{shape}]',
+        opcode=op,
+        source=source,
+        loop_trips=trips,
+        stacked=bool(trips)
+        and bool(dims)
+        and dims[0] == trips
+        and shape in slice_updated,
+      )
+    )
+  return out
