@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import jax
 import optax
 
-from zerojax._src import linen, precision, rules, transform, validation
+from zerojax._src import precision, rules, transform, validation
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import options as options_lib
 from zerojax._src import plan as plan_lib
@@ -61,6 +61,8 @@ def _guarded(state: State, stage: int, axes: tuple[str, ...]) -> State:
   (`zerojax.linen` `guard_split_params`); `replace` sets it, as for any field."""
   if stage < 3 or getattr(state, 'apply_fn', None) is None:
     return state
+  from zerojax._src import linen  # flax linen only where a train state is made
+
   return state.replace(apply_fn=linen.guard_split_params(state.apply_fn, axes))
 
 
