@@ -467,30 +467,11 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
   )
   if traffic['source'] != 'none':
     print(_format_traffic(traffic, chip))
-  if sizes.get('host') and chip is not None and sizes['host'] > chip.host_bytes_per_chip:
-    fits = False
   work = search.program_cost(chip, text)
   print(
     f'matmul FLOPs per chip per step (counted in the compiled program): {work.matmul_flops:.4g}'
   )
-  predicted = None
-  if chip is not None:
-    costed = search.Result(
-      candidate, 'fits', ring_bytes=report.collectives.total_ring_bytes,
-      overlapped_bytes=sum(report.collectives.overlapped_ring_bytes.values()),
-      collective_count=sum(report.collectives.counts.values()), flops=work.matmul_flops,
-      kernel_seconds=work.kernel_seconds,
-    )  # fmt: skip
-    predicted = search.predict(
-      chip, costed, traffic['to_host'] + traffic['to_device'], traffic['overlapped']
-    )
-    print(
-      f'predicted step (not measured; docs/design.md "The step-time model"):'
-      f' {predicted["step"]:.3f} s = kernels {predicted["compute"]:.3f} s (compiler estimates'
-      f' for {work.estimated_kernels} of {work.kernels} kernel runs), collectives exposed'
-      f' {predicted["exposed"]:.3f} s, host link exposed {predicted["host_exposed"]:.3f} s;'
-      f' {work.matmul_flops / predicted["step"] / 1e12:.1f} TFLOP/s per chip'
-    )
+  predicted = _print_prediction(chip, candidate, report, work, traffic)
   return {
     'command': args.command_line, 'model': spec.name, 'num_params': built['num_params'],
     'stage': args.stage, 'mixed_precision': args.mixed_precision, 'offload': args.offload,
@@ -512,6 +493,32 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
     },
     'zero_floor_bytes': report.floor_bytes,
   }  # fmt: skip
+
+
+def _print_prediction(chip: Any, candidate: Any, report: Any, work: Any, traffic: dict):
+  """Prints the predicted step (the step-time model of docs/design.md) and returns it; None
+  for a chip without published figures."""
+  from zerojax._src import search
+
+  if chip is None:
+    return None
+  costed = search.Result(
+    candidate, 'fits', ring_bytes=report.collectives.total_ring_bytes,
+    overlapped_bytes=sum(report.collectives.overlapped_ring_bytes.values()),
+    collective_count=sum(report.collectives.counts.values()), flops=work.matmul_flops,
+    kernel_seconds=work.kernel_seconds,
+  )  # fmt: skip
+  predicted = search.predict(
+    chip, costed, traffic['to_host'] + traffic['to_device'], traffic['overlapped']
+  )
+  print(
+    f'predicted step (not measured; docs/design.md "The step-time model"):'
+    f' {predicted["step"]:.3f} s = kernels {predicted["compute"]:.3f} s (compiler estimates'
+    f' for {work.estimated_kernels} of {work.kernels} kernel runs), collectives exposed'
+    f' {predicted["exposed"]:.3f} s, host link exposed {predicted["host_exposed"]:.3f} s;'
+    f' {work.matmul_flops / predicted["step"] / 1e12:.1f} TFLOP/s per chip'
+  )
+  return predicted
 
 
 def _print_fit(args, built: dict, report, sizes: dict) -> bool | None:
@@ -649,11 +656,10 @@ def cmd_inspect(args) -> int:
   return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-  from zerojax._src import presets, search
+def _plan_parser(sub) -> argparse.ArgumentParser:
+  """`plan`'s parser, with its single-plan flags."""
+  from zerojax._src import presets
 
-  parser = argparse.ArgumentParser(prog='python -m zerojax', description=__doc__.splitlines()[0])
-  sub = parser.add_subparsers(dest='command', required=True)
   shown = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
   p = sub.add_parser(
     'plan', help='compile a training step ahead of time and report its cost', formatter_class=shown
@@ -715,6 +721,14 @@ def main(argv: list[str] | None = None) -> int:
     help='presets: compute attention this many queries at a time, one chunk of scores live at'
     ' a time (memory-efficient, the same arithmetic); default: all queries at once',
   )
+  _precision_and_offload_arguments(p)
+  return p
+
+
+def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
+  """`plan`'s flags for mixed precision, host offload and the JSON report."""
+  from zerojax._src import search
+
   p.add_argument(
     '--mixed-precision',
     action='store_true',
@@ -735,6 +749,12 @@ def main(argv: list[str] | None = None) -> int:
     ' to host memory layer by layer in the backward pass; needs --mixed-precision)',
   )
   p.add_argument('--json', help='also write the report as JSON here')
+
+
+def _search_arguments(p: argparse.ArgumentParser) -> None:
+  """`plan --search` and the space it searches."""
+  from zerojax._src import search
+
   s = p.add_argument_group(
     'plan search (--search)',
     'compile every combination of these for the topology and rank them by predicted step time',
@@ -761,7 +781,10 @@ def main(argv: list[str] | None = None) -> int:
   )
   s.add_argument('--max-candidates', type=int, default=64, help='refuse a larger space')
   s.add_argument('--out', default=None, help='write the table, JSON and a plot to this folder')
-  p.set_defaults(func=cmd_plan)
+
+
+def _estimate_parser(sub) -> argparse.ArgumentParser:
+  shown = argparse.ArgumentDefaultsHelpFormatter
   e = sub.add_parser(
     'estimate', help='per-device bytes of each stage, from theory', formatter_class=shown
   )
@@ -775,7 +798,11 @@ def main(argv: list[str] | None = None) -> int:
     help='bf16 params and grads, fp32 master copy in the optimizer state',
   )
   e.add_argument('--offload', choices=('opt_state', 'opt_state+master'), help='host offload')
-  e.set_defaults(func=cmd_estimate)
+  return e
+
+
+def _inspect_parser(sub) -> argparse.ArgumentParser:
+  shown = argparse.ArgumentDefaultsHelpFormatter
   i = sub.add_parser(
     'inspect',
     help='describe a checkpoint folder: steps, stage, mesh, leaves',
@@ -783,7 +810,17 @@ def main(argv: list[str] | None = None) -> int:
   )
   i.add_argument('directory')
   i.add_argument('--step', type=int, default=None, help='default: the latest committed step')
-  i.set_defaults(func=cmd_inspect)
+  return i
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog='python -m zerojax', description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest='command', required=True)
+  p = _plan_parser(sub)
+  _search_arguments(p)
+  p.set_defaults(func=cmd_plan)
+  _estimate_parser(sub).set_defaults(func=cmd_estimate)
+  _inspect_parser(sub).set_defaults(func=cmd_inspect)
   args = parser.parse_args(argv)
   # What reproduces this run, for the reports it writes.
   args.command_line = 'python -m zerojax ' + shlex.join(sys.argv[1:] if argv is None else argv)

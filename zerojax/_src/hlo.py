@@ -439,16 +439,33 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
   (1, 32, True)
   """
   text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-  bodies, entry = _parse_computations(text)
-  parsed: dict = {}  # computation -> its instructions, for trip counts
-  uncertain: list[str] = []
-  # Channels of the fused reduce-scatters counted so far.
-  seen_channels: set[str] = set()
-  partitions = _PARTITIONS.search(text)
-  default_group = int(partitions.group(1)) if partitions else 1
+  walk = _CollectiveWalk(text)
+  total = _Tally()
+  walk.visit(walk.entry, 1, (), total, False)
+  for reason in walk.uncertain:
+    warnings.warn(f'count_collectives: {reason}.', CollectiveCountWarning, stacklevel=2)
+  return CollectiveStats(
+    dict(total.counts),
+    dict(total.nbytes),
+    dict(total.ring),
+    uncertain=tuple(walk.uncertain),
+    overlapped_ring_bytes=dict(total.overlapped),
+  )
+
+
+class _CollectiveWalk:
+  """`count_collectives`' walk over one program's computations, tallying as it goes."""
+
+  def __init__(self, text: str):
+    self.bodies, self.entry = _parse_computations(text)
+    self.parsed: dict = {}  # computation -> its instructions, for trip counts
+    self.uncertain: list[str] = []
+    self.seen_channels: set[str] = set()  # of the fused reduce-scatters counted so far
+    partitions = _PARTITIONS.search(text)
+    self.default_group = int(partitions.group(1)) if partitions else 1
 
   def count_op(
-    line: str, found, mult: int, tally: _Tally, fused: bool, overlapped: bool = False
+    self, line: str, found, mult: int, tally: _Tally, fused: bool, overlapped: bool = False
   ) -> None:
     kind, is_start, type_str = found
     # Copies of one collective: TPU's async collectives are counted at their
@@ -459,29 +476,31 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
     if kind == 'reduce-scatter' and (fused or ' fusion(' in line):
       channel = _CHANNEL.search(line)
       if channel:
-        if channel.group(1) in seen_channels:
+        if channel.group(1) in self.seen_channels:
           return
-        seen_channels.add(channel.group(1))
+        self.seen_channels.add(channel.group(1))
     size = _type_bytes(_result_type(kind, is_start, type_str))
     tally.counts[kind] += mult
     tally.nbytes[kind] += mult * size
-    ring = mult * _ring_bytes(kind, size, _group_size(_with_groups(line), default_group))
+    groups = _group_size(self._with_groups(line), self.default_group)
+    ring = mult * _ring_bytes(kind, size, groups)
     tally.ring[kind] += ring
     if overlapped:
       tally.overlapped[kind] += ring
 
-  def _with_groups(line: str) -> str:
+  def _with_groups(self, line: str) -> str:
     """`line`, or for TPU's fused all-reduce-scatter (whose line names no
     replica groups) the line inside its computation that does."""
     if _GROUPS_ANY.search(line):
       return line
     for _, callee in _CALLS.findall(line):
-      for inner in bodies.get(callee, ()):
+      for inner in self.bodies.get(callee, ()):
         if _GROUPS_ANY.search(inner):
           return inner
     return line
 
   def visit(
+    self,
     name: str,
     mult: int,
     stack: tuple[str, ...],
@@ -489,68 +508,63 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
     fused: bool,
     overlapped: bool = False,
   ) -> None:
-    if name in stack or name not in bodies:
+    if name in stack or name not in self.bodies:
       return
     inner = stack + (name,)
-    async_overlap = _overlapping_starts(bodies[name])
-    for i, line in enumerate(bodies[name]):
+    async_overlap = _overlapping_starts(self.bodies[name])
+    for i, line in enumerate(self.bodies[name]):
       found = _collective(line)
       if found is not None:
-        count_op(line, found, mult, tally, fused, overlapped or i in async_overlap)
+        self.count_op(line, found, mult, tally, fused, overlapped or i in async_overlap)
         continue
       instr, op = _opcode(line)
       if op == 'while':
-        body = _BODY.search(line)
-        trip = _trip_count(line, name, bodies, parsed)
-        sub = _Tally()
-        if body:
-          visit(body.group(1), 1, inner, sub, fused)
-        if trip is None and sub.counts:
-          uncertain.append(
-            f'while loop %{instr} in %{name} has no known trip count in the HLO; the'
-            ' collectives of its body are counted once'
-          )
-        tally.add(sub, mult * (1 if trip is None else trip))
-        continue
-      if op == 'conditional':
-        branches = _BRANCHES.search(line)
-        names = (
-          [b.strip().lstrip('%') for b in branches.group(1).split(',')]
-          if branches
-          else _TRUE_FALSE.findall(line)
-        )
-        subs = []
-        for b in names:
-          subs.append(_Tally())
-          visit(b, mult, inner, subs[-1], fused)
-        if len({s.key() for s in subs}) > 1:
-          uncertain.append(
-            f'conditional %{instr} in %{name}: its {len(subs)} branches run different'
-            ' collectives and one runs per step; the costliest branch is counted'
-          )
-        if subs:
-          tally.add(max(subs, key=lambda s: (sum(s.ring.values()), sum(s.counts.values()))))
-        continue
-      if op in ('async-update', 'async-done') or instr.startswith('async-collective-done'):
+        self._visit_while(line, name, instr, mult, inner, tally, fused)
+      elif op == 'conditional':
+        self._visit_conditional(line, name, instr, mult, inner, tally, fused)
+      elif op in ('async-update', 'async-done') or instr.startswith('async-collective-done'):
         continue  # they name the computation that the async-start already ran
-      if _ASYNC_COPY.search(line):
+      elif _ASYNC_COPY.search(line):
         # TPU's continuation of an async collective (the matmul it overlaps):
         # a copy of the collective its async-collective-start already counted.
         continue
-      for _, callee in _CALLS.findall(line):
-        visit(callee, mult, inner, tally, fused or op == 'fusion', overlapped or i in async_overlap)
+      else:
+        for _, callee in _CALLS.findall(line):
+          self.visit(
+            callee, mult, inner, tally, fused or op == 'fusion', overlapped or i in async_overlap
+          )
 
-  total = _Tally()
-  visit(entry, 1, (), total, False)
-  for reason in uncertain:
-    warnings.warn(f'count_collectives: {reason}.', CollectiveCountWarning, stacklevel=2)
-  return CollectiveStats(
-    dict(total.counts),
-    dict(total.nbytes),
-    dict(total.ring),
-    uncertain=tuple(uncertain),
-    overlapped_ring_bytes=dict(total.overlapped),
-  )
+  def _visit_while(self, line, name, instr, mult, inner, tally, fused) -> None:
+    body = _BODY.search(line)
+    trip = _trip_count(line, name, self.bodies, self.parsed)
+    sub = _Tally()
+    if body:
+      self.visit(body.group(1), 1, inner, sub, fused)
+    if trip is None and sub.counts:
+      self.uncertain.append(
+        f'while loop %{instr} in %{name} has no known trip count in the HLO; the'
+        ' collectives of its body are counted once'
+      )
+    tally.add(sub, mult * (1 if trip is None else trip))
+
+  def _visit_conditional(self, line, name, instr, mult, inner, tally, fused) -> None:
+    branches = _BRANCHES.search(line)
+    names = (
+      [b.strip().lstrip('%') for b in branches.group(1).split(',')]
+      if branches
+      else _TRUE_FALSE.findall(line)
+    )
+    subs = []
+    for b in names:
+      subs.append(_Tally())
+      self.visit(b, mult, inner, subs[-1], fused)
+    if len({s.key() for s in subs}) > 1:
+      self.uncertain.append(
+        f'conditional %{instr} in %{name}: its {len(subs)} branches run different'
+        ' collectives and one runs per step; the costliest branch is counted'
+      )
+    if subs:
+      tally.add(max(subs, key=lambda s: (sum(s.ring.values()), sum(s.counts.values()))))
 
 
 # Instructions that do no arithmetic of their own.
@@ -936,10 +950,7 @@ def _program_arrays(
         opcode=op,
         source=source,
         loop_trips=trips,
-        stacked=bool(trips)
-        and bool(dims)
-        and dims[0] == trips
-        and shape in slice_updated,
+        stacked=bool(trips) and bool(dims) and dims[0] == trips and shape in slice_updated,
       )
     )
   return out

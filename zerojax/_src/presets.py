@@ -286,6 +286,42 @@ def parse_decoder(text: str, seq_len: int | None = None) -> DecoderConfig:
   return DecoderConfig(**out)
 
 
+def _gathered_top(params: dict, gather_fn: GatherFn | None, per_layer: bool):
+  """(params with the top-level leaves laid out for use, and the layers too unless gathered
+  per layer; the gather still to run per layer, or None)."""
+  if gather_fn is None:
+    return params, None
+  top = gather_fn({k: v for k, v in params.items() if k != 'layers'}, 'top', False)
+  if not per_layer:
+    return dict(top, layers=gather_fn(params['layers'], 'layers', False)), None
+  return dict(top, layers=params['layers']), gather_fn
+
+
+def _split_layers(params: dict) -> bool:
+  """Whether any layer leaf rests split (a `ShardedLeaf`, inside `value_and_grad`)."""
+  leaves = jax.tree.leaves(params['layers'], is_leaf=gather.is_sharded_leaf)
+  return any(gather.is_sharded_leaf(x) for x in leaves)
+
+
+def _layer_loop(block, x, layers, gather_fn: GatherFn | None, remat: str):
+  """The blocks as one `lax.scan`, each gathering its layer (if `gather_fn`) and
+  rematerialised per `remat`."""
+
+  def body(x, layer):
+    if gather_fn is not None:
+      layer = gather_fn(layer, 'layers', True)
+    return block(x, layer), None
+
+  if remat != 'none':
+    policy = {
+      'gathers': gather.recompute_gathers,
+      'minimal': jax.checkpoint_policies.save_only_these_names(KEPT),
+    }.get(remat, jax.checkpoint_policies.nothing_saveable)
+    body = jax.checkpoint(body, policy=policy)
+  x, _ = jax.lax.scan(body, x, layers)
+  return x
+
+
 def decoder_loss(
   params: dict[str, Any],
   tokens: jax.Array,
@@ -327,42 +363,19 @@ def decoder_loss(
   """
   if remat not in REMAT:
     raise ValueError(f'decoder_loss: remat must be one of {REMAT}, got {remat!r}.')
+  if prefetch_next and remat == 'minimal':
+    raise ValueError("decoder_loss: prefetch_next runs remat 'gathers' or 'full', not 'minimal'.")
   if plan is not None:
     gather_fn = plan_gather(plan, compute_dtype)
-  if gather_fn is not None and not per_layer:
-    params = dict(
-      gather_fn({k: v for k, v in params.items() if k != 'layers'}, 'top', False),
-      layers=gather_fn(params['layers'], 'layers', False),
-    )
-    gather_fn = None
-  elif gather_fn is not None:
-    params = dict(
-      gather_fn({k: v for k, v in params.items() if k != 'layers'}, 'top', False),
-      layers=params['layers'],
-    )
+  params, gather_fn = _gathered_top(params, gather_fn, per_layer)
   constrain = _no_constraint
   if plan is not None and 'tensor' in plan.mesh.axis_names and 'tensor' not in plan.axes:
     constrain = tensor_constraint(plan)
   cast = lambda t: jax.tree.map(lambda x: x.astype(compute_dtype), t)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   x = jnp.take(cast(params['embed']), inputs, axis=0)
-
-  def body(x, layer):
-    if gather_fn is not None:
-      layer = gather_fn(layer, 'layers', True)
-    return _block(cfg, x, cast(layer), attention_chunk, constrain), None
-
-  if prefetch_next and remat == 'minimal':
-    raise ValueError("decoder_loss: prefetch_next runs remat 'gathers' or 'full', not 'minimal'.")
-  if (
-    prefetch_next
-    and plan is not None
-    and remat != 'none'
-    and any(
-      gather.is_sharded_leaf(x)
-      for x in jax.tree.leaves(params['layers'], is_leaf=gather.is_sharded_leaf)
-    )
-  ):
+  block = lambda x, layer: _block(cfg, x, cast(layer), attention_chunk, constrain)
+  if prefetch_next and plan is not None and remat != 'none' and _split_layers(params):
     # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
     # loop, with layer i+1's gather issued while layer i computes.
     x = prefetch.scan_layers(
@@ -374,13 +387,7 @@ def decoder_loss(
       remat=remat,
     )
   else:
-    if remat != 'none':
-      policy = {
-        'gathers': gather.recompute_gathers,
-        'minimal': jax.checkpoint_policies.save_only_these_names(KEPT),
-      }.get(remat, jax.checkpoint_policies.nothing_saveable)
-      body = jax.checkpoint(body, policy=policy)
-    x, _ = jax.lax.scan(body, x, params['layers'])
+    x = _layer_loop(block, x, params['layers'], gather_fn, remat)
   x = _rms_norm(x, params['final_norm'])
   logits = (x @ cast(params['head'])).astype(jnp.float32)
   logp = jax.nn.log_softmax(logits, axis=-1)

@@ -8,10 +8,10 @@ from typing import Any, TypeVar
 import jax
 import optax
 
-from zerojax._src import precision, rules, transform, validation
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import options as options_lib
 from zerojax._src import plan as plan_lib
+from zerojax._src import precision, rules, transform, validation
 
 State = TypeVar('State')
 
