@@ -139,9 +139,9 @@ def test_scan_layers_with_quantized_collectives(mesh):
   )
   assert float(rel) < 0.03
   stats = zerojax.inspect.count_collectives(qfn.lower(qplaced, x).compile())
-  # w's gradient per layer: an all-to-all of values and one of scales; the
+  # w's gradient per layer: one all-to-all of its values and scales together; the
   # biases (below min_size), gain and head stay full-precision reduce-scatters.
-  assert stats['all-to-all'] == 2 * 3 and stats['reduce-scatter'] == 3 + 2
+  assert stats['all-to-all'] == 3 and stats['reduce-scatter'] == 3 + 2
 
 
 def test_outside_value_and_grad_it_is_a_plain_rematerialised_scan(mesh):

@@ -545,8 +545,7 @@ def value_and_grad(
     ValueError: the rows do not divide into devices x `micro_batches`; a batch
       leaf is a scalar; `per_layer` below stage 2 or with `param_axis`; at
       trace time, a loss or aux whose parts cannot be combined exactly (a
-      division by a batch-computed count names its output: the loss, or the
-      scalar aux leaf's path such as `aux['log_perplexity']`).
+      division by a batch count names the loss, or the aux path).
   """
   config = transform.require_config(tx)
   if per_layer and (config.stage < 2 or config.options.param_axis is not None):
