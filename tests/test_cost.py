@@ -183,3 +183,19 @@ def test_flops_per_chip_are_the_same_on_both_gradient_paths_and_equal_the_models
   expected = _independent_flops(cfg, tokens=rows // 8 * seq, seq=seq, remat=remat)
   assert counted['jax'] == pytest.approx(counted['zerojax'], rel=0.02)
   assert counted['zerojax'] == pytest.approx(expected, rel=0.02), (counted, expected)
+
+
+def test_the_compilers_no_estimate_sentinel_costs_the_kernels_roofline():
+  # The TPU compiler writes INT64_MAX as the estimate of a kernel it has none for (a 70B plan
+  # on v5p:4x4x4 was predicted at 5.3e9 s per step from one such kernel).
+  text = '\n'.join([
+    'HloModule m',
+    'ENTRY %main (x: f32[64,64]) -> f32[64,64] {',
+    '  %x = f32[64,64]{1,0} parameter(0)',
+    '  ROOT %e = f32[64,64]{1,0} exponential(%x),'
+    ' backend_config={"estimated_cycles":"9223372036854775807"}',
+    '}',
+  ])  # fmt: skip
+  c = cost.program_cost(text, clock_hz=1e9, peak_flops=1e12, hbm_bandwidth=1e9)
+  assert (c.kernels, c.estimated_kernels) == (1, 0)
+  assert c.kernel_seconds == pytest.approx(2 * 64 * 64 * 4 / 1e9)

@@ -36,6 +36,9 @@ import numpy as np
 from zerojax._src import hlo
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+# The TPU compiler writes INT64_MAX where it has no estimate (seen on v5p, libtpu 0.0.42 and
+# 0.0.50): such a kernel is costed as one without an estimate.
+_NO_ESTIMATE = 2**63 - 1
 _LHS_CONTRACTING = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')
 _DIM_LABELS = re.compile(r'dim_labels=([\w]+)_([\w]+)->([\w]+)')
 _WINDOW = re.compile(r'window=\{([^}]*)\}')
@@ -199,6 +202,8 @@ class _Walk:
     else:
       flops = 0.0
     cycles = _CYCLES.search(line)
+    if cycles and int(cycles.group(1)) >= _NO_ESTIMATE:
+      cycles = None
     if cycles and self.clock_hz:
       seconds = int(cycles.group(1)) / self.clock_hz
       tally.estimated += seconds
