@@ -567,12 +567,7 @@ def _largest_arrays(text: str, count: int = 6) -> list[dict]:
 
 def _format_largest(groups: list[dict]) -> str:
   """Lines naming the program's largest arrays, so a plan that does not fit says why."""
-
-  def size(n: int) -> str:
-    for unit, scale in (('GiB', 2**30), ('MiB', 2**20)):
-      if n >= scale:
-        return f'{n / scale:.2f} {unit}'
-    return f'{n / 2**10:.1f} KiB'
+  from zerojax._src.plan import fmt_bytes as size
 
   lines = [
     "largest arrays in one chip's program (each made by one instruction; the compiler may"

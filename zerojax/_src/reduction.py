@@ -233,7 +233,10 @@ def check_normalisation(closed: Any, num_params: int, num_batch: int, outputs: l
   jaxpr = closed.jaxpr
   rest = len(jaxpr.invars) - num_params - num_batch
   in_deps = [_PARAMS] * num_params + [_BATCH] * num_batch + [0] * rest
-  for i, name in enumerate(outputs):
+  checked = [name is not None for name in outputs]
+  if not jaxprs.divisions_by(jaxpr, in_deps, checked, _BATCH):
+    return  # one walk over every checked output: the common case
+  for i, name in enumerate(outputs):  # found one: which output, to name it
     if name is None:
       continue
     live = [j == i for j in range(len(outputs))]
