@@ -75,6 +75,14 @@ def test_while_trip_count_from_the_loop_itself():
   assert zerojax.inspect.count_collectives(loop_module('', 'constant(4)'))['all-reduce'] == 2
 
 
+def test_while_trip_count_with_an_unsigned_counter():
+  # The TPU compiler's windowed matmuls (tensor-parallel collective matmuls)
+  # count with u32: read as the signed form, not left uncounted.
+  text = loop_module('').replace('s32[]', 'u32[]')
+  stats = zerojax.inspect.count_collectives(text)
+  assert stats['all-reduce'] == 6 and stats.exact
+
+
 def test_while_without_trip_count_says_so_and_does_not_guess():
   text = loop_module('', start='parameter(1)')  # starts where the program is called
   with pytest.warns(CollectiveCountWarning, match='while loop %w in %main has no known trip'):

@@ -52,7 +52,7 @@ _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRUE_FALSE = re.compile(r'\b(?:true_computation|false_computation)=%?([\w.\-]+)')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _INIT_STEP = re.compile(r'"known_init_step":\{"init":"(-?\d+)","step":"(-?\d+)"\}')
-_CONSTANT = re.compile(r'^\s*%?([\w.\-]+)\s*=\s*s(?:32|64)\[\][^ ]*\s+constant\((-?\d+)\)')
+_CONSTANT = re.compile(r'^\s*%?([\w.\-]+)\s*=\s*[su](?:8|16|32|64)\[\][^ ]*\s+constant\((-?\d+)\)')
 _OPERANDS = re.compile(r'%([\w.\-]+)')
 _ASYNC_COPY = re.compile(r'\bcalls=%?async_collective_fusion')
 # Replica groups: explicit lists, iota form [groups,size]<=[...], or TPU's
