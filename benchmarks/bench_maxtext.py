@@ -11,8 +11,10 @@ that count / the planner's predicted time.
 
     python benchmarks/bench_maxtext.py [--rows 32B,64B] [--out benchmarks/results]
 
-Writes maxtext_v5p.json and maxtext_v5p.md (row, predicted, published, ratio),
-and each row's plan report beside them. Each row compiles a 32B-256B model for
+Writes maxtext_v5p.libtpu-VERSION.json and each row's plan report beside it
+(maxtext_v5p_ROW.libtpu-VERSION.txt, one set per TPU compiler: run it at each
+supported jax), and maxtext_v5p.md: every compiler's rows side by side (row,
+predicted, published, ratio, peak, fits). Each row compiles a 32B-256B model for
 64-512 chips: minutes per row on a 2-core machine.
 """
 
@@ -51,7 +53,7 @@ def maxtext_flops(width, heads, mlp, layers, batch, seq=SEQ, vocab=VOCAB, head=H
   return 3 * ((mlp_f + qkv + proj) * layers + embed) + 3 * attention * layers
 
 
-def plan_row(row, out: str, reuse: bool = False) -> dict:
+def plan_row(row, out: str, tag: str, reuse: bool = False) -> dict:
   name, width, heads, mlp, layers, topology, tensor, batch, published = row
   chips = 1
   for d in topology.split(':')[1].split('x'):
@@ -60,12 +62,12 @@ def plan_row(row, out: str, reuse: bool = False) -> dict:
     f'decoder:vocab={VOCAB},d_model={width},n_layers={layers},n_heads={heads},d_ff={mlp},'
     f'head_size={HEAD}'
   )
-  stem = os.path.join(out, f'maxtext_v5p_{name}')
+  stem = os.path.join(out, f'maxtext_v5p_{name}.{tag}')
   cmd = [
     sys.executable, '-m', 'zerojax', 'plan', '--model', model, '--topology', topology,
     '--mesh', f'data={chips // tensor},tensor={tensor}', '--stage', '3',
     '--batch-per-chip', str(batch), '--seq-len', str(SEQ), '--remat', 'minimal',
-    '--attention-chunk', '512', '--json', os.path.relpath(stem + '.json'),
+    '--attention', 'flash', '--json', os.path.relpath(stem + '.json'),
   ]  # fmt: skip
   start = time.perf_counter()
   if reuse and os.path.exists(stem + '.json'):
@@ -97,6 +99,49 @@ def plan_row(row, out: str, reuse: bool = False) -> dict:
   }  # fmt: skip
 
 
+def compiler_tag() -> str:
+  """'libtpu-0.0.42' for libtpu 0.0.42.1: the name each compiler's results carry."""
+  import libtpu
+
+  return 'libtpu-' + '.'.join(getattr(libtpu, '__version__', '?').split('.')[:3])
+
+
+def table(out: str) -> list[str]:
+  """The rows of every compiler's results in `out`, side by side (one column group each)."""
+  runs = {}
+  for name in sorted(os.listdir(out)):
+    if name.startswith('maxtext_v5p.libtpu-') and name.endswith('.json'):
+      with open(os.path.join(out, name)) as f:
+        run = json.load(f)
+      runs[run['versions']['libtpu']] = {r['row']: r for r in run['rows']}
+  order = sorted(runs, key=lambda v: tuple(int(x) for x in v.split('.') if x.isdigit()))
+  head = '| row | slice | tensor | batch/chip | published TFLOP/s |'
+  rule = '|---|---|---|---|---|'
+  for v in order:
+    head += f' predicted ({v}) | ratio | peak GiB | fits |'
+    rule += '---|---|---|---|'
+  lines = [
+    'MaxText v5p, one slice: TFLOP/s per chip predicted by `python -m zerojax plan` with each'
+    ' TPU compiler, against the published figure',
+    '',
+    head,
+    rule,
+  ]
+  for row in ROWS:
+    got = [runs[v].get(row[0]) for v in order]
+    if not any(got):
+      continue
+    line = f'| {row[0]} | {row[5]} | {row[6]} | {row[7]} | {row[8]:.0f} |'
+    for r in got:
+      line += (
+        f' {r["predicted_tflops"]:.0f} | {r["ratio"]:.2f} | {r["peak_gib"]:.1f} | {r["fits"]} |'
+        if r
+        else ' | | | |'
+      )
+    lines.append(line)
+  return lines
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rows', default=','.join(r[0] for r in ROWS))
@@ -109,31 +154,20 @@ def main() -> int:
   import jax
   import libtpu
 
+  tag = compiler_tag()
   wanted = args.rows.split(',')
   results = []
   for row in ROWS:
     if row[0] in wanted:
-      print(f'planning {row[0]} on {row[5]} ...', flush=True)
-      results.append(plan_row(row, args.out, args.reuse))
+      print(f'planning {row[0]} on {row[5]} with {tag} ...', flush=True)
+      results.append(plan_row(row, args.out, tag, args.reuse))
       r = results[-1]
       print(f'  predicted {r["predicted_tflops"]:.0f} TFLOP/s, published {r["published_tflops"]:.0f}:'
             f' {r["ratio"]:.2f}x; peak {r["peak_gib"]:.1f} GiB; {r["wall_seconds"]:.0f} s', flush=True)  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
-  with open(os.path.join(args.out, 'maxtext_v5p.json'), 'w') as f:
+  with open(os.path.join(args.out, f'maxtext_v5p.{tag}.json'), 'w') as f:
     json.dump({'versions': versions, 'rows': results}, f, indent=2)
-  lines = [
-    f'MaxText v5p, one slice: predicted (jax {versions["jax"]}, libtpu {versions["libtpu"]}) against'
-    ' published TFLOP/s per chip',
-    '',
-    '| row | slice | tensor | batch/chip | predicted TFLOP/s | published | ratio | peak GiB | fits |',
-    '|---|---|---|---|---|---|---|---|---|',
-  ]
-  for r in results:
-    lines.append(
-      f'| {r["row"]} | {r["topology"]} | {r["tensor"]} | {r["batch_per_chip"]} |'
-      f' {r["predicted_tflops"]:.0f} | {r["published_tflops"]:.0f} | {r["ratio"]:.2f} |'
-      f' {r["peak_gib"]:.1f} | {r["fits"]} |'
-    )
+  lines = table(args.out)
   with open(os.path.join(args.out, 'maxtext_v5p.md'), 'w') as f:
     f.write('\n'.join(lines) + '\n')
   print('\n'.join(lines))

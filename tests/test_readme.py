@@ -122,6 +122,24 @@ def test_the_committed_plans_are_those_of_both_supported_compilers():
     assert peak.split(' of ')[0].removeprefix('peak ') in readme
 
 
+def test_the_maxtext_check_is_committed_for_both_compilers_and_within_the_band():
+  """benchmarks/bench_maxtext.py's results, one set per supported end's TPU compiler: every
+  single-slice row planned, each predicted within 15% of MaxText's published TFLOP/s, and
+  each row's report made with MaxText's settings (flash attention, remat minimal)."""
+  import json
+
+  for version in ('0.0.42', '0.0.50'):
+    run = json.loads((RESULTS / f'maxtext_v5p.libtpu-{version}.json').read_text())
+    assert run['versions']['libtpu'].startswith(version)
+    rows = {r['row']: r for r in run['rows']}
+    assert sorted(rows) == ['128B', '128B-512', '256B', '32B', '64B']
+    for name, r in rows.items():
+      assert 0.85 <= r['ratio'] <= 1.15, (version, name, r['ratio'])
+      report = (RESULTS / f'maxtext_v5p_{name}.libtpu-{version}.txt').read_text()
+      command = report.splitlines()[0]
+      assert '--attention flash' in command and '--remat minimal' in command, command
+
+
 def test_readme_maxtext_table_is_the_committed_benchmark():
   """The README's check against MaxText's published v5p runs is the table
   benchmarks/bench_maxtext.py wrote (benchmarks/results/maxtext_v5p.md), row for row."""

@@ -105,11 +105,16 @@ def _load_model(args) -> Any:
       raise SystemExit(f'error: --model: {e}') from None
     return _preset_spec(args, cfg)
   if ':' in args.model:
-    if args.attention_chunk:
-      raise SystemExit(
-        f'error: --attention-chunk is for the presets; --model {args.model} computes its own'
-        ' attention (use zerojax._src.presets.chunked_attention there, or leave it out).'
-      )
+    for flag, given in (
+      ('--attention-chunk', args.attention_chunk),
+      ('--attention', args.attention != 'xla'),
+    ):
+      if given:
+        raise SystemExit(
+          f'error: {flag} is for the presets; --model {args.model} computes its own'
+          ' attention (use zerojax._src.presets.chunked_attention or'
+          ' zerojax._src.flash.flash_attention there, or leave it out).'
+        )
     module_name, attr = args.model.split(':', 1)
     spec = getattr(importlib.import_module(module_name), attr)()
     if not isinstance(spec, presets.ModelSpec):
@@ -135,6 +140,7 @@ def _preset_spec(args, model) -> Any:
       per_layer=not args.gather_all,
       prefetch_next=args.prefetch,
       attention_chunk=args.attention_chunk,
+      attention=args.attention,
     )
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
@@ -225,6 +231,7 @@ def cmd_search(args) -> int:
       seq_len=args.seq_len,
       compute_dtype=args.compute_dtype,
       attention_chunk=args.attention_chunk,
+      attention=args.attention,
     )
     candidates, invalid = search.candidate_space(
       stages=args.stages,
@@ -715,6 +722,13 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     default=None,
     help='presets: compute attention this many queries at a time, one chunk of scores live at'
     ' a time (memory-efficient, the same arithmetic); default: all queries at once',
+  )
+  p.add_argument(
+    '--attention',
+    choices=('xla', 'flash'),
+    default='xla',
+    help="presets: 'xla' (plain JAX, --attention-chunk applies) or 'flash' (fused Pallas kernels"
+    ' on TPU, as MaxText runs: causal blocks skipped, scores never in HBM)',
   )
   _precision_and_offload_arguments(p)
   return p

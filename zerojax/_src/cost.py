@@ -43,6 +43,9 @@ _LHS_CONTRACTING = re.compile(r'lhs_contracting_dims=\{([\d,]*)\}')
 _DIM_LABELS = re.compile(r'dim_labels=([\w]+)_([\w]+)->([\w]+)')
 _WINDOW = re.compile(r'window=\{([^}]*)\}')
 _DIMS = re.compile(r'\[([\d,]*)\]')
+# A Pallas kernel's own cost (`pl.CostEstimate`), which the TPU compiler writes into the
+# custom call's config and does not estimate itself.
+_KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)",[^}]*"bytes_accessed":"(\d+)"')
 # Instructions that launch nothing of their own.
 _FREE = frozenset(
   {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all', 'partition-id',
@@ -204,7 +207,13 @@ class _Walk:
     cycles = _CYCLES.search(line)
     if cycles and int(cycles.group(1)) >= _NO_ESTIMATE:
       cycles = None
-    if cycles and self.clock_hz:
+    stated = _KERNEL_COST.search(line) if op == 'custom-call' else None
+    if stated and not cycles:
+      # A Pallas kernel (flash attention): the FLOPs and bytes it states, at the roofline.
+      flops = float(stated.group(1))
+      seconds = max(flops / self.peak_flops, int(stated.group(2)) / self.hbm_bandwidth)
+      tally.roofline += seconds
+    elif cycles and self.clock_hz:
       seconds = int(cycles.group(1)) / self.clock_hz
       tally.estimated += seconds
       tally.estimated_kernels += 1

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax._src import gather, prefetch
+from zerojax._src import flash, gather, prefetch
 from zerojax._src import plan as plan_lib
 
 
@@ -198,17 +198,51 @@ def tensor_constraint(plan: plan_lib.ZeroPlan, tensor: str = 'tensor'):
   return constrain
 
 
-def _block(cfg: DecoderConfig, x, p, attention_chunk: int | None = None, constrain=_no_constraint):
+# How the presets compute attention: 'xla' (plain JAX: all queries at once, or
+# `attention_chunk` at a time) or 'flash' (`flash.flash_attention`, fused Pallas kernels
+# on TPU: MaxText's choice).
+ATTENTION = ('xla', 'flash')
+
+
+def _xla_attention(chunk: int | None):
+  def attend(q, k, v):
+    if chunk and chunk < q.shape[1]:
+      return chunked_attention(q, k, v, chunk)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+  return attend
+
+
+def _flash_attention(plan: plan_lib.ZeroPlan | None):
+  """Flash attention, run per device under `plan`'s mesh (a Pallas kernel is not split by
+  the compiler): the batch over the ZeRO axes and the heads over 'tensor', in
+  `jax.shard_map` over the axes not already manual (inside `zerojax.value_and_grad`)."""
+  if plan is None:
+    return flash.flash_attention
+  mesh = plan.mesh
+  interpret = mesh.devices.flat[0].platform != 'tpu'
+  attend = functools.partial(flash.flash_attention, interpret=interpret)
+  manual = set(getattr(jax.sharding.get_abstract_mesh(), 'manual_axes', ()))
+  free = [a for a in mesh.axis_names if a not in manual]
+  if not free:
+    return attend
+  batch = tuple(a for a in plan.axes if a in free) or None
+  heads = 'tensor' if 'tensor' in free and 'tensor' not in plan.axes else None
+  spec = jax.sharding.PartitionSpec(batch, None, heads, None)
+  return jax.shard_map(
+    attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, axis_names=set(free),
+    check_vma=False,
+  )  # fmt: skip
+
+
+def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint):
   b, t, _ = x.shape
   x = constrain(x, 'residual')
   h = _rms_norm(x, p['attn_norm'])
   q = _kept(constrain((h @ p['wq']).reshape(b, t, cfg.n_heads, cfg.head_dim), 'heads'))
   k = _kept(constrain((h @ p['wk']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'))
   v = _kept(constrain((h @ p['wv']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'))
-  if attention_chunk and attention_chunk < t:
-    attn = chunked_attention(q, k, v, attention_chunk)
-  else:
-    attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  attn = attend(q, k, v)
   x = constrain(x + attn.reshape(b, t, cfg.n_heads * cfg.head_dim) @ p['wo'], 'residual')
   h = _rms_norm(x, p['mlp_norm'])
   if cfg.gated:
@@ -334,6 +368,7 @@ def decoder_loss(
   per_layer: bool = True,
   prefetch_next: bool = False,
   attention_chunk: int | None = None,
+  attention: str = 'xla',
 ) -> jax.Array:
   """Next-token cross-entropy of `tokens` (batch, seq + 1).
 
@@ -360,9 +395,19 @@ def decoder_loss(
       parameters live at a time).
     attention_chunk: compute attention this many queries at a time
       (`chunked_attention`; one chunk's scores live at a time); None: at once.
+    attention: 'xla' (plain JAX, `attention_chunk` applies) or 'flash'
+      (`zerojax._src.flash.flash_attention`: fused Pallas kernels, causal
+      blocks skipped, scores never in HBM; TPU, or Pallas's interpreter elsewhere).
   """
   if remat not in REMAT:
     raise ValueError(f'decoder_loss: remat must be one of {REMAT}, got {remat!r}.')
+  if attention not in ATTENTION:
+    raise ValueError(f'decoder_loss: attention must be one of {ATTENTION}, got {attention!r}.')
+  if attention == 'flash' and attention_chunk:
+    raise ValueError(
+      "decoder_loss: attention_chunk is for attention='xla'; flash attention works in blocks"
+      ' of its own.'
+    )
   if prefetch_next and remat == 'minimal':
     raise ValueError("decoder_loss: prefetch_next runs remat 'gathers' or 'full', not 'minimal'.")
   if plan is not None:
@@ -374,12 +419,13 @@ def decoder_loss(
   cast = lambda t: jax.tree.map(lambda x: x.astype(compute_dtype), t)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   x = jnp.take(cast(params['embed']), inputs, axis=0)
-  block = lambda x, layer: _block(cfg, x, cast(layer), attention_chunk, constrain)
+  attend = _flash_attention(plan) if attention == 'flash' else _xla_attention(attention_chunk)
+  block = lambda x, layer: _block(cfg, x, cast(layer), attend, constrain)
   if prefetch_next and plan is not None and remat != 'none' and _split_layers(params):
     # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
     # loop, with layer i+1's gather issued while layer i computes.
     x = prefetch.scan_layers(
-      lambda x, layer: _block(cfg, x, cast(layer), attention_chunk),
+      lambda x, layer: _block(cfg, x, cast(layer), attend),
       x,
       params['layers'],
       plan,
@@ -440,6 +486,7 @@ def decoder_spec(
   per_layer: bool = True,
   prefetch_next: bool = False,
   attention_chunk: int | None = None,
+  attention: str = 'xla',
 ) -> ModelSpec:
   """A `ModelSpec` for a preset in `PRESETS`, or for a `DecoderConfig` of any shape.
 
@@ -461,6 +508,7 @@ def decoder_spec(
     per_layer=per_layer,
     prefetch_next=prefetch_next,
     attention_chunk=attention_chunk,
+    attention=attention,
   )
   return ModelSpec(
     name=name,

@@ -204,6 +204,7 @@ class Target:
   seq_len: int | None = None
   compute_dtype: Any = jnp.bfloat16
   attention_chunk: int | None = None  # presets: attention this many queries at a time
+  attention: str = 'xla'  # presets: 'xla' or 'flash' (presets.ATTENTION)
 
 
 def _mesh(target: Target, c: Candidate):
@@ -231,6 +232,7 @@ def _spec(target: Target, c: Candidate):
     remat=c.remat,
     prefetch_next=c.prefetch,
     attention_chunk=target.attention_chunk,
+    attention=target.attention,
   )
 
 
@@ -503,6 +505,7 @@ def make_target(
   seq_len: int | None = None,
   compute_dtype: Any = jnp.bfloat16,
   attention_chunk: int | None = None,
+  attention: str = 'xla',
 ) -> Target:
   """A `Target` for `topology` ('v5e:2x4', 'v5p:2x2x1', 'v6e:4x4' or 'cpu:N') and its devices.
 
@@ -523,13 +526,14 @@ def make_target(
     )
   if isinstance(model, str) and model not in presets.PRESETS:
     raise ValueError(f'`model`={model!r} is not a preset; choose one of {sorted(presets.PRESETS)}.')
-  if attention_chunk and not isinstance(model, str):
-    raise ValueError(
-      '`attention_chunk` is for the presets; a model function computes its own attention.'
-    )
+  for name, given in (('attention_chunk', attention_chunk), ('attention', attention != 'xla')):
+    if given and not isinstance(model, str):
+      raise ValueError(f'`{name}` is for the presets; a model function computes its own attention.')
+  if attention not in presets.ATTENTION:
+    raise ValueError(f'`attention`={attention!r}: choose one of {presets.ATTENTION}.')
   return Target(
     topology, tuple(devices), grid, chip, model, optimizer, mixed_precision, seq_len,
-    compute_dtype, attention_chunk,
+    compute_dtype, attention_chunk, attention,
   )  # fmt: skip
 
 
@@ -541,6 +545,7 @@ def search_plans(
   mixed_precision: bool = False,
   seq_len: int | None = None,
   attention_chunk: int | None = None,
+  attention: str = 'xla',
   hbm_bytes: int | None = None,
   progress: bool = True,
   **space: Any,
@@ -556,6 +561,7 @@ def search_plans(
     mixed_precision: bf16 parameters and gradients, fp32 master in the optimizer state.
     seq_len: the preset's sequence length, or this.
     attention_chunk: presets: compute attention this many queries at a time.
+    attention: presets: 'xla' or 'flash' (fused Pallas kernels on TPU).
     hbm_bytes: device memory per chip; default the chip's.
     progress: a progress bar with each candidate's outcome.
     **space: `candidate_space`'s options (stages, layouts, micro_batches, remat,
@@ -581,6 +587,7 @@ def search_plans(
     mixed_precision=mixed_precision,
     seq_len=seq_len,
     attention_chunk=attention_chunk,
+    attention=attention,
   )
   candidates, invalid = candidate_space(grid_dims=len(target.grid), **space)
   if not candidates:

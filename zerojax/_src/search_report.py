@@ -148,6 +148,7 @@ def search_json(report: SearchReport) -> dict:
     'mixed_precision': t.mixed_precision,
     'seq_len': t.seq_len,
     'attention_chunk': t.attention_chunk,
+    'attention': t.attention,
     'roofline': None if t.chip is None else dataclasses.asdict(t.chip),
     'search_seconds': report.seconds,
     'invalid': [{'candidate': c.label(), 'why': why} for c, why in report.invalid],
