@@ -126,18 +126,27 @@ def test_the_chips_clock_comes_from_the_published_peak_and_matrix_units():
   assert search.CHIPS['v6e'].clock_hz == pytest.approx(918e12 / (2 * 1 * 2 * 256**2))  # 3.50 GHz
 
 
-def _independent_flops(cfg, tokens, seq, remat):
+def _independent_flops(cfg, tokens, seq, remat, attention='xla', block=512):
   """Matmul FLOPs per chip of `presets.decoder_loss`, from the model's shape alone: forward
   2 x tokens x (layer and head weights) + attention 4 x tokens x seq x width per layer (the
   full square: no causal skipping), backward twice the forward; remat 'full' runs each
   block's forward again but for its last projection, whose output the backward does not
-  read."""
+  read. Flash attention runs only the (block x block) squares on or below the diagonal: two
+  products of 2 x block x block x head FLOPs per square and head forward, seven backward."""
   d, f, q, kv = cfg.d_model, cfg.d_ff, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
   layer = d * q + 2 * d * kv + q * d + (3 if cfg.gated else 2) * d * f
-  attention = 4 * tokens * seq * q
-  forward_layers = cfg.n_layers * (2 * tokens * layer + attention)
+  if attention == 'flash':
+    n = seq // min(block, seq)
+    squares = n * (n + 1) // 2 * min(block, seq) ** 2  # query x key pairs computed
+    product = 2 * (tokens // seq) * squares * q
+    attention_fwd, attention_bwd = 2 * product, 7 * product
+  else:
+    attention_fwd = 4 * tokens * seq * q
+    attention_bwd = 2 * attention_fwd
+  forward_layers = cfg.n_layers * (2 * tokens * layer + attention_fwd)
+  backward_layers = cfg.n_layers * (2 * 2 * tokens * layer + attention_bwd)
   head = 2 * tokens * d * cfg.vocab
-  total = 3 * (forward_layers + head)
+  total = forward_layers + backward_layers + 3 * head
   if remat == 'full':
     total += forward_layers - cfg.n_layers * 2 * tokens * f * d
   return total
@@ -145,8 +154,12 @@ def _independent_flops(cfg, tokens, seq, remat):
 
 @pytest.mark.tpu
 @pytest.mark.xdist_group('libtpu')
-@pytest.mark.parametrize('remat', ['none', 'full'])
-def test_flops_per_chip_are_the_same_on_both_gradient_paths_and_equal_the_models(remat):
+@pytest.mark.parametrize(
+  'remat, attention, seq', [('none', 'xla', 128), ('full', 'xla', 128), ('full', 'flash', 1024)]
+)
+def test_flops_per_chip_are_the_same_on_both_gradient_paths_and_equal_the_models(
+  remat, attention, seq
+):
   """Issue 36: jax.value_and_grad outside shard_map once counted the whole mesh's FLOPs
   (256x on 256 chips). Counted in the compiled program, both paths give one chip's work."""
   pytest.importorskip('libtpu')
@@ -156,8 +169,8 @@ def test_flops_per_chip_are_the_same_on_both_gradient_paths_and_equal_the_models
 
   devices = tpu.topology_devices('v5e:2x4')
   mesh = Mesh(np.array(devices), ('data',), axis_types=(AxisType.Auto,))
-  cfg, seq, rows = presets.PRESETS['tiny'], 128, 16
-  spec = presets.decoder_spec('tiny', seq_len=seq, remat=remat)
+  cfg, rows = presets.PRESETS['tiny'], 16
+  spec = presets.decoder_spec('tiny', seq_len=seq, remat=remat, attention=attention)
   tx = zero_stage.zero_stage(optax.adamw(1e-4), 3, mesh=mesh)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   state = train_state.abstract_train_state(spec.init_fn, key, tx=tx)
@@ -180,7 +193,9 @@ def test_flops_per_chip_are_the_same_on_both_gradient_paths_and_equal_the_models
 
     compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
     counted[name] = search.program_cost(search.CHIPS['v5e'], compiled.as_text()).matmul_flops
-  expected = _independent_flops(cfg, tokens=rows // 8 * seq, seq=seq, remat=remat)
+  expected = _independent_flops(
+    cfg, tokens=rows // 8 * seq, seq=seq, remat=remat, attention=attention
+  )
   assert counted['jax'] == pytest.approx(counted['zerojax'], rel=0.02)
   assert counted['zerojax'] == pytest.approx(expected, rel=0.02), (counted, expected)
 
