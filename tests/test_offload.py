@@ -242,10 +242,10 @@ def _tiny_decoder_run(
 def test_stream_equals_no_offload(stage, micro_batches, auto_mesh):
   """ZeRO-Offload's streamed schedule on a scanned bf16 decoder (scan_layers, mixed_precision,
   AdamW with weight decay): the same losses and parameters as without offload, bit for bit,
-  for 20 steps."""
+  for 6 steps (a difference in any step's rounding would show in every later loss)."""
   tx = optax.adamw(1e-2, weight_decay=0.1)
-  base = _tiny_decoder_run(auto_mesh, stage, micro_batches, None, 'device', 20, tx)
-  got = _tiny_decoder_run(auto_mesh, stage, micro_batches, 'opt_state+master', 'stream', 20, tx)
+  base = _tiny_decoder_run(auto_mesh, stage, micro_batches, None, 'device', 6, tx)
+  got = _tiny_decoder_run(auto_mesh, stage, micro_batches, 'opt_state+master', 'stream', 6, tx)
   np.testing.assert_array_equal(got[0], base[0])
   for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(base[1])):
     np.testing.assert_array_equal(
@@ -289,11 +289,11 @@ mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
 tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
 for micro_batches in (1, 2):
   runs = [
-    _tiny_decoder_run(mesh, {stage}, micro_batches, offload, update_on, 20, tx)
+    _tiny_decoder_run(mesh, {stage}, micro_batches, offload, update_on, 8, tx)
     for offload, update_on in ((None, 'device'), ('opt_state+master', 'stream'))
   ]
   (base_losses, base_params, base_state), (losses, params, state) = runs
-  assert (np.asarray(runs[0][0]) < 4.0).sum() > 0, 'the run does not learn'
+  assert base_losses[-1] < 0.9 * base_losses[0], ('the run does not learn', base_losses)
   np.testing.assert_array_equal(losses, base_losses)
   for got, want in zip(jax.tree.leaves((params, state.master)),
                        jax.tree.leaves((base_params, base_state.master))):
@@ -305,8 +305,8 @@ for micro_batches in (1, 2):
 @pytest.mark.parametrize('stage', [1, 2, 3])
 def test_stream_with_global_norm_clipping_equals_no_offload(stage):
   """With `clip_by_global_norm` (max norm 0.5; the first steps' norms, 0.54 to 1.5, all
-  clip) the streamed run equals the run without offload bit for bit (losses, bf16
-  parameters, fp32 master) at micro-batches 1 and 2, once XLA rounds every bf16 value
+  clip) the streamed run equals the run without offload bit for bit over 8 steps (losses,
+  bf16 parameters, fp32 master) at micro-batches 1 and 2, once XLA rounds every bf16 value
   it is asked to.
 
   By default XLA may carry a bf16 intermediate in fp32 (`xla_allow_excess_precision`),
