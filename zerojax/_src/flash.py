@@ -160,12 +160,11 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, cost, interpret
 def _specs(block, d):
   """Block specs, for a grid (batch, head, outer, inner), of (batch, head, seq, d) arrays
   (`seq`), their transposes (`seq_t`) and the (batch, head, 1, seq) row statistics (`row`);
-  each takes which grid index picks the operand's sequence block: the outer or inner one, or
-  the inner one clamped to the causal diagonal ('keys' for the forward and query kernels,
+  each takes which grid index picks the operand's sequence block: the outer one, or the
+  inner one clamped to the causal diagonal ('keys' for the forward and query kernels,
   'queries' for the key/value kernel), so that a block past it is not fetched again."""
   by = {
     'outer': lambda i, j: i,
-    'inner': lambda i, j: j,
     'keys': lambda i, j: jnp.minimum(j, i),  # forward/dq: no fetch past the diagonal
     'queries': lambda i, j: jnp.maximum(j, i),  # dkv: no fetch before it
   }

@@ -215,8 +215,9 @@ def _xla_attention(chunk: int | None):
 
 def _flash_attention(plan: plan_lib.ZeroPlan | None):
   """Flash attention, run per device under `plan`'s mesh (a Pallas kernel is not split by
-  the compiler): the batch over the ZeRO axes and the heads over 'tensor', in
-  `jax.shard_map` over the axes not already manual (inside `zerojax.value_and_grad`)."""
+  the compiler): the heads over a tensor-parallel 'tensor' axis and the batch over every other
+  axis (the ZeRO axes and any replica axis), in `jax.shard_map` over the axes not already
+  manual (inside `zerojax.value_and_grad`)."""
   if plan is None:
     return flash.flash_attention
   mesh = plan.mesh
@@ -226,9 +227,9 @@ def _flash_attention(plan: plan_lib.ZeroPlan | None):
   free = [a for a in mesh.axis_names if a not in manual]
   if not free:
     return attend
-  batch = tuple(a for a in plan.axes if a in free) or None
-  heads = 'tensor' if 'tensor' in free and 'tensor' not in plan.axes else None
-  spec = jax.sharding.PartitionSpec(batch, None, heads, None)
+  tensor = 'tensor' if 'tensor' in free and 'tensor' not in plan.axes else None
+  batch = tuple(a for a in free if a != tensor) or None
+  spec = jax.sharding.PartitionSpec(batch, None, tensor, None)
   return jax.shard_map(
     attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, axis_names=set(free),
     check_vma=False,
