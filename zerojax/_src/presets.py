@@ -357,6 +357,21 @@ def _layer_loop(block, x, layers, gather_fn: GatherFn | None, remat: str):
   return x
 
 
+def _check_options(remat: str, prefetch_next: bool, attention: str, attention_chunk) -> None:
+  """`decoder_loss`'s option values, each refused by name."""
+  if remat not in REMAT:
+    raise ValueError(f'decoder_loss: remat must be one of {REMAT}, got {remat!r}.')
+  if attention not in ATTENTION:
+    raise ValueError(f'decoder_loss: attention must be one of {ATTENTION}, got {attention!r}.')
+  if attention == 'flash' and attention_chunk:
+    raise ValueError(
+      "decoder_loss: attention_chunk is for attention='xla'; flash attention works in blocks"
+      ' of its own.'
+    )
+  if prefetch_next and remat == 'minimal':
+    raise ValueError("decoder_loss: prefetch_next runs remat 'gathers' or 'full', not 'minimal'.")
+
+
 def decoder_loss(
   params: dict[str, Any],
   tokens: jax.Array,
@@ -400,17 +415,7 @@ def decoder_loss(
       (`zerojax._src.flash.flash_attention`: fused Pallas kernels, causal
       blocks skipped, scores never in HBM; TPU, or Pallas's interpreter elsewhere).
   """
-  if remat not in REMAT:
-    raise ValueError(f'decoder_loss: remat must be one of {REMAT}, got {remat!r}.')
-  if attention not in ATTENTION:
-    raise ValueError(f'decoder_loss: attention must be one of {ATTENTION}, got {attention!r}.')
-  if attention == 'flash' and attention_chunk:
-    raise ValueError(
-      "decoder_loss: attention_chunk is for attention='xla'; flash attention works in blocks"
-      ' of its own.'
-    )
-  if prefetch_next and remat == 'minimal':
-    raise ValueError("decoder_loss: prefetch_next runs remat 'gathers' or 'full', not 'minimal'.")
+  _check_options(remat, prefetch_next, attention, attention_chunk)
   if plan is not None:
     gather_fn = plan_gather(plan, compute_dtype)
   params, gather_fn = _gathered_top(params, gather_fn, per_layer)
