@@ -45,6 +45,14 @@ def _scores_t(q, k, scale, qi, kj, block):
   return jnp.where(keys <= queries, s, _NEG)
 
 
+def _weights_and_grads_t(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, scale, qi, kj, block):
+  """The backward's attention weights and score gradients, keys x queries: P from the saved
+  log-sum-exp, and dS = P * (dO V^T - sum(dO * O)), times the scale for the raw scores."""
+  p = jnp.exp(_scores_t(q_ref[0, 0], k_ref[0, 0], scale, qi, kj, block) - lse_ref[0, 0])
+  dp = jax.lax.dot_general(v_ref[0, 0], do_ref[0, 0], _NT, preferred_element_type=jnp.float32)
+  return p, p * (dp - delta_ref[0, 0]) * scale
+
+
 def _forward_kernel(q_ref, k_ref, vt_ref, ot_ref, lse_ref, m_sc, l_sc, acc_sc, *, scale, block):
   qi, kj = pl.program_id(2), pl.program_id(3)
 
@@ -87,12 +95,12 @@ def _dkv_kernel(
   @pl.when(qi >= kj)
   def _():
     q, do = q_ref[0, 0], do_ref[0, 0]
-    p = jnp.exp(_scores_t(q, k_ref[0, 0], scale, qi, kj, block) - lse_ref[0, 0])
+    p, ds = _weights_and_grads_t(
+      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, scale, qi, kj, block
+    )
     dv_sc[...] += jax.lax.dot_general(
       p.astype(do.dtype), do, _NN, preferred_element_type=jnp.float32
     )
-    dp = jax.lax.dot_general(v_ref[0, 0], do, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_ref[0, 0]) * scale
     dk_sc[...] += jax.lax.dot_general(
       ds.astype(q.dtype), q, _NN, preferred_element_type=jnp.float32
     )
@@ -114,10 +122,9 @@ def _dq_kernel(
 
   @pl.when(kj <= qi)
   def _():
-    do = do_ref[0, 0]
-    p = jnp.exp(_scores_t(q_ref[0, 0], k_ref[0, 0], scale, qi, kj, block) - lse_ref[0, 0])
-    dp = jax.lax.dot_general(v_ref[0, 0], do, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_ref[0, 0]) * scale  # (keys, queries)
+    _, ds = _weights_and_grads_t(
+      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, scale, qi, kj, block
+    )
     dq_sc[...] += jax.lax.dot_general(
       kt_ref[0, 0], ds.astype(kt_ref.dtype), _NN, preferred_element_type=jnp.float32
     )  # (head, queries)
