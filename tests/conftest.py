@@ -1,6 +1,9 @@
 """Test set-up: one faked 8-device CPU mesh for the whole suite."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Before jax initialises its backend: eight CPU devices, and no TPU probing by
 # libtpu (installed for ahead-of-time TPU compilation only).
@@ -11,6 +14,12 @@ os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
 os.environ['XLA_FLAGS'] = (
   os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
 ).strip()
+
+# The planner's compiled TPU programs (`program_cache`) are kept for this run only, in one
+# folder the test workers share (they inherit this variable), never in ~/.cache.
+if 'ZEROJAX_CACHE_DIR' not in os.environ:
+  os.environ['ZEROJAX_CACHE_DIR'] = tempfile.mkdtemp(prefix='zerojax-test-programs-')
+  atexit.register(shutil.rmtree, os.environ['ZEROJAX_CACHE_DIR'], ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -260,8 +260,9 @@ def cmd_search(args) -> int:
   print(f'{len(candidates)} candidates ({len(invalid)} combinations not valid); compiling'
         f' for {args.topology} ({len(devices)} chips)', flush=True)  # fmt: skip
   report = search.run_search(
-    target, candidates, invalid=invalid, hbm_bytes=hbm, measure=args.topology.startswith('cpu:')
-  )
+    target, candidates, invalid=invalid, hbm_bytes=hbm, measure=args.topology.startswith('cpu:'),
+    cache_dir=_cache_dir(args),
+  )  # fmt: skip
   text = f'command: {args.command_line}\n' + search_report.format_search(report)
   print('\n' + text)
   if args.out:
@@ -293,25 +294,43 @@ def cmd_plan(args) -> int:
   _log(start, 'lowered; compiling (large models take minutes on a small machine)')
   from rich.console import Console
 
-  from zerojax._src import report as report_lib
+  from zerojax._src import program_cache
 
-  compile_start = time.perf_counter()
   with Console(stderr=True).status('compiling...'):
-    compiled, text = report_lib.compile_with_text(built['lowered'])
-  built['compile_seconds'] = time.perf_counter() - compile_start
-  _log(start, f'compiled ({built["compile_seconds"]:.1f} s of XLA compile)')
+    done = program_cache.compile_program(
+      built['lowered'], topology=args.topology, cache_dir=_cache_dir(args)
+    )
+  compiled, text = done.program, done.text
+  built['compile_seconds'] = done.seconds
+  if done.source == 'cache':
+    _log(
+      start,
+      f'read the compiled program back from {_cache_dir(args)} (compiling it took'
+      f' {done.first_compile_seconds:.1f} s; --no-cache compiles it again)',
+    )
+  else:
+    _log(start, f'compiled ({done.seconds:.1f} s of XLA compile)')
+  t = time.perf_counter()
   out = _report_plan(args, built, compiled, text)
-  _log(start, 'reported')
+  phases = built['phases'] | {'compile': built['compile_seconds']}
+  phases['report'] = time.perf_counter() - t
+  _log(start, 'reported; ' + ', '.join(f'{k} {v:.1f} s' for k, v in phases.items()))
   if args.json:
     out['compile_seconds'] = built['compile_seconds']
-    out['phase_seconds'] = built['phases'] | {
-      'compile': built['compile_seconds'],
-      'total': time.perf_counter() - start,
-    }
+    out['program_source'] = done.source
+    out['phase_seconds'] = phases | {'total': time.perf_counter() - start}
     with open(args.json, 'w') as f:
       json.dump(out, f, indent=2)
     _log(start, f'wrote {args.json}')
   return 0 if out['fits'] in (None, True) else 3
+
+
+def _cache_dir(args) -> Any:
+  """Where compiled TPU programs are kept (`program_cache`); None for cpu:N (compiled in
+  seconds, and a measured search needs the executable) or with --no-cache."""
+  if args.no_cache or args.topology.startswith('cpu:'):
+    return None
+  return args.cache_dir
 
 
 def _build_step(args, start: float) -> dict:
@@ -758,6 +777,19 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
     ' to host memory layer by layer in the backward pass; needs --mixed-precision)',
   )
   p.add_argument('--json', help='also write the report as JSON here')
+  from zerojax._src import program_cache
+
+  p.add_argument(
+    '--cache-dir',
+    default=str(program_cache.default_dir()),
+    help='keep what the planner reads from each compiled TPU program here, and read it back'
+    ' when the same program is planned again (by a plan or a search; keyed by the lowered'
+    ' program, topology, jax/jaxlib/libtpu versions and XLA flags; default from'
+    f' ${program_cache.ENV})',
+  )
+  p.add_argument(
+    '--no-cache', action='store_true', help='compile every program again and keep none'
+  )
 
 
 def _search_arguments(p: argparse.ArgumentParser) -> None:
