@@ -510,7 +510,8 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
     'topology': args.topology, 'num_devices': n, 'batch_per_chip': args.batch_per_chip,
     'mesh': dict(zip(built['names'], built['shape'])),
     'gradients': 'zerojax.value_and_grad' if built['explicit'] else 'jax.value_and_grad',
-    'memory': dataclasses.asdict(report.memory) | {'peak': report.memory.peak},
+    'memory': dataclasses.asdict(report.memory)
+    | {'peak': report.memory.peak, 'peak_source': report.memory.source},
     'hbm_bytes': None if built['hbm_gib'] is None else built['hbm_gib'] * 2**30, 'fits': fits,
     'collectives': {
       'counts': report.collectives.counts, 'result_bytes': report.collectives.result_bytes,

@@ -35,7 +35,7 @@ from typing import Any
 
 import jax
 
-FORMAT = 1  # bump when the record's fields change
+FORMAT = 3  # bump when the record's fields change
 ENV = 'ZEROJAX_CACHE_DIR'
 
 
@@ -59,6 +59,7 @@ class CachedProgram:
   memory: dict[str, int]
   cost: dict[str, float] | None
   compile_seconds: float  # what the first compile took
+  platform: str  # where the program runs ('tpu', 'cpu', ...)
 
   def memory_analysis(self) -> Any:
     return types.SimpleNamespace(**self.memory)
@@ -110,7 +111,11 @@ def program_key(lowered: Any, topology: str) -> str:
 def _memory(compiled: Any) -> dict[str, int]:
   m = compiled.memory_analysis()
   names = ('argument', 'output', 'alias', 'temp', 'generated_code')
-  return {f'{n}_size_in_bytes': int(getattr(m, f'{n}_size_in_bytes', 0)) for n in names}
+  names += tuple(f'host_{n}' for n in names)
+  sizes = {f'{n}_size_in_bytes': int(getattr(m, f'{n}_size_in_bytes', 0)) for n in names}
+  for name in ('peak_memory_in_bytes', 'total_allocation_bytes'):  # where jax reports them
+    sizes[name] = int(getattr(m, name, 0) or 0)
+  return sizes
 
 
 def _cost(compiled: Any) -> dict[str, float] | None:
@@ -155,7 +160,7 @@ def _from_record(record: dict, source: str) -> Compiled:
   if 'error' in record:
     raise jax.errors.JaxRuntimeError(record['error'])
   program = CachedProgram(
-    record['text'], record['memory'], record['cost'], record['compile_seconds']
+    record['text'], record['memory'], record['cost'], record['compile_seconds'], record['platform']
   )
   return Compiled(program, program.text, source, 0.0, program.compile_seconds)
 
@@ -209,6 +214,7 @@ def compile_program(
     raise
   seconds = time.perf_counter() - start
   record = base | {
+    'platform': report_lib._platform(program),
     'compile_seconds': seconds,
     'text': text,
     'memory': _memory(program),
