@@ -31,6 +31,8 @@ class MemoryStats:
     allocated: the TPU compiler's allocation total (`total_allocation_bytes`, jax 0.11
       and later): arguments, outputs and the one block its temporaries are placed in,
       that block's fragmentation included; 0 where it is not reported.
+    host_held: on TPU, the host-memory bytes the program holds (arguments and
+      temporaries), where the compiler's figures are therefore not used; else 0.
   """
 
   argument: int
@@ -39,6 +41,7 @@ class MemoryStats:
   temp: int
   compiler_peak: int = 0
   allocated: int = 0
+  host_held: int = 0  # TPU: host bytes the program holds (arguments and temporaries)
 
   @property
   def formula_peak(self) -> int:
@@ -88,10 +91,9 @@ def memory_stats(compiled: Any) -> MemoryStats:
   not reported. There the peak is arguments + outputs - aliased + temporaries, device only.
   """
   m = compiled.memory_analysis()
-  on_host = any(
-    getattr(m, f'host_{n}_size_in_bytes', 0) for n in ('argument', 'output', 'temp', 'alias')
-  )
-  tpu = _platform(compiled) == 'tpu' and not on_host
+  host = sum(int(getattr(m, f'host_{n}_size_in_bytes', 0) or 0) for n in ('argument', 'temp'))
+  on_tpu = _platform(compiled) == 'tpu'
+  tpu = on_tpu and not host
   return MemoryStats(
     argument=int(m.argument_size_in_bytes),
     output=int(m.output_size_in_bytes),
@@ -99,6 +101,7 @@ def memory_stats(compiled: Any) -> MemoryStats:
     temp=int(m.temp_size_in_bytes),
     compiler_peak=int(getattr(m, 'peak_memory_in_bytes', 0) or 0) if tpu else 0,
     allocated=int(getattr(m, 'total_allocation_bytes', 0) or 0) if tpu else 0,
+    host_held=host if on_tpu else 0,
   )
 
 
@@ -286,6 +289,12 @@ def format_report(report: StepReport) -> str:
     lines.append(
       f'  the peak is {held}; arguments + outputs - aliased + temporaries would be'
       f' {_mib(m.formula_peak)}'
+    )
+  elif m.host_held:
+    lines.append(
+      '  the peak is arguments + outputs - aliased + temporaries as the TPU compiler reports'
+      f' them: its own peak counts the {_mib(m.host_held)} it holds in host memory too, and'
+      ' it reports no device-only peak'
     )
   counts = report.process_devices or {}
   if len(counts) > 1:
