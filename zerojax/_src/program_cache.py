@@ -158,7 +158,9 @@ def _write(path: Path, record: dict) -> None:
 
 def _from_record(record: dict, source: str) -> Compiled:
   if 'error' in record:
-    raise jax.errors.JaxRuntimeError(record['error'])
+    error = jax.errors.JaxRuntimeError(record['error'])
+    error.zerojax_program_source = source  # read back, not compiled
+    raise error
   program = CachedProgram(
     record['text'], record['memory'], record['cost'], record['compile_seconds'], record['platform']
   )

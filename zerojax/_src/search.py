@@ -412,6 +412,7 @@ def evaluate(
       raise
     result.phase_seconds['compile'] = time.perf_counter() - start
     result.compile_seconds = sum(result.phase_seconds.values())
+    result.program_source = getattr(e, 'zerojax_program_source', 'compiled')
     result.status = 'over HBM: ' + runtime.out_of_memory_summary(str(e))
     return result
   result.phase_seconds['compile'] = done.seconds
