@@ -136,6 +136,9 @@ class Result:
   measured_seconds: float | None = None
   # Seconds of this run by phase ('lower', 'compile', 'analyse').
   phase_seconds: dict = dataclasses.field(default_factory=dict)
+  # False for a TPU program holding host memory: the compiler reports no device-only peak,
+  # and `peak_bytes` is arguments + outputs - aliased + temporaries as it reports them.
+  peak_reported: bool = True
   # 'compiled'; 'cache' (read back from an earlier run); 'memo' (the same program as an
   # earlier candidate of this search); '' where nothing was compiled.
   program_source: str = ''
@@ -441,8 +444,14 @@ def _analyse(result: Result, target: Target, plan, unit: int, compiled, text: st
   result.cost_analysis_flops, result.bytes_accessed = _cost(compiled)
   work = program_cost(chip, text)
   result.flops, result.kernel_seconds = work.matmul_flops, work.kernel_seconds
+  result.peak_reported = not report.memory.host_held
+  chip_hbm = chip is not None and hbm_bytes is not None and hbm_bytes >= chip.hbm_bytes
   if hbm_bytes is not None and result.peak_bytes > hbm_bytes:
-    result.status = 'over HBM'
+    # A TPU program holding host memory has no device-only peak from the compiler; the
+    # compiler itself refuses what does not fit its chip (RESOURCE_EXHAUSTED), so one it
+    # compiled for the chip's own HBM fits.
+    if not (report.memory.host_held and chip_hbm):
+      result.status = 'over HBM'
   result.host_traffic = host_traffic(text, c, result.host_bytes, updated_param_bytes(plan, c.stage))
   if chip is not None:
     moved = result.host_traffic['to_host'] + result.host_traffic['to_device']
@@ -552,14 +561,19 @@ def _phases(r: Result) -> str:
   return '(' + ', '.join(parts) + ')'
 
 
-def phase_summary(report: SearchReport) -> str:
-  """Where a search's time went, by phase, and how many programs it compiled or reused."""
+def phase_totals(report: SearchReport) -> tuple[dict[str, float], dict[str, int]]:
+  """(seconds by phase, programs by where they came from: compiled, cache, memo)."""
   totals: dict[str, float] = {}
   for r in report.results:
     for k, v in r.phase_seconds.items():
       totals[k] = totals.get(k, 0.0) + v
   sources = [r.program_source for r in report.results if r.program_source]
-  counts = {s: sources.count(s) for s in ('compiled', 'cache', 'memo')}
+  return totals, {s: sources.count(s) for s in ('compiled', 'cache', 'memo')}
+
+
+def phase_summary(report: SearchReport) -> str:
+  """Where a search's time went, by phase, and how many programs it compiled or reused."""
+  totals, counts = phase_totals(report)
   return (
     f'search: {report.seconds:.1f} s for {len(report.results)} candidates: '
     + ', '.join(f'{k} {v:.1f} s' for k, v in totals.items())

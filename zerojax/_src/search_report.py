@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from zerojax._src.roofline import GiB
-from zerojax._src.search import QUANTIZE, SearchReport, zero_options
+from zerojax._src.search import QUANTIZE, SearchReport, phase_totals, zero_options
 
 
 def winner_code(report: SearchReport) -> str:
@@ -96,7 +96,8 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
   for i, r in enumerate([r for r in report.ranked if r.fits][:limit], 1):
     ratio = r.ring_bytes / r.floor_bytes if r.floor_bytes else float('nan')
     share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
-    row = f'{i:>3} {r.candidate.label():<60} {_gib(r.peak_bytes):>8} {ratio:>10.3f}'
+    peak = _gib(r.peak_bytes) + ('' if r.peak_reported else '*')
+    row = f'{i:>3} {r.candidate.label():<60} {peak:>8} {ratio:>10.3f}'
     row += f' {share:>7.0%}'
     if offloads:
       h = r.host_traffic
@@ -106,6 +107,12 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
       m = r.measured_seconds
       row += f' {m:>10.4f} {r.step_seconds / m:>9.2f}' if m else f' {"":>10} {"":>9}'
     lines.append(row)
+  if any(r.fits and not r.peak_reported for r in report.results):
+    lines.append(
+      '  * holds host memory: the TPU compiler reports no device-only peak (its own counts host'
+      " memory too) but compiled it within the chip's HBM; the figure is arguments + outputs"
+      ' - aliased + temporaries as it reports them'
+    )
   not_fitting = [r for r in report.results if not r.fits]
   if not_fitting:
     lines += ['', 'why the others do not run:']
@@ -129,6 +136,7 @@ def search_json(report: SearchReport) -> dict:
         'theory_state_bytes': r.theory_bytes,
         'host_bytes': r.host_bytes,
         'peak_bytes': r.peak_bytes,
+        'peak_reported': r.peak_reported,
         'ring_bytes': r.ring_bytes,
         'floor_bytes': r.floor_bytes,
         'overlapped_ring_bytes': r.overlapped_bytes,
@@ -151,6 +159,8 @@ def search_json(report: SearchReport) -> dict:
     'attention': t.attention,
     'roofline': None if t.chip is None else dataclasses.asdict(t.chip),
     'search_seconds': report.seconds,
+    'phase_seconds': phase_totals(report)[0],
+    'programs': phase_totals(report)[1],
     'invalid': [{'candidate': c.label(), 'why': why} for c, why in report.invalid],
     'results': rows,
     'winner_code': winner_code(report),
