@@ -539,6 +539,9 @@ def run_search(
         r.measured_seconds = _measure_cpu(r)
       for attr in ('_compiled', '_state', '_batch'):  # free the compiled program
         r.__dict__.pop(attr, None)
+      # jax keeps each candidate's traced and compiled step in its caches; a TPU compile of a
+      # 70B step holds about half a GB there, so a long search would run out of host memory.
+      jax.clear_caches()
       results.append(r)
       bar.console.print(f'  {c.label():<60} {r.status} {_phases(r)}', soft_wrap=True)
       bar.advance(task)
