@@ -21,14 +21,6 @@ if 'ZEROJAX_CACHE_DIR' not in os.environ:
   os.environ['ZEROJAX_CACHE_DIR'] = tempfile.mkdtemp(prefix='zerojax-test-programs-')
   atexit.register(shutil.rmtree, os.environ['ZEROJAX_CACHE_DIR'], ignore_errors=True)
 
-# JAX's persistent compilation cache, for this run only: the suite compiles many identical
-# CPU programs (the same reference run in several tests, the same example in several
-# subprocesses); a program compiled once (and taking over a second to compile, jax's default
-# threshold) is read back by every later test, worker and subprocess that compiles it again.
-if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(prefix='zerojax-test-jax-cache-')
-  atexit.register(shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True)
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402

@@ -35,7 +35,6 @@ def free_port() -> int:
 
 def env():
   out = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # no 8-device flag
-  out.pop('JAX_COMPILATION_CACHE_DIR', None)  # several processes: each compiles its own
   out['JAX_PLATFORMS'] = 'cpu'
   return out
 
