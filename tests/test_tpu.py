@@ -350,7 +350,7 @@ def test_the_peak_is_the_tpu_compilers_own_and_holds_what_the_program_gathers(to
   m = report.memory_stats(compiled)
   assert m.compiler_peak == raw.peak_memory_in_bytes > 0
   assert m.allocated == int(getattr(raw, 'total_allocation_bytes', 0) or 0)
-  assert m.peak == (m.allocated or m.compiler_peak)
+  assert m.peak == max(m.allocated, m.compiler_peak)
   gathered = n * n * 2
   assert m.peak >= m.argument + m.output + gathered
   assert m.source.startswith("the TPU compiler's")
