@@ -123,6 +123,7 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
 
 
 def search_json(report: SearchReport) -> dict:
+  phases, programs = phase_totals(report)
   t = report.target
   rows = []
   for rank, r in enumerate(report.ranked, 1):
@@ -159,8 +160,8 @@ def search_json(report: SearchReport) -> dict:
     'attention': t.attention,
     'roofline': None if t.chip is None else dataclasses.asdict(t.chip),
     'search_seconds': report.seconds,
-    'phase_seconds': phase_totals(report)[0],
-    'programs': phase_totals(report)[1],
+    'phase_seconds': phases,
+    'programs': programs,
     'invalid': [{'candidate': c.label(), 'why': why} for c, why in report.invalid],
     'results': rows,
     'winner_code': winner_code(report),
