@@ -38,12 +38,13 @@ def _log(start: float, message: str) -> None:
   print(f'[{time.perf_counter() - start:7.1f}s] {message}', flush=True)
 
 
-def _devices(topology: str):
-  """Devices of `topology` and the HBM of its chips in GiB (None for cpu:N)."""
+def _devices(topology: str, slices: int = 1):
+  """Devices of `slices` slices of `topology` (in slice order) and the HBM of its chips in
+  GiB (None for cpu:N)."""
   from zerojax._src import tpu
 
   try:
-    devices = tpu.topology_devices(topology)
+    devices = tpu.topology_devices(topology, slices)
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
   chip = topology.split(':', 1)[0]
@@ -56,6 +57,8 @@ _GRID_AXES = ('x', 'y', 'z')
 
 # The mesh axis `--mesh` names for tensor parallelism; every other axis is a ZeRO axis.
 TENSOR = 'tensor'
+# The outermost mesh axis of `--slices N`: across TPU slices, data-parallel (hierarchical ZeRO).
+SLICE = 'slice'
 
 
 def _mesh_shape(mesh: str, n: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -177,7 +180,7 @@ SEARCH_ONLY = (
   'quantizes', 'batches_per_chip', 'hbm_gib', 'max_candidates', 'out',
 )  # fmt: skip
 SINGLE_ONLY = ('stage', 'batch_per_chip', 'no_remat', 'remat', 'gather_all', 'mesh', 'grad', 'prefetch', 'json',
-               'offload', 'update_on')  # fmt: skip
+               'offload', 'update_on', 'slices')  # fmt: skip
 
 
 def _check_plan_flags(parser: argparse.ArgumentParser, p: argparse.ArgumentParser, args) -> None:
@@ -343,16 +346,24 @@ def _build_step(args, start: float) -> dict:
 
   phases: dict[str, float] = {}
   t = time.perf_counter()
-  devices, hbm_gib = _devices(args.topology)
+  devices, hbm_gib = _devices(args.topology, args.slices)
   n = len(devices)
-  _log(start, f'topology {args.topology}: {n} devices ({devices[0].device_kind})')
-  shape, names = _mesh_shape(args.mesh, n)
+  _log(
+    start,
+    f'topology {args.topology}: {n} devices ({devices[0].device_kind})'
+    + (f' in {args.slices} slices joined by the data-center network' if args.slices > 1 else ''),
+  )
+  shape, names = _mesh_shape(args.mesh, n // args.slices)
+  if args.slices > 1:
+    # The slice axis outermost: each slice holds whole blocks of the others (hierarchical ZeRO).
+    shape, names = (args.slices, *shape), (SLICE, *names)
   mesh = Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
-  zero_axes = tuple(a for a in names if a != TENSOR)
+  zero_axes = tuple(a for a in names if a not in (TENSOR, SLICE))
   explicit = _gradients(args, names)
   _log(
     start,
     f'mesh {dict(zip(names, shape))}, ZeRO over {zero_axes}'
+    + (f', data-parallel over {SLICE!r}' if SLICE in names else '')
     + (f', tensor-parallel over {TENSOR!r}' if TENSOR in names else '')
     + '; gradients through '
     + (
@@ -370,7 +381,7 @@ def _build_step(args, start: float) -> dict:
   try:
     tx = zero_stage.zero_stage(
       inner, args.stage, mesh=mesh, axis=axis, offload=args.offload, update_on=args.update_on,
-      param_specs=param_specs,
+      param_specs=param_specs, replica_axis=(SLICE,) if SLICE in names else None,
     )  # fmt: skip
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
@@ -442,8 +453,11 @@ def _abstract_step(args, spec, tx, mesh, axis, explicit: bool, n: int):
   # As MaxText counts it: the global batch is the batch per chip times every chip; the chips
   # of one tensor-parallel group share their sequences.
   batch_sds = spec.batch(args.batch_per_chip * n)
+  rows = (
+    (SLICE, *((axis,) if isinstance(axis, str) else axis)) if SLICE in mesh.axis_names else axis
+  )
   batch = jax.ShapeDtypeStruct(
-    batch_sds.shape, batch_sds.dtype, sharding=NamedSharding(mesh, PartitionSpec(axis))
+    batch_sds.shape, batch_sds.dtype, sharding=NamedSharding(mesh, PartitionSpec(rows))
   )
   if explicit:
     from zerojax._src import grad as grad_lib
@@ -477,7 +491,9 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
   report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit, hlo_text=text)
   print(
     f'\n{spec.name} | {built["num_params"] / 1e9:.2f}B params | ZeRO stage {args.stage} |'
-    f' {args.optimizer} | {args.topology} ({n} chips) | batch {args.batch_per_chip}/chip x'
+    f' {args.optimizer} | {args.topology}'
+    + (f' x {args.slices} slices' if args.slices > 1 else '')
+    + f' ({n} chips) | batch {args.batch_per_chip}/chip x'
     f' {built["batch_sds"].shape[1:]}'
   )
   sizes = {k: v for k, v in plan.bytes_per_device().items() if v or k != 'host'}
@@ -517,8 +533,12 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
       'counts': report.collectives.counts, 'result_bytes': report.collectives.result_bytes,
       'ring_bytes': report.collectives.ring_bytes,
       'overlapped_ring_bytes': report.collectives.overlapped_ring_bytes,
+      'dcn_ring_bytes': report.collectives.dcn_ring_bytes,
+      'dcn_overlapped_ring_bytes': report.collectives.dcn_overlapped_ring_bytes,
+      'dcn_gathers': list(report.collectives.dcn_gathers),
     },
-    'zero_floor_bytes': report.floor_bytes,
+    'zero_floor_bytes': report.floor_bytes, 'slices': args.slices,
+    'dcn_floor_bytes': report.dcn_floor_bytes,
   }  # fmt: skip
 
 
@@ -529,20 +549,31 @@ def _print_prediction(chip: Any, candidate: Any, report: Any, work: Any, traffic
 
   if chip is None:
     return None
+  c = report.collectives
   costed = search.Result(
-    candidate, 'fits', ring_bytes=report.collectives.total_ring_bytes,
-    overlapped_bytes=sum(report.collectives.overlapped_ring_bytes.values()),
-    collective_count=sum(report.collectives.counts.values()), flops=work.matmul_flops,
+    candidate, 'fits', ring_bytes=c.total_ring_bytes,
+    overlapped_bytes=sum(c.overlapped_ring_bytes.values()), dcn_bytes=c.total_dcn_bytes,
+    dcn_overlapped_bytes=sum(c.dcn_overlapped_ring_bytes.values()),
+    collective_count=sum(c.counts.values()), flops=work.matmul_flops,
     kernel_seconds=work.kernel_seconds,
   )  # fmt: skip
-  predicted = search.predict(
-    chip, costed, traffic['to_host'] + traffic['to_device'], traffic['overlapped']
-  )
+  try:
+    predicted = search.predict(
+      chip, costed, traffic['to_host'] + traffic['to_device'], traffic['overlapped']
+    )
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
+  dcn = ''
+  if c.total_dcn_bytes:
+    dcn = (
+      f' (of which DCN {predicted["dcn_exposed"]:.3f} s: {predicted["dcn"]:.3f} s at'
+      f' {chip.dcn_bandwidth / 1e9:.3g} GB/s per chip)'
+    )
   print(
     f'predicted step (not measured; docs/design.md "The step-time model"):'
     f' {predicted["step"]:.3f} s = kernels {predicted["compute"]:.3f} s (compiler estimates'
     f' for {work.estimated_kernels} of {work.kernels} kernel runs), collectives exposed'
-    f' {predicted["exposed"]:.3f} s, host link exposed {predicted["host_exposed"]:.3f} s;'
+    f' {predicted["exposed"]:.3f} s{dcn}, host link exposed {predicted["host_exposed"]:.3f} s;'
     f' {work.matmul_flops / predicted["step"] / 1e12:.1f} TFLOP/s per chip'
   )
   return predicted
@@ -758,6 +789,14 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     help="presets: 'xla' (plain JAX, --attention-chunk applies) or 'flash' (fused Pallas kernels"
     ' on TPU, as MaxText runs: causal blocks skipped, scores never in HBM)',
   )
+  p.add_argument(
+    '--slices',
+    type=int,
+    default=1,
+    help='TPU slices of --topology joined by the data-center network (DCN); the mesh gets an'
+    f' outermost {SLICE!r} axis over them, data-parallel: state split within each slice, each'
+    ' gradient shard all-reduced across slices once per step',
+  )
   _precision_and_offload_arguments(p)
   return p
 
@@ -877,11 +916,11 @@ def main(argv: list[str] | None = None) -> int:
   if args.command == 'plan':
     _check_plan_flags(parser, p, args)
 
-  _configure_jax(getattr(args, 'topology', ''))
+  _configure_jax(getattr(args, 'topology', ''), getattr(args, 'slices', 1) or 1)
   return args.func(args)
 
 
-def _configure_jax(topology: str) -> None:
+def _configure_jax(topology: str, slices: int = 1) -> None:
   """Before jax starts its backends: CPU only (no TPU probing when compiling
   ahead of time), and the faked devices of `--topology cpu:N`.
 
@@ -898,7 +937,7 @@ def _configure_jax(topology: str) -> None:
       count = int(topology[4:])
     except ValueError:
       raise SystemExit(f'error: --topology {topology!r}: expected cpu:N, e.g. cpu:8') from None
-    jax.config.update('jax_num_cpu_devices', count)
+    jax.config.update('jax_num_cpu_devices', count * slices)
 
 
 if __name__ == '__main__':

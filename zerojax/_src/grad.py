@@ -109,9 +109,17 @@ class Routes:
   has_aux: bool
   # update_on='stream': per-layer gradients are taken into host memory (see `_loss_inputs`).
   stream: bool = False
+  # Data-parallel axes beside ZeRO's (`Options.replica_axis`): rows split over them too, and
+  # each gradient shard all-reduced over them once per step.
+  replica_axes: tuple[str, ...] = ()
 
   def size(self, axes: tuple[str, ...]) -> int:
     return mesh_lib.axes_size(self.mesh, axes)
+
+  @property
+  def all_axes(self) -> tuple[str, ...]:
+    """Every axis the batch's rows are split over: the replica axes, then ZeRO's."""
+    return self.replica_axes + self.axes
 
 
 def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any) -> tuple:
@@ -338,10 +346,23 @@ def _reduce_scatter(route: LeafRoute, g: jax.Array, axes: tuple[str, ...]) -> ja
   return jax.lax.psum(g, _axis_arg(rest)) if rest else g
 
 
+def _across_replicas(r: Routes, g: jax.Array) -> jax.Array:
+  """A gradient shard summed over the replica axes (one all-reduce of the shard: the only
+  traffic between TPU slices under hierarchical ZeRO)."""
+  return jax.lax.psum(g, _axis_arg(r.replica_axes)) if r.replica_axes else g
+
+
 def _reduce_micro(r: Routes, route: LeafRoute, g: jax.Array) -> jax.Array:
-  """Stages 2-3: each micro-batch's gradient into its shard (unless the model's gather did)."""
-  if r.stage >= 2 and route.scatter is not None and route.model_split is None:
-    return _reduce_scatter(route, g, r.axes)
+  """Stages 2-3: each micro-batch's gradient into its shard (unless the model's gather did).
+
+  With one micro-batch the shard is also summed over the replica axes here, inside the
+  backward pass where the compiler can overlap it; with several, once after the loop.
+  """
+  if r.stage >= 2 and route.scatter is not None:
+    if route.model_split is None:
+      g = _reduce_scatter(route, g, r.axes)
+    if r.micro_batches == 1:
+      g = _across_replicas(r, g)
   return g
 
 
@@ -375,10 +396,10 @@ def _psum_in_slices(x: jax.Array, axes: Any) -> jax.Array:
 def _reduce_final(r: Routes, route: LeafRoute, acc: jax.Array) -> jax.Array:
   """After the loop: stage 1 reduce-scatters its full buffer; whole leaves are all-reduced."""
   if route.scatter is not None and r.stage >= 2:
-    return acc
+    return acc if r.micro_batches == 1 else _across_replicas(r, acc)
   if route.scatter is not None and r.stage == 1:
-    return _reduce_scatter(route, acc, r.axes)
-  return _psum_in_slices(acc, _axis_arg(r.axes))
+    return _across_replicas(r, _reduce_scatter(route, acc, r.axes))
+  return _psum_in_slices(acc, _axis_arg(r.all_axes))
 
 
 def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, scale):
@@ -422,8 +443,8 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
   # The global normaliser: the parts' summed weights (one all-reduce with the
   # loss), or for a plain mean the number of parts. A loss scale stays in the
   # gradients: `mixed_precision` divides it out, once.
-  sums = jax.lax.psum(sums, _axis_arg(r.axes))
-  total, weight = (sums[0], sums[1]) if meta['weighted'] else (sums, r.size(r.axes) * m)
+  sums = jax.lax.psum(sums, _axis_arg(r.all_axes))
+  total, weight = (sums[0], sums[1]) if meta['weighted'] else (sums, r.size(r.all_axes) * m)
   # Streamed gradients leave as their micro-batch parts, with the divisor.
   grads = [
     a if isinstance(a, tuple) else (_reduce_final(r, route, a) / weight).astype(a.dtype)
@@ -434,7 +455,7 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
   if not r.has_aux:
     return loss, None, grads, weight
   aux, per_row = reduction.finish_aux(
-    auxes, meta['aux_treedef'], meta['aux_kinds'], _axis_arg(r.axes)
+    auxes, meta['aux_treedef'], meta['aux_kinds'], _axis_arg(r.all_axes)
   )
   meta['aux_per_row'] = per_row
   # Per-row leaves leave concatenated over devices; global means leave one copy per device.
@@ -570,18 +591,25 @@ def value_and_grad(
 
 def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=None):
   """What `value_and_grad`'s function does: routes, then the per-device step in shard_map."""
-  mesh, axes, m = config.mesh, config.axes, options['micro_batches']
-  _check_batch(batch, mesh_lib.axes_size(mesh, axes), m)
+  mesh, m = config.mesh, options['micro_batches']
+  axes, replica = config.axes, config.replica_axes
+  _check_batch(batch, mesh_lib.axes_size(mesh, replica + axes), m)
   reduction.check_raw_keys(args)
   leaves, treedef = jax.tree.flatten(params)
   routes, plan = _leaf_routes(
     config, params, per_layer=per_layer, reduce_dtype=options['reduce_dtype']
   )
-  row_axes = _row_axes(batch, axes)
+  row_axes = _row_axes(batch, replica + axes)
   stream = per_layer and config.options.update_on == 'stream'
+  if stream and replica:
+    raise ValueError(
+      f"update_on='stream' sends gradient shards to host memory from inside the backward pass,"
+      f' before they could be summed over the replica axes {replica}; use'
+      " update_on='host' on a mesh with replica axes (e.g. several TPU slices)."
+    )
   if stream:
     streaming.start()
-  r = Routes(routes, mesh, config.stage, axes, row_axes, m, options['has_aux'], stream)
+  r = Routes(routes, mesh, config.stage, axes, row_axes, m, options['has_aux'], stream, replica)
   rows = PartitionSpec(_axis_arg(row_axes))
   scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
   meta: dict = {}  # what tracing the loss finds out: its kind, its aux's structure
@@ -593,7 +621,7 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
     mesh=mesh,
     in_specs=([x.rest_spec for x in routes], rows, PartitionSpec(), PartitionSpec()),
     out_specs=(PartitionSpec(), rows, grad_specs, PartitionSpec()),
-    axis_names=set(axes),
+    axis_names=set(axes) | set(replica),
     check_vma=False,
   )
   if mesh_lib.any_explicit(mesh):

@@ -85,7 +85,98 @@ def _group_size(line: str, default: int) -> int:
   return default
 
 
-def _ring_bytes(kind: str, result_bytes: int, n: int) -> float:
+_IOTA_FULL = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
+_PAIRS = re.compile(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}')
+
+
+def replica_groups(line: str, n: int) -> list[list[int]] | None:
+  """The device groups of a collective (partition ids), or None where the line's form is
+  not read here (TPU's mesh[...] form). `replica_groups={}` is one group of all `n`."""
+  m = re.search(r'replica_groups=\{(\{[\d,{} ]*\})?\}', line)
+  if m:
+    if not m.group(1):
+      return [list(range(n))]
+    return [[int(v) for v in g.split(',') if v] for g in re.findall(r'\{([\d,]*)\}', m.group(1))]
+  m = _IOTA_FULL.search(line)
+  if m:
+    count, size = int(m.group(1)), int(m.group(2))
+    dims = [int(d) for d in m.group(3).split(',')]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose([int(p) for p in m.group(4).split(',')])
+    return ids.reshape(count, size).tolist()
+  if _GROUPS_ANY.search(line):
+    return None
+  return [list(range(n))]
+
+
+def _network_split(kind: str, size: int, groups: list[list[int]], slices) -> tuple[float, float]:
+  """(ICI, DCN) bytes one device sends for a collective whose groups hold devices of
+  several slices, run hierarchically: the part inside a slice on ICI, and across slices only
+  the 1/m-th each of the m devices of a slice in the group is left holding."""
+  group = max(groups, key=len)
+  members = collections.Counter(int(slices[d]) for d in group)
+  s, m = len(members), min(members.values())
+  n = len(group)
+  if s <= 1:
+    return _ring_bytes(kind, size, n), 0.0
+  if kind in ('all-reduce', 'all-gather'):
+    return _ring_bytes(kind, size, m), _ring_bytes(kind, size / m, s)
+  if kind == 'reduce-scatter':
+    return _ring_bytes(kind, size * s, m), _ring_bytes(kind, size, s)
+  if kind == 'all-to-all':
+    return size * (m - 1) / n, size * (n - m) / n
+  return 0.0, float(size)
+
+
+def _permute_split(line: str, size: int, slices) -> tuple[float, float] | None:
+  """(ICI, DCN) bytes of a collective-permute: a pair whose ends lie in different slices
+  crosses DCN; None when the line lists no pairs."""
+  m = _PAIRS.search(line)
+  if m is None:
+    return None
+  pairs = re.findall(r'\{(\d+),(\d+)\}', m.group(1))
+  if any(slices[int(a)] != slices[int(b)] for a, b in pairs):
+    return 0.0, float(size)
+  return float(size), 0.0
+
+
+# A collective between TPU slices, as the TPU compiler emits it for the runtime that carries it
+# over the data-center network: a `send` to that runtime, of the kind it names.
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_KINDS = {
+  'ALL_REDUCE': 'all-reduce',
+  'ALL_GATHER': 'all-gather',
+  'REDUCE_SCATTER': 'reduce-scatter',
+  'ALL_TO_ALL': 'all-to-all',
+}
+
+
+def _megascale(line: str) -> tuple[str, str] | None:
+  """(kind, the type it sends) of a collective between slices (a megascale `send`), else None."""
+  m = _MEGASCALE.search(line)
+  if m is None:
+    return None
+  name, op = _opcode(line)
+  if op != 'send':
+    return None
+  type_str = _split_type(_INSTR.match(line).group('rest'))[0]
+  return _MEGASCALE_KINDS.get(m.group(1), 'collective-permute'), _tuple_elements(type_str)[0]
+
+
+def _megascale_bytes(kind: str, sent: int, s: int) -> tuple[int, float]:
+  """(result bytes, ring bytes one device sends) of a collective over `s` slices that sends
+  `sent` bytes from each device."""
+  if kind == 'all-reduce':
+    return sent, 2.0 * sent * (s - 1) / s
+  if kind == 'all-gather':
+    return sent * s, float(sent * (s - 1))
+  if kind in ('reduce-scatter', 'all-to-all'):
+    return sent // s if kind == 'reduce-scatter' else sent, sent * (s - 1) / s
+  return sent, float(sent)
+
+
+def _ring_bytes(kind: str, result_bytes: float, n: int) -> float:
   """Bytes one device sends in a ring implementation of the collective."""
   if n <= 1:
     return 0.0
@@ -306,6 +397,12 @@ class CollectiveStats:
     overlapped_ring_bytes: kind -> the ring bytes of collectives that run
       asynchronously with compute scheduled between their start and their
       done (XLA's `-start`/`-done` pairs, TPU's async collective fusions).
+    dcn_ring_bytes: kind -> of `ring_bytes`, those that cross between TPU slices
+      (the data-center network), when `count_collectives` was given the slices;
+      a collective whose groups span slices is taken to run hierarchically.
+    dcn_overlapped_ring_bytes: kind -> of those, the ones that overlap compute.
+    dcn_gathers: the all-gathers that cross slices, one line each (count and
+      result type): parameters gathered over DCN, which ZeRO need not do.
   """
 
   counts: dict[str, int]
@@ -313,6 +410,17 @@ class CollectiveStats:
   ring_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
   uncertain: tuple[str, ...] = ()
   overlapped_ring_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+  dcn_ring_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+  dcn_overlapped_ring_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+  dcn_gathers: tuple[str, ...] = ()
+
+  @property
+  def total_dcn_bytes(self) -> float:
+    return float(sum(self.dcn_ring_bytes.values()))
+
+  @property
+  def total_ici_bytes(self) -> float:
+    return self.total_ring_bytes - self.total_dcn_bytes
 
   @property
   def overlap_fraction(self) -> float:
@@ -341,13 +449,14 @@ class _Tally:
     self.nbytes = collections.Counter()
     self.ring = collections.Counter()
     self.overlapped = collections.Counter()
+    self.dcn = collections.Counter()
+    self.dcn_overlapped = collections.Counter()
+    self.dcn_gathers = collections.Counter()
 
   def add(self, other: _Tally, mult: int = 1) -> None:
-    for src, dst in ((other.counts, self.counts), (other.nbytes, self.nbytes)):
-      for k, v in src.items():
-        dst[k] += mult * v
-    for src, dst in ((other.ring, self.ring), (other.overlapped, self.overlapped)):
-      for k, v in src.items():
+    for name in ('counts', 'nbytes', 'ring', 'overlapped', 'dcn', 'dcn_overlapped', 'dcn_gathers'):
+      dst = getattr(self, name)
+      for k, v in getattr(other, name).items():
         dst[k] += mult * v
 
   def key(self) -> tuple:
@@ -405,7 +514,7 @@ def _opcode(line: str) -> tuple[str, str]:
   return m.group('name'), op.group('op') if op else ''
 
 
-def count_collectives(compiled_or_text: Any) -> CollectiveStats:
+def count_collectives(compiled_or_text: Any, slices: Any = None) -> CollectiveStats:
   """Counts the collectives in a compiled program's HLO, per executed step.
 
   Ops inside a `while` body count once per iteration (XLA's known_trip_count,
@@ -425,6 +534,10 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
 
   Args:
     compiled_or_text: a `jax.stages.Compiled`, or its `as_text()`.
+    slices: for a program over several TPU slices, each partition's slice (indexed by the
+      partition ids the replica groups name: the mesh's devices in order); the bytes that
+      cross between slices are then counted apart (`dcn_ring_bytes`). A collective whose
+      groups cannot be read is counted on ICI and named in `uncertain`.
 
   Returns:
     A `CollectiveStats`.
@@ -439,7 +552,7 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
   (1, 32, True)
   """
   text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-  walk = _CollectiveWalk(text)
+  walk = _CollectiveWalk(text, None if slices is None else np.asarray(slices).reshape(-1))
   total = _Tally()
   walk.visit(walk.entry, 1, (), total, False)
   for reason in walk.uncertain:
@@ -450,13 +563,17 @@ def count_collectives(compiled_or_text: Any) -> CollectiveStats:
     dict(total.ring),
     uncertain=tuple(walk.uncertain),
     overlapped_ring_bytes=dict(total.overlapped),
+    dcn_ring_bytes=dict(total.dcn),
+    dcn_overlapped_ring_bytes=dict(total.dcn_overlapped),
+    dcn_gathers=tuple(f'{count} x {what}' for what, count in total.dcn_gathers.items()),
   )
 
 
 class _CollectiveWalk:
   """`count_collectives`' walk over one program's computations, tallying as it goes."""
 
-  def __init__(self, text: str):
+  def __init__(self, text: str, slices: Any = None):
+    self.slices = slices
     self.bodies, self.entry = _parse_computations(text)
     self.parsed: dict = {}  # computation -> its instructions, for trip counts
     self.uncertain: list[str] = []
@@ -482,11 +599,59 @@ class _CollectiveWalk:
     size = _type_bytes(_result_type(kind, is_start, type_str))
     tally.counts[kind] += mult
     tally.nbytes[kind] += mult * size
-    groups = _group_size(self._with_groups(line), self.default_group)
-    ring = mult * _ring_bytes(kind, size, groups)
+    with_groups = self._with_groups(line)
+    groups = _group_size(with_groups, self.default_group)
+    ring, dcn = mult * _ring_bytes(kind, size, groups), 0.0
+    if self.slices is not None:
+      ici, dcn = self._networks(kind, size, groups, with_groups)
+      ring, dcn = mult * (ici + dcn), mult * dcn
+      if dcn and kind == 'all-gather':
+        tally.dcn_gathers[_result_type(kind, is_start, type_str)] += mult
     tally.ring[kind] += ring
+    tally.dcn[kind] += dcn
     if overlapped:
       tally.overlapped[kind] += ring
+      tally.dcn_overlapped[kind] += dcn
+
+  def count_megascale(self, line: str, found, mult: int, tally: _Tally, overlapped: bool) -> None:
+    """A collective between slices: all of its bytes cross the data-center network."""
+    kind, sent_type = found
+    s = len(set(self.slices.tolist())) if self.slices is not None else 0
+    if s < 2:
+      reason = (
+        f'a {kind} between TPU slices, but the number of slices was not given'
+        ' (count_collectives(..., slices=...)); it is not counted'
+      )
+      if reason not in self.uncertain:
+        self.uncertain.append(reason)
+      return
+    size, ring = _megascale_bytes(kind, _type_bytes(sent_type), s)
+    tally.counts[kind] += mult
+    tally.nbytes[kind] += mult * size
+    tally.ring[kind] += mult * ring
+    tally.dcn[kind] += mult * ring
+    if kind == 'all-gather':
+      tally.dcn_gathers[sent_type] += mult
+    if overlapped:
+      tally.overlapped[kind] += mult * ring
+      tally.dcn_overlapped[kind] += mult * ring
+
+  def _networks(self, kind: str, size: int, n: int, line: str) -> tuple[float, float]:
+    """(ICI, DCN) bytes one device sends for one execution of the collective."""
+    if kind == 'collective-permute':
+      split = _permute_split(line, size, self.slices)
+    else:
+      groups = replica_groups(line, len(self.slices))
+      split = None if groups is None else _network_split(kind, size, groups, self.slices)
+    if split is None:
+      reason = (
+        f'the device groups of a {kind} are not in a form read here'
+        f' ({line.strip()[:80]}...); its bytes are counted on ICI'
+      )
+      if reason not in self.uncertain:
+        self.uncertain.append(reason)
+      return _ring_bytes(kind, size, n), 0.0
+    return split
 
   def _with_groups(self, line: str) -> str:
     """`line`, or for TPU's fused all-reduce-scatter (whose line names no
@@ -516,6 +681,10 @@ class _CollectiveWalk:
       found = _collective(line)
       if found is not None:
         self.count_op(line, found, mult, tally, fused, overlapped or i in async_overlap)
+        continue
+      between = _megascale(line)
+      if between is not None:
+        self.count_megascale(line, between, mult, tally, overlapped or i in async_overlap)
         continue
       instr, op = _opcode(line)
       if op == 'while':
@@ -579,12 +748,18 @@ _BOOKKEEPING = frozenset(
     'copy-start',
     'copy-done',
     'reshape',
+    'after-all',
   }
 )
 
 
 def _is_start(instr: str, op: str) -> bool:
-  return op.endswith('-start') and op != 'copy-start' or instr.startswith('async-collective-start')
+  return (
+    op.endswith('-start')
+    and op != 'copy-start'
+    or op in ('send', 'recv')  # between TPU slices (see `_megascale`): done by send-/recv-done
+    or instr.startswith('async-collective-start')
+  )
 
 
 def _is_done(instr: str, op: str) -> bool:

@@ -111,3 +111,83 @@ def run_in_layout(fn, mesh: Mesh, out_shardings: Any):
 def replicated(mesh: Mesh) -> NamedSharding:
   """A fully replicated sharding on `mesh`."""
   return NamedSharding(mesh, PartitionSpec())
+
+
+def device_slices(mesh: Mesh) -> Any:
+  """Each mesh position's TPU slice (`Device.slice_index`) as an array shaped like the mesh,
+  or None where the devices carry none (CPU, GPU, one slice's compile-only devices) or the
+  mesh is abstract."""
+  import numpy as np
+
+  if isinstance(mesh, AbstractMesh) or not isinstance(mesh, Mesh):
+    return None
+  devices = mesh.devices
+  flat = [getattr(d, 'slice_index', None) for d in np.asarray(devices).flat]
+  if any(s is None for s in flat):
+    return None
+  return np.asarray(flat).reshape(np.shape(devices))
+
+
+def dcn_axes(mesh: Mesh) -> tuple[str, ...]:
+  """The mesh axes whose devices lie in different TPU slices: their collectives cross the
+  data-center network (DCN) between slices. () on one slice or where devices name none."""
+  import numpy as np
+
+  slices = device_slices(mesh)
+  if slices is None or len(np.unique(slices)) < 2:
+    return ()
+  out = []
+  for i, name in enumerate(mesh.axis_names):
+    moved = np.moveaxis(slices, i, 0)
+    if any((moved[k] != moved[0]).any() for k in range(1, moved.shape[0])):
+      out.append(name)
+  return tuple(out)
+
+
+def check_slice_axes(mesh: Mesh, axes: Sequence[str]) -> None:
+  """Raises unless `axes` (the axes across slices) lead the mesh and each slice is one block.
+
+  Raises:
+    ValueError: a slice axis after an axis inside the slices, or a mesh whose slices are
+      not whole blocks of the inner axes.
+  """
+  import numpy as np
+
+  names = tuple(mesh.axis_names)
+  if tuple(names[: len(axes)]) != tuple(axes):
+    raise ValueError(
+      f'the mesh axes {tuple(axes)} run across TPU slices but the mesh is {names}: axes across'
+      ' slices must come first (outermost), so each slice holds whole blocks of the others.'
+      ' Build it with jax.experimental.mesh_utils.create_hybrid_device_mesh, or order the'
+      f' axes as {tuple(axes) + tuple(a for a in names if a not in axes)}.'
+    )
+  slices = device_slices(mesh)
+  if slices is None:
+    return
+  inner = slices.reshape(math.prod(slices.shape[: len(axes)]), -1)
+  if any(len(np.unique(row)) != 1 for row in inner):
+    raise ValueError(
+      f'the mesh {dict(mesh.shape)} mixes TPU slices inside its inner axes: every position of'
+      f' the axes {tuple(axes)} must hold one whole slice. Build the mesh with'
+      ' jax.experimental.mesh_utils.create_hybrid_device_mesh.'
+    )
+
+
+def slice_ids(mesh: Mesh, replica_axes: Sequence[str] = ()) -> Any:
+  """Each device's slice, in the mesh's device order (the partition ids of its programs):
+  `Device.slice_index` where the devices carry one, else the position along `replica_axes`
+  (a CPU or one-slice mesh standing in for several slices); None when neither applies."""
+  import numpy as np
+
+  slices = device_slices(mesh)
+  if slices is not None and len(np.unique(slices)) > 1:
+    return slices.reshape(-1)
+  if not replica_axes:
+    return None
+  shape = tuple(mesh.shape[a] for a in mesh.axis_names)
+  index = np.indices(shape)
+  position = np.zeros(shape, int)
+  for a in replica_axes:
+    i = list(mesh.axis_names).index(a)
+    position = position * shape[i] + index[i]
+  return position.reshape(-1)

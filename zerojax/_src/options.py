@@ -58,6 +58,12 @@ class Options:
       Gradients that arrive in device memory, or an optimizer without
       `mixed_precision`, run as 'host' does, with a warning.
     quantize: ZeRO++ quantized collectives, a `zerojax.Quantize`, or None.
+    replica_axis: data-parallel mesh axes outside ZeRO (e.g. 'slice', across TPU slices):
+      every position along them holds a whole copy of the ZeRO-split state, the batch's
+      rows are split over them too, and each gradient shard is all-reduced over them once
+      per step (after its reduce-scatter over `axis`). None (the default) takes the mesh
+      axes that run across TPU slices (`Device.slice_index`) and are not in `axis`, so a
+      multi-slice mesh is hierarchical ZeRO unless `axis` names its slice axis.
 
   Every field is checked when the object is made:
 
@@ -75,9 +81,22 @@ class Options:
   offload: Offload = None
   update_on: Literal['device', 'host', 'stream'] = 'device'
   quantize: quantize_lib.Quantize | None = None
+  replica_axis: AxisName | None = None
 
   def __post_init__(self):
     _check_axis_name(self.axis, 'axis')
+    if self.replica_axis is not None:
+      _check_axis_name(self.replica_axis, 'replica_axis')
+      zero = {self.axis} if isinstance(self.axis, str) else set(self.axis)
+      both = zero & (
+        {self.replica_axis} if isinstance(self.replica_axis, str) else set(self.replica_axis)
+      )
+      if both:
+        raise ValueError(
+          f'Options(replica_axis={self.replica_axis!r}) names {sorted(both)}, which is also a'
+          f' ZeRO axis (axis={self.axis!r}): an axis either splits the state (axis) or holds'
+          ' whole copies of it (replica_axis). Drop it from one of them.'
+        )
     if self.param_axis is not None:
       _check_axis_name(self.param_axis, 'param_axis')
     if self.policy not in rules.POLICIES:

@@ -68,6 +68,9 @@ class ZeroPlan:
     unquantized: with `quantize`, per parameter leaf (in `jax.tree.leaves`
       order), None where its collectives are quantized, else why they stay
       full precision.
+    replica_axes: the data-parallel axes beside the ZeRO axes (`Options.replica_axis`;
+      by default those across TPU slices): every position along them holds a whole
+      copy of the split state.
   """
 
   stage: int
@@ -83,6 +86,7 @@ class ZeroPlan:
   state_padding: tuple[tuple[int, int] | None, ...] = ()
   quantize: Any = None
   unquantized: tuple[str | None, ...] = ()
+  replica_axes: tuple[str, ...] = ()
 
   def quantized(self) -> tuple[Any, ...]:
     """Per parameter leaf (in `jax.tree.leaves` order): the `Quantize` that applies, or None."""
@@ -425,6 +429,7 @@ def _assemble(
     state_padding=tuple(state_padding),
     quantize=config.options.quantize,
     unquantized=_unquantized(param_leaves, config.options.quantize),
+    replica_axes=tuple(getattr(config, 'replica_axes', ())),
   )
 
 

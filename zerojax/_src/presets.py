@@ -353,6 +353,14 @@ def _layer_loop(block, x, layers, gather_fn: GatherFn | None, remat: str):
       'minimal': jax.checkpoint_policies.save_only_these_names(KEPT),
     }.get(remat, jax.checkpoint_policies.nothing_saveable)
     body = jax.checkpoint(body, policy=policy)
+  # A stacked leaf split on its layer dimension (a norm scale whose width's shards would not
+  # fill TPU lanes, where the layers divide the devices) cannot be scanned over as shards:
+  # it is gathered whole before the loop (these are the small leaves).
+  layers = jax.tree.map(
+    lambda v: v.gather() if gather.is_sharded_leaf(v) and v.dim == 0 else v,
+    layers,
+    is_leaf=gather.is_sharded_leaf,
+  )
   x, _ = jax.lax.scan(body, x, layers)
   return x
 

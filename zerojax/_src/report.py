@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from zerojax._src import mesh as mesh_lib
 from zerojax._src.hlo import COLLECTIVES, CollectiveStats, count_collectives
 
 
@@ -137,6 +138,14 @@ class StepReport:
       a process needs `memory` times its device count, and the mesh the sum.
     quantized: with ZeRO++ quantized collectives (the plan's `quantize`), what
       is quantized and on how many leaves; the floor stays full precision.
+    num_slices: the TPU slices the mesh spans (or the positions along the plan's
+      replica axes standing in for them), when more than one: `collectives` then
+      counts the bytes between slices apart, and `floor_bytes` is the floor on ICI
+      (within a slice, N the ZeRO devices of one slice).
+    dcn_floor_bytes: the floor between slices: each chip's gradient shard all-reduced
+      across them once per step, 2·(Ψ/N)·bytes·(S-1)/S, bytes those of the parameters'
+      dtype, in which gradients are accumulated (ZeRO split over the slices too moves the
+      same: a reduce-scatter and an all-gather of that shard).
   """
 
   memory: MemoryStats
@@ -147,6 +156,8 @@ class StepReport:
   floor_bytes: float | None = None
   process_devices: dict[int, int] | None = None
   quantized: str | None = None
+  num_slices: int = 1
+  dcn_floor_bytes: float | None = None
 
   def per_process(self, process: int | None = None) -> MemoryStats:
     """Memory of all of one process's devices (default: this process)."""
@@ -242,20 +253,40 @@ def step_report(
     A `StepReport`; `print` it for a table.
   """
   memory = memory_stats(compiled)
-  collectives = count_collectives(compiled if hlo_text is None else hlo_text)
+  text = compiled if hlo_text is None else hlo_text
   if plan is None:
-    return StepReport(memory, collectives, process_devices=_process_devices(None))
+    return StepReport(memory, count_collectives(text), process_devices=_process_devices(None))
+  slices = mesh_lib.slice_ids(plan.mesh, plan.replica_axes)
+  num_slices = 1 if slices is None else len(np.unique(slices))
+  collectives = count_collectives(text, slices=slices if num_slices > 1 else None)
   num_params = sum(int(np.prod(r.shape)) for r in plan.rows if r.group == 'params')
+  # ZeRO's devices within one slice: the floor on ICI is theirs.
+  n = plan.num_shards // num_slices if _zero_over_slices(plan) else plan.num_shards
+  dcn_floor = None
+  if num_slices > 1:
+    # Across slices the gradient shard is summed as it is accumulated: in the parameters'
+    # dtype (fp32 for an fp32 master), whatever the dtype of the reduce-scatter before it.
+    grad_bytes = sum(
+      int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize for r in plan.rows if r.group == 'params'
+    )
+    dcn_floor = 2 * grad_bytes / n * (num_slices - 1) / num_slices
   return StepReport(
     memory,
     collectives,
     stage=plan.stage,
     num_params=num_params,
-    num_devices=plan.num_shards,
-    floor_bytes=zero_floor_bytes(plan.stage, num_params, plan.num_shards, bytes_per_param),
+    num_devices=n,
+    floor_bytes=zero_floor_bytes(plan.stage, num_params, n, bytes_per_param),
     process_devices=_process_devices(plan),
     quantized=_quantized(plan),
+    num_slices=num_slices,
+    dcn_floor_bytes=dcn_floor,
   )
+
+
+def _zero_over_slices(plan: Any) -> bool:
+  """Whether the plan's ZeRO axes run across TPU slices (ZeRO++ style, not hierarchical)."""
+  return bool(set(mesh_lib.dcn_axes(plan.mesh)) & set(plan.axes))
 
 
 def _quantized(plan: Any) -> str | None:
@@ -267,6 +298,33 @@ def _quantized(plan: Any) -> str | None:
     f'weights {q.weights}, gradients {q.grads}, blocks of {q.block_size}, on {on} of'
     f' {len(plan.unquantized)} parameter leaves'
   )
+
+
+def _network_lines(report: StepReport) -> list[str]:
+  """The two networks apart: bytes per chip on ICI and on DCN, each by its floor, the share
+  of each overlapped, and the DCN traffic ZeRO need not have (flagged)."""
+  c, s = report.collectives, report.num_slices
+  share = lambda part, whole: f'{part / whole:.0%}' if whole else '-'
+  ici_overlap = sum(c.overlapped_ring_bytes.values()) - sum(c.dcn_overlapped_ring_bytes.values())
+  dcn = c.total_dcn_bytes
+  ratio = dcn / report.dcn_floor_bytes if report.dcn_floor_bytes else float('nan')
+  lines = [
+    f'networks ({s} slices): ICI {c.total_ici_bytes:,.0f} bytes per chip, {share(ici_overlap, c.total_ici_bytes)} overlapped;'
+    f' DCN {dcn:,.0f} bytes per chip, {share(sum(c.dcn_overlapped_ring_bytes.values()), dcn)} overlapped',
+    f"DCN floor (each chip's gradient shard all-reduced across slices, 2(Ψ/N)(S-1)/S,"
+    f' S={s}): {report.dcn_floor_bytes:,.0f} bytes; measured/floor = {ratio:.3f}',
+  ]
+  for gather in c.dcn_gathers:
+    lines.append(
+      f'  flagged: all-gather across slices ({gather} per step): parameters gathered over DCN;'
+      " split them within a slice (the default, or param_axis=the slice's own axes)"
+    )
+  if dcn > 1.05 * report.dcn_floor_bytes and not c.dcn_gathers:
+    lines.append(
+      f'  flagged: {dcn - report.dcn_floor_bytes:,.0f} DCN bytes above the floor: gradients'
+      ' reduced across slices before they are split, or reduced more than once per step'
+    )
+  return lines
 
 
 def _mib(n: float) -> str:
@@ -328,12 +386,16 @@ def format_report(report: StepReport) -> str:
       ' of the ring bytes'
     )
   if report.floor_bytes is not None:
-    ratio = c.total_ring_bytes / report.floor_bytes if report.floor_bytes else float('nan')
+    ici = c.total_ici_bytes if report.num_slices > 1 else c.total_ring_bytes
+    ratio = ici / report.floor_bytes if report.floor_bytes else float('nan')
     factor = 3 if report.stage == 3 else 2
     lines.append(
       f'ZeRO floor (stage {report.stage}: {factor}Ψ(N-1)/N, Ψ={report.num_params:,},'
       f' N={report.num_devices}): {report.floor_bytes:,.0f} bytes; measured/floor = {ratio:.3f}'
+      + (' (ICI, within a slice)' if report.num_slices > 1 else '')
     )
+  if report.num_slices > 1:
+    lines += _network_lines(report)
   if report.quantized is not None:
     lines.append(
       f'ZeRO++ quantized collectives ({report.quantized}): the floor counts full precision'

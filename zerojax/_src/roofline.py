@@ -10,7 +10,8 @@ model"):
   vector and HBM work of the fusion), at the chip's clock; a kernel without an
   estimate at its roofline (FLOPs at peak, bytes at HBM bandwidth);
   rematerialised work is in the program, so it is counted as it runs;
-- collectives at one torus axis's ICI bandwidth, less the share the compiler
+- collectives at one torus axis's ICI bandwidth, and those between slices at the
+  chip's data-center network (DCN) bandwidth, each less the share the compiler
   overlaps with compute;
 - host transfers at the host link's bandwidth, less their overlapped share.
 """
@@ -47,6 +48,8 @@ class Chip:
     tensorcores: TensorCores per chip (0 for a CPU device).
     mxus: matrix units per TensorCore.
     mxu_dim: each matrix unit multiplies `mxu_dim` x `mxu_dim` tiles per cycle.
+    dcn_bandwidth: data-center network bytes/s per chip, each way, between slices
+      (0 where none is published: such a chip is not planned over several slices).
   """
 
   name: str
@@ -62,6 +65,7 @@ class Chip:
   tensorcores: int = 0
   mxus: int = 0
   mxu_dim: int = 0
+  dcn_bandwidth: float = 0.0
 
   @property
   def axis_bandwidth(self) -> float:
@@ -80,16 +84,21 @@ class Chip:
 # assumed for v5e and v5p, Gen5 x16 (64 GB/s, the v6e page names Gen5) for v6e. Matrix units:
 # v5e one TensorCore of four 128x128 MXUs (1.50 GHz at 197 TFLOP/s); v5p two TensorCores per
 # chip (its topology table: 8 cores on 4 chips), four MXUs each, 128x128 as v5e's (1.75 GHz);
-# v6e one TensorCore of two 256x256 MXUs (3.50 GHz).
+# v6e one TensorCore of two 256x256 MXUs (3.50 GHz). Data-center network (DCN) per chip: v5e
+# 2 x 100 Gbps NICs per 8-chip host (its page's table; 6.4 Tbps per 256-chip pod agrees), 25 Gbps
+# = 3.125 GB/s a chip; v5p 50 Gbps a chip (its page's "DCN bandwidth per chip"), 6.25 GB/s; v6e's
+# page gives none.
 CHIPS = {
   'v5e': Chip('v5e', 197e12, 16 * GiB, 819e9, 400e9, 2, 512 * GiB // 8, 32e9,
               'v5e page: 197 TFLOP/s bf16, 16 GB HBM at 819 GB/s, 400 GB/s ICI (4 ports, 2-D'
               ' torus), 512 GiB DRAM per 8-chip host, 1 TensorCore x 4 MXUs (128x128); host link'
-              ' PCIe Gen4 x16 assumed', tensorcores=1, mxus=4, mxu_dim=128),
+              ' PCIe Gen4 x16 assumed; DCN 2 x 100 Gbps NICs per 8-chip host',
+              tensorcores=1, mxus=4, mxu_dim=128, dcn_bandwidth=25e9 / 8),
   'v5p': Chip('v5p', 459e12, 95 * GiB, 2765e9, 1200e9, 3, 448 * 10**9 // 4, 32e9,
               'v5p page: 459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, 1200 GB/s ICI (3-D torus),'
               ' 448 GB RAM per 4-chip VM, 2 TensorCores x 4 MXUs (128x128 assumed, as v5e); host link'
-              ' PCIe Gen4 x16 assumed', tensorcores=2, mxus=4, mxu_dim=128),
+              ' PCIe Gen4 x16 assumed; DCN 50 Gbps per chip', tensorcores=2, mxus=4, mxu_dim=128,
+              dcn_bandwidth=50e9 / 8),
   'v6e': Chip('v6e', 918e12, 32 * GiB, 1638e9, 800e9, 2, 1536 * GiB // 8, 64e9,
               'v6e page: 918 TFLOP/s bf16, 32 GB HBM at 1638 GB/s, 800 GB/s ICI (4 ports, 2-D'
               ' torus), 1536 GiB DRAM per 8-chip host, 1 TensorCore x 2 MXUs (256x256), PCIe Gen5'
@@ -112,16 +121,29 @@ def predict(
   `count_host_transfers` finds them) hides under compute likewise.
   """
   compute = getattr(r, 'kernel_seconds', 0.0) or r.flops / chip.peak_flops
-  comm = r.ring_bytes / chip.axis_bandwidth + r.collective_count * chip.collective_latency
-  share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
-  exposed = comm * (1 - share)
+  dcn_bytes = getattr(r, 'dcn_bytes', 0.0)
+  dcn_hidden = getattr(r, 'dcn_overlapped_bytes', 0.0)
+  ici_bytes, ici_hidden = r.ring_bytes - dcn_bytes, r.overlapped_bytes - dcn_hidden
+  if dcn_bytes and not chip.dcn_bandwidth:
+    raise ValueError(
+      f'{chip.name} has no published data-center network bandwidth, so a step across'
+      ' slices cannot be timed; plan one slice, or a chip whose page gives it (v5e, v5p).'
+    )
+  ici = ici_bytes / chip.axis_bandwidth + r.collective_count * chip.collective_latency
+  dcn = dcn_bytes / chip.dcn_bandwidth if dcn_bytes else 0.0
+  ici_share = ici_hidden / ici_bytes if ici_bytes else 0.0
+  dcn_share = dcn_hidden / dcn_bytes if dcn_bytes else 0.0
+  exposed = ici * (1 - ici_share) + dcn * (1 - dcn_share)
   host = host_transfer_bytes / chip.host_link_bandwidth
   host_exposed = host * (1 - host_overlap)
-  step = max(compute, comm * share + host * host_overlap) + exposed + host_exposed
+  hidden = ici * ici_share + dcn * dcn_share + host * host_overlap
+  step = max(compute, hidden) + exposed + host_exposed
   return {
     'compute': compute,
-    'collectives': comm,
+    'collectives': ici + dcn,
     'exposed': exposed,
+    'dcn': dcn,
+    'dcn_exposed': dcn * (1 - dcn_share),
     'host': host,
     'host_exposed': host_exposed,
     'step': step,

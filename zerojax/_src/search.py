@@ -124,6 +124,8 @@ class Result:
   ring_bytes: float = 0.0
   floor_bytes: float = 0.0
   overlapped_bytes: float = 0.0
+  dcn_bytes: float = 0.0  # of ring_bytes, those between slices (data-center network)
+  dcn_overlapped_bytes: float = 0.0
   collective_count: int = 0
   flops: float = 0.0  # matmul FLOPs per chip in the compiled program (`cost.program_cost`)
   kernel_seconds: float = 0.0  # the program's kernels, one after another (`cost.program_cost`)

@@ -65,20 +65,24 @@ def _entries(folder: str, keep) -> list[str]:
     return []
 
 
-def topology_devices(topology: str) -> list:
-  """The devices of `topology`: 'cpu:N' (faked CPU devices) or a TPU name like 'v5e:2x4'.
+def topology_devices(topology: str, slices: int = 1) -> list:
+  """The devices of `slices` slices of `topology`: 'cpu:N' (faked CPU devices, N per
+  slice) or a TPU name like 'v5e:2x4', slice by slice.
 
   TPU devices come from `jax.experimental.topologies` (libtpu compiles for them
-  ahead of time; no TPU is needed).
+  ahead of time; no TPU is needed); over several slices each carries its
+  `slice_index`, and collectives between slices cross the data-center network.
 
   Raises:
-    ValueError: too few CPU devices, or a TPU topology libtpu cannot describe
-      (naming the install and the form of the name).
+    ValueError: too few CPU devices, a slice count below 1, or a TPU topology libtpu
+      cannot describe (naming the install and the form of the name).
   """
   import jax
 
+  if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
+    raise ValueError(f'the number of slices must be a whole number >= 1, got {slices!r}.')
   if topology.startswith('cpu:'):
-    n = int(topology.split(':', 1)[1])
+    n = int(topology.split(':', 1)[1]) * slices
     devices = jax.devices('cpu')
     if len(devices) < n:
       raise ValueError(
@@ -89,16 +93,19 @@ def topology_devices(topology: str) -> list:
     return devices[:n]
   from jax.experimental import topologies
 
+  extra = {'num_slices': slices} if slices > 1 else {}
   try:
     with quiet_libtpu():
-      desc = topologies.get_topology_desc(topology_name=topology, platform='tpu')
+      desc = topologies.get_topology_desc(topology_name=topology, platform='tpu', **extra)
   except Exception as e:  # libtpu missing or an unknown topology name
     raise ValueError(
       f'cannot compile for TPU topology {topology!r}: {e}\n'
       'Install the TPU compiler with `pip install zerojax[tpu]` (libtpu), and name a'
       ' topology like v5e:2x4, v5e:16x16, v4:2x2x1 or v5p:2x2x1.'
     ) from None
-  return list(desc.devices)
+  devices = list(desc.devices)
+  # Slice by slice, each in the order libtpu lists it.
+  return sorted(devices, key=lambda d: getattr(d, 'slice_index', 0) or 0)
 
 
 # What libtpu prints to stderr when it starts on a machine without a TPU: it

@@ -31,6 +31,8 @@ class ZeroConfig:
     mesh: the device mesh.
     options: the `zerojax.Options` it was built with.
     axes: the ZeRO mesh axes, checked against `mesh` (hpZ's parameter axes first).
+    replica_axes: the data-parallel axes beside them (`Options.replica_axis`, or by
+      default the mesh's axes across TPU slices that are not ZeRO axes).
   """
 
   inner: optax.GradientTransformation
@@ -38,6 +40,7 @@ class ZeroConfig:
   mesh: Mesh
   options: options_lib.Options
   axes: tuple[str, ...]
+  replica_axes: tuple[str, ...] = ()
   # Plans already computed, keyed by everything that decides one: the tree and
   # each leaf's shape, dtype and layout over the other mesh axes (the least
   # recently used dropped past `_PLAN_CACHE_SIZE`).
@@ -390,7 +393,47 @@ def make_config(tx: Any, stage: Any, mesh: Mesh | None, options: options_lib.Opt
   mesh = mesh_lib.resolve_mesh(mesh)
   axes = mesh_lib.resolve_axes(mesh, options.axis)
   axes, _ = plan_lib.order_axes(mesh, axes, options.param_axis)
-  return ZeroConfig(inner=tx, stage=stage, mesh=mesh, options=options, axes=axes)
+  replica = _replica_axes(mesh, axes, stage, options)
+  return ZeroConfig(
+    inner=tx, stage=stage, mesh=mesh, options=options, axes=axes, replica_axes=replica
+  )
+
+
+def _replica_axes(
+  mesh: Mesh, axes: tuple[str, ...], stage: int, options: options_lib.Options
+) -> tuple[str, ...]:
+  """The data-parallel axes beside the ZeRO axes, checked against the mesh's slices.
+
+  Raises:
+    ValueError: axes across TPU slices that do not lead the mesh, or that are neither
+      ZeRO nor data-parallel axes; a stage-3 ZeRO axis across slices with no
+      `param_axis` (every parameter gather would cross the data-center network).
+  """
+  dcn = mesh_lib.dcn_axes(mesh)
+  if dcn:
+    mesh_lib.check_slice_axes(mesh, dcn)
+  if options.replica_axis is None:
+    replica = tuple(a for a in dcn if a not in axes)
+  else:
+    replica = mesh_lib.resolve_axes(mesh, options.replica_axis)
+  stray = [a for a in dcn if a not in axes and a not in replica]
+  if stray:
+    raise ValueError(
+      f'the mesh axes {stray} run across TPU slices but are neither ZeRO axes (axis={axes})'
+      f' nor data-parallel ones (replica_axis={replica}): anything split over them would'
+      f' cross the data-center network every step. Add them to replica_axis.'
+    )
+  over_dcn = [a for a in axes if a in dcn]
+  if stage == 3 and over_dcn and options.param_axis is None:
+    inner = tuple(a for a in axes if a not in dcn)
+    raise ValueError(
+      f'stage 3 with ZeRO over {over_dcn}, which runs across TPU slices, would all-gather'
+      ' every parameter over the data-center network in each forward and backward pass.'
+      f' Keep the parameters inside a slice with param_axis={inner!r} (ZeRO++ hpZ), or'
+      f' leave {over_dcn} out of `axis` (hierarchical ZeRO: one DCN all-reduce of each'
+      f' gradient shard per step), or say param_axis={axes!r} to gather over DCN on purpose.'
+    )
+  return replica
 
 
 def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:

@@ -29,7 +29,7 @@ def zero_stage(target: Any, stage: int, *, mesh: Mesh | None = None, **options: 
       `jax.set_mesh`.
     **options: the fields of `zerojax.Options`, which names, defaults and
       checks them: `axis` ('data'), `policy`, `replicate_below_bytes`,
-      `param_specs`, `param_axis`, `offload`, `update_on`, `quantize`.
+      `param_specs`, `param_axis`, `offload`, `update_on`, `quantize`, `replica_axis`.
 
   These options are given here and only here: `create_train_state`,
   `zerojax.checkpoint.restore_train_state`, `plan_for` and `value_and_grad`
