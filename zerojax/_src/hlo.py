@@ -86,6 +86,11 @@ def _group_size(line: str, default: int) -> int:
 
 
 _IOTA_FULL = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
+# TPU's mesh form: mesh['a'=4,'b'=2], an optional device_ids=([dims]T(perm)) iota, {'a'}.
+_GROUPS_MESH_FULL = re.compile(
+  r'replica_groups=mesh\[([^\]]*)\](?:,?\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?'
+  r'\s*\{([^}]*)\}'
+)
 _PAIRS = re.compile(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}')
 
 
@@ -105,6 +110,24 @@ def replica_groups(line: str, n: int) -> list[list[int]] | None:
     if m.group(4):
       ids = ids.transpose([int(p) for p in m.group(4).split(',')])
     return ids.reshape(count, size).tolist()
+  m = _GROUPS_MESH_FULL.search(line)
+  if m:
+    sizes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+    names = [k for k, _ in sizes]
+    shape = [v for _, v in sizes]
+    total = int(np.prod(shape))
+    if m.group(2):
+      dims = [int(d) for d in m.group(2).split(',')]
+      ids = np.arange(total).reshape(dims)
+      if m.group(3):
+        ids = ids.transpose([int(p) for p in m.group(3).split(',')])
+      ids = ids.reshape(shape)
+    else:
+      ids = np.arange(total).reshape(shape)
+    over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4)) if a in names]
+    rest = [i for i in range(len(shape)) if i not in over]
+    size = int(np.prod([shape[i] for i in over])) if over else 1
+    return ids.transpose(rest + over).reshape(-1, size).tolist()
   if _GROUPS_ANY.search(line):
     return None
   return [list(range(n))]
