@@ -1,4 +1,4 @@
-"""The planner against MaxText's published v5p training throughput (one slice).
+"""The planner against MaxText's published v5p training throughput (one slice, and two).
 
 For each single-slice row MaxText published for TPU v5p (its configs/v5p README:
 measured runs, sequence 2048, Adam, bf16 compute), this plans the same model,
@@ -16,6 +16,12 @@ Writes maxtext_v5p.libtpu-VERSION.json and each row's plan report beside it
 supported jax), and maxtext_v5p.md: every compiler's rows side by side (row,
 predicted, published, ratio, peak, fits). Each row compiles a 32B-256B model for
 64-512 chips: minutes per row on a 2-core machine.
+
+With --slices 2 it plans each row's two-slice run (MaxText's: the same slice twice, data
+parallel over the data-center network; `plan --slices 2`, hierarchical ZeRO) and checks the
+scaling: predicted two-slice TFLOP/s over predicted one-slice against the published ratio
+(maxtext_v5p_slices.libtpu-VERSION.json, maxtext_v5p_slices.md). The one-slice plans must be
+in --out already (run without --slices first).
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ ROWS = [
 ]  # fmt: skip
 
 
+# Published TFLOP/s per chip of each row's two-slice run (MaxText's v5p table: "+ data
+# parallel over DCN", the same batch per chip).
+TWO_SLICES = {'32B': 319.0, '64B': 309.0, '128B': 305.0, '128B-512': 274.0, '256B': 289.0}
+
+
 def maxtext_flops(width, heads, mlp, layers, batch, seq=SEQ, vocab=VOCAB, head=HEAD) -> float:
   """MaxText's model FLOPs of one training step per chip (forward + backward = 3 x forward),
   attention counted in full (not halved for the causal mask), as when these runs were
@@ -53,8 +64,10 @@ def maxtext_flops(width, heads, mlp, layers, batch, seq=SEQ, vocab=VOCAB, head=H
   return 3 * ((mlp_f + qkv + proj) * layers + embed) + 3 * attention * layers
 
 
-def plan_row(row, out: str, tag: str, reuse: bool = False) -> dict:
+def plan_row(row, out: str, tag: str, reuse: bool = False, slices: int = 1) -> dict:
   name, width, heads, mlp, layers, topology, tensor, batch, published = row
+  if slices > 1:
+    published = TWO_SLICES[name]
   chips = 1
   for d in topology.split(':')[1].split('x'):
     chips *= int(d)
@@ -62,12 +75,15 @@ def plan_row(row, out: str, tag: str, reuse: bool = False) -> dict:
     f'decoder:vocab={VOCAB},d_model={width},n_layers={layers},n_heads={heads},d_ff={mlp},'
     f'head_size={HEAD}'
   )
-  stem = os.path.join(out, f'maxtext_v5p_{name}.{tag}')
+  stem = os.path.join(
+    out, f'maxtext_v5p_{name}' + (f'_{slices}slices' if slices > 1 else '') + f'.{tag}'
+  )
   cmd = [
     sys.executable, '-m', 'zerojax', 'plan', '--model', model, '--topology', topology,
     '--mesh', f'data={chips // tensor},tensor={tensor}', '--stage', '3',
     '--batch-per-chip', str(batch), '--seq-len', str(SEQ), '--remat', 'minimal',
-    '--attention', 'flash', '--json', os.path.relpath(stem + '.json'),
+    '--attention', 'flash', *(['--slices', str(slices)] if slices > 1 else []),
+    '--json', os.path.relpath(stem + '.json'),
   ]  # fmt: skip
   start = time.perf_counter()
   if reuse and os.path.exists(stem + '.json'):
@@ -95,7 +111,9 @@ def plan_row(row, out: str, tag: str, reuse: bool = False) -> dict:
     'predicted_tflops': predicted, 'published_tflops': published, 'ratio': predicted / published,
     'peak_gib': plan['memory']['peak'] / 2**30, 'fits': plan['fits'],
     'predicted_parts': plan['predicted_seconds'], 'kernels': plan['kernels'],
-    'wall_seconds': time.perf_counter() - start,
+    'wall_seconds': time.perf_counter() - start, 'slices': slices,
+    'dcn_bytes': sum(plan['collectives'].get('dcn_ring_bytes', {}).values()),
+    'dcn_floor_bytes': plan.get('dcn_floor_bytes'),
   }  # fmt: skip
 
 
@@ -142,12 +160,62 @@ def table(out: str) -> list[str]:
   return lines
 
 
+def scaling_rows(one: list[dict], two: list[dict]) -> list[dict]:
+  """Each row's predicted two-slice / one-slice TFLOP/s beside the published ratio."""
+  by_name = {r['row']: r for r in one}
+  out = []
+  for r in two:
+    base = by_name[r['row']]
+    predicted = r['predicted_tflops'] / base['predicted_tflops']
+    published = r['published_tflops'] / base['published_tflops']
+    out.append({
+      'row': r['row'], 'chips_per_slice': r['chips'], 'predicted_one': base['predicted_tflops'],
+      'predicted_two': r['predicted_tflops'], 'published_one': base['published_tflops'],
+      'published_two': r['published_tflops'], 'predicted_scaling': predicted,
+      'published_scaling': published, 'difference_points': 100 * (predicted - published),
+      'dcn_over_floor': r['dcn_bytes'] / r['dcn_floor_bytes'] if r['dcn_floor_bytes'] else None,
+      'dcn_seconds': r['predicted_parts'].get('dcn'),
+      'dcn_exposed_seconds': r['predicted_parts'].get('dcn_exposed'),
+      'peak_gib': r['peak_gib'], 'fits': r['fits'],
+    })  # fmt: skip
+  return out
+
+
+def scaling_table(out: str) -> list[str]:
+  """Every compiler's scaling rows in `out`, one line each."""
+  lines = [
+    'MaxText v5p, two slices over the data-center network: predicted two-slice / one-slice'
+    ' TFLOP/s per chip against the published ratio (`plan --slices 2`)',
+    '',
+    '| row | compiler | predicted 1 slice | predicted 2 slices | predicted scaling |'
+    ' published scaling | difference (points) | DCN / floor | DCN s (exposed) | peak GiB | fits |',
+    '|---|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  for name in sorted(os.listdir(out)):
+    if not (name.startswith('maxtext_v5p_slices.libtpu-') and name.endswith('.json')):
+      continue
+    with open(os.path.join(out, name)) as f:
+      run = json.load(f)
+    for r in run['rows']:
+      lines.append(
+        f'| {r["row"]} | {run["versions"]["libtpu"]} | {r["predicted_one"]:.0f} |'
+        f' {r["predicted_two"]:.0f} | {r["predicted_scaling"]:.3f} | {r["published_scaling"]:.3f} |'
+        f' {r["difference_points"]:+.1f} | {r["dcn_over_floor"]:.3f} |'
+        f' {r["dcn_seconds"]:.3f} ({r["dcn_exposed_seconds"]:.3f}) | {r["peak_gib"]:.1f} |'
+        f' {r["fits"]} |'
+      )
+  return lines
+
+
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rows', default=','.join(r[0] for r in ROWS))
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
   parser.add_argument(
     '--reuse', action='store_true', help="reuse a row's plan JSON already in --out (same command)"
+  )
+  parser.add_argument(
+    '--slices', type=int, default=1, choices=(1, 2), help='2: the two-slice runs and the scaling'
   )
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
@@ -159,12 +227,24 @@ def main() -> int:
   results = []
   for row in ROWS:
     if row[0] in wanted:
-      print(f'planning {row[0]} on {row[5]} with {tag} ...', flush=True)
-      results.append(plan_row(row, args.out, tag, args.reuse))
+      where = row[5] + (f' x {args.slices} slices' if args.slices > 1 else '')
+      print(f'planning {row[0]} on {where} with {tag} ...', flush=True)
+      results.append(plan_row(row, args.out, tag, args.reuse, args.slices))
       r = results[-1]
       print(f'  predicted {r["predicted_tflops"]:.0f} TFLOP/s, published {r["published_tflops"]:.0f}:'
             f' {r["ratio"]:.2f}x; peak {r["peak_gib"]:.1f} GiB; {r["wall_seconds"]:.0f} s', flush=True)  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
+  if args.slices > 1:
+    with open(os.path.join(args.out, f'maxtext_v5p.{tag}.json')) as f:
+      one = json.load(f)['rows']
+    rows = scaling_rows(one, results)
+    with open(os.path.join(args.out, f'maxtext_v5p_slices.{tag}.json'), 'w') as f:
+      json.dump({'versions': versions, 'rows': rows, 'plans': results}, f, indent=2)
+    lines = scaling_table(args.out)
+    with open(os.path.join(args.out, 'maxtext_v5p_slices.md'), 'w') as f:
+      f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines))
+    return 0
   with open(os.path.join(args.out, f'maxtext_v5p.{tag}.json'), 'w') as f:
     json.dump({'versions': versions, 'rows': results}, f, indent=2)
   lines = table(args.out)

@@ -36,11 +36,17 @@ def setup_devices(n: int | None = None) -> None:
       os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + flag).strip()
 
 
-def make_mesh():
+def make_mesh(slices: int = 1):
+  """One 'data' axis over every device; with `slices` > 1, an outer 'slice' axis of that many
+  data-parallel groups (TPU slices; on CPU, `jax.make_mesh` keeps each process's devices
+  together, so with one slice per process the axis runs across the processes)."""
   import jax
   from jax.sharding import AxisType
 
-  return jax.make_mesh((len(jax.devices()),), ('data',), axis_types=(AxisType.Auto,))
+  n = len(jax.devices())
+  if slices == 1:
+    return jax.make_mesh((n,), ('data',), axis_types=(AxisType.Auto,))
+  return jax.make_mesh((slices, n // slices), ('slice', 'data'), axis_types=(AxisType.Auto,) * 2)
 
 
 # --- Data
@@ -268,11 +274,16 @@ def run(
   )
   plan = zerojax.plan_for(state.tx, state.params)
   batch_at = task.batches(data, task.batch, seed)
-  rows = zerojax.distributed.process_batch_slice(task.batch, mesh)
+  # The batch's rows over the data-parallel axes beside ZeRO's (several slices), then ZeRO's.
+  config = zerojax.config_of(ztx)
+  axes = config.replica_axes + config.axes
+  rows = zerojax.distributed.process_batch_slice(task.batch, mesh, axis=axes)
 
   def to_devices(batch):
     # Each process contributes its rows; with one process this is a device_put.
-    return zerojax.distributed.global_batch({k: v[rows] for k, v in batch.items()}, mesh)
+    return zerojax.distributed.global_batch(
+      {k: v[rows] for k, v in batch.items()}, mesh, axis=axes
+    )
 
   if grad not in ('auto', 'jax', 'zerojax'):
     raise ValueError(f"grad must be 'auto', 'jax' or 'zerojax', got {grad!r}")

@@ -60,6 +60,13 @@ def parse(argv):
     '--micro-batches', type=int, default=1, help='micro-batches per device (resumes keep the size)'
   )
   parser.add_argument('--dropout', type=float, default=0.0, help='dropout rate')
+  parser.add_argument(
+    '--slices',
+    type=int,
+    default=1,
+    help="data-parallel groups (TPU slices) in an outer 'slice' mesh axis: ZeRO within each,"
+    " each gradient shard all-reduced across them (zero_stage(..., replica_axis='slice'))",
+  )
   parser.add_argument('--losses', help="append each step's loss to this JSONL file (process 0)")
   parser.add_argument('--export', help='write the final parameters to this .npz (process 0)')
   parser.add_argument(
@@ -90,7 +97,7 @@ def main(argv=None) -> int:
 
   import gpt
   import optax
-  from common import report
+  from common import make_mesh, report
 
   if jax.process_index() == 0:
     print(
@@ -111,6 +118,8 @@ def main(argv=None) -> int:
     losses_file=args.losses,
     log_every=1,
     tx=optax.sgd(0.1, momentum=0.9) if args.optimizer == 'sgd' else None,
+    mesh=make_mesh(args.slices),
+    **({'replica_axis': 'slice'} if args.slices > 1 else {}),
   )
   report(out, 'gpt')
   step = zerojax.inspect.step_report(out['compiled'], plan=out['plan'])

@@ -5,6 +5,7 @@ devices, or 1 x 8), so the suite's own 8-device backend is not involved.
 """
 
 import fcntl
+import json
 import os
 import pickle
 import re
@@ -77,18 +78,26 @@ def load(path):
     return dict(f)
 
 
-def train(processes, stage, folder, *, checkpoint=None, steps=STEPS):
-  path = os.path.join(folder, f'p{processes}_s{stage}_{steps}.npz')
+def train(processes, stage, folder, *, checkpoint=None, steps=STEPS, slices=1):
+  os.makedirs(folder, exist_ok=True)
+  path = os.path.join(folder, f'p{processes}_s{stage}_{steps}_x{slices}.npz')
   args = ['--stage', str(stage), '--steps', str(steps), '--optimizer', 'sgd']
-  args += ['--export-state', path]
+  args += ['--export-state', path, '--slices', str(slices)]
+  args += ['--losses', path + '.losses']
   if checkpoint:
     args += ['--checkpoint-dir', checkpoint, '--save-every', '5']
   return ok(launch(processes, args)), load(path)
 
 
+def losses(path):
+  with open(path + '.losses') as f:
+    return [json.loads(line)['loss'] for line in f]
+
+
 @pytest.fixture(scope='session')
 def runs(tmp_path_factory):
-  """Stage 1 and 3 runs on 2 x 4 and 1 x 8 devices; stage 3 also checkpoints.
+  """Stage 1 and 3 runs on 2 x 4 and 1 x 8 devices; stage 3 also checkpoints, and its two
+  processes are two slices (a 'slice' mesh axis across them, hierarchical ZeRO).
 
   Made once per test run: the results sit in a folder shared by the xdist
   workers, under a lock, so a second worker reads them instead of training again.
@@ -108,8 +117,15 @@ def runs(tmp_path_factory):
     for stage in (1, 3):
       for processes in (2, 1):
         ckpt = os.path.join(folder, f'ckpt_p{processes}') if stage == 3 else None
-        logs, state = train(processes, stage, folder, checkpoint=ckpt)
-        out[processes, stage] = {'logs': logs, 'state': state, 'checkpoint': ckpt}
+        slices = 2 if stage == 3 and processes == 2 else 1
+        logs, state = train(processes, stage, folder, checkpoint=ckpt, slices=slices)
+        path = os.path.join(folder, f'p{processes}_s{stage}_{STEPS}_x{slices}.npz')
+        out[processes, stage] = {
+          'logs': logs,
+          'state': state,
+          'checkpoint': ckpt,
+          'losses': losses(path),
+        }
     out['folder'] = folder
     with open(done, 'wb') as f:
       pickle.dump(out, f)
@@ -138,6 +154,20 @@ def test_two_processes_equal_one(runs, stage):
   # examples/multiprocess.py's GPT (16 x 64 token rows, 2 blocks of 64-wide
   # attention over 64 keys and a 256-wide MLP, a 256-way vocabulary), 10 steps.
   close(two['state'], one['state'], rtol=reordered(16 * 64 + 2 * (64 + 64 + 256) + 256, steps=10))
+  assert len(two['losses']) == len(one['losses']) == STEPS
+  assert np.allclose(two['losses'], one['losses'], rtol=1e-6, atol=0)
+
+
+def test_two_slices_across_processes_move_the_dcn_floor_between_them(runs):
+  # Stage 3's two processes are two slices: the bytes that cross between the processes,
+  # counted in the compiled program, are each device's gradient shard all-reduced once.
+  first = runs[2, 3]['logs'][0][1]
+  assert 'networks (2 slices): ICI' in first
+  dcn = re.search(r'DCN floor \(.*S=2\): ([\d,]+) bytes; measured/floor = ([\d.]+)', first)
+  assert dcn is not None, first[-3000:]
+  psi = int(re.search(r'Ψ=([\d,]+)', first).group(1).replace(',', ''))
+  assert int(dcn.group(1).replace(',', '')) == 2 * (4 * psi // 4) // 2  # fp32 shard, S = 2
+  assert dcn.group(2) == '1.000'
 
 
 def test_checkpoint_from_two_processes_restores_in_one(runs):
@@ -146,6 +176,14 @@ def test_checkpoint_from_two_processes_restores_in_one(runs):
   _, restored = train(1, 3, runs['folder'] + '/r1', checkpoint=saved['checkpoint'])
   for k, v in saved['state'].items():
     assert np.array_equal(restored[k], v), k  # bit for bit
+
+
+def test_checkpoint_from_two_slices_restores_on_four(runs):
+  saved = runs[2, 3]
+  logs, restored = train(1, 3, runs['folder'] + '/r4', checkpoint=saved['checkpoint'], slices=4)
+  assert 'networks (4 slices)' in logs[0][1]
+  for k, v in saved['state'].items():
+    assert np.array_equal(restored[k], v), k
 
 
 def test_checkpoint_from_one_process_restores_in_two(runs):

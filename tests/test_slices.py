@@ -34,7 +34,7 @@ def _rows(mesh, *arrays):
   return jax.device_put(arrays, NamedSharding(mesh, PartitionSpec(('slice', 'data'))))
 
 
-def _zero_step(mesh, stage, micro, steps=2):
+def _zero_step(mesh, stage, micro, steps=2, per_layer=False):
   """`steps` steps of zerojax.value_and_grad + the wrapped Adam; the step compiled."""
   tx = zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh, replica_axis='slice')
   plan = zerojax.plan_for(tx, mlp_params())
@@ -42,7 +42,10 @@ def _zero_step(mesh, stage, micro, steps=2):
   opt_state = tx.init(params)
   x, y = _rows(mesh, *batch())
   grad_fn = zerojax.value_and_grad(
-    lambda p, b: loss_fn(p, *b), tx, per_layer=False, micro_batches=micro
+    lambda p, b: loss_fn(zerojax.gather(p, plan), *b),
+    tx,
+    per_layer=per_layer,
+    micro_batches=micro,
   )
 
   @jax.jit
@@ -69,11 +72,16 @@ def _plain(steps=2):
   return params, first
 
 
-@pytest.mark.parametrize('stage', [1, 2, 3])
+@pytest.mark.parametrize(
+  'stage, per_layer', [(1, False), (2, False), (3, False), (2, True), (3, True)]
+)
 @pytest.mark.parametrize('micro', [1, 2])
-def test_hierarchical_zero_follows_plain_optax_and_moves_the_dcn_floor(stage, micro):
+@pytest.mark.filterwarnings('ignore:zerojax.value_and_grad.per_layer=True.. the loss gathers')
+def test_hierarchical_zero_follows_plain_optax_and_moves_the_dcn_floor(stage, per_layer, micro):
+  # per_layer: each gather's backward reduce-scatters its gradient and, with one micro-batch,
+  # sums the shard across the slices right there.
   want_params, (want_loss, want_grads) = _plain()
-  params, (loss, grads), compiled, plan = _zero_step(_mesh(), stage, micro)
+  params, (loss, grads), compiled, plan = _zero_step(_mesh(), stage, micro, per_layer=per_layer)
   assert plan.replica_axes == ('slice',) and plan.axes == ('data',)
   assert abs(float(loss) - float(want_loss)) <= GRAD_TOL * abs(float(want_loss))
   assert max_rel_err(grads, want_grads) <= GRAD_TOL

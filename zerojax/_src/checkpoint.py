@@ -439,8 +439,11 @@ class Checkpointer:
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f'Checkpointer.save({name}=...) must be a positive int, got {value!r}.')
     config = transform.config_of(getattr(state, 'tx', None))
+    # The devices the rows split over: the data-parallel replica axes and the ZeRO axes.
     devices = (
-      mesh_lib.axes_size(config.mesh, config.axes) if config is not None else jax.device_count()
+      mesh_lib.axes_size(config.mesh, config.replica_axes + config.axes)
+      if config is not None
+      else jax.device_count()
     )
     if global_batch % (devices * micro_batches):
       raise ValueError(
@@ -492,6 +495,7 @@ class Checkpointer:
       'stage': None if config is None else config.stage,
       'mesh': None if config is None else dict(config.mesh.shape),
       'axes': None if config is None else list(config.axes),
+      'replica_axes': None if config is None else list(config.replica_axes),
       'kind': 'train_state' if 'step' in tree['state'] else 'pytree',
       'prng_keys': key_impls,
       'leaves': _leaf_table(tree),
@@ -561,7 +565,7 @@ class Checkpointer:
         ' Checkpointer.save(..., global_batch=..., micro_batches=...) to carry it over.'
       )
     config = transform.require_config(tx)
-    devices = mesh_lib.axes_size(config.mesh, config.axes)
+    devices = mesh_lib.axes_size(config.mesh, config.replica_axes + config.axes)
     parts = run['global_batch'] // run['micro_batch_rows']
     if parts % devices:
       raise ValueError(

@@ -555,7 +555,7 @@ def _print_prediction(chip: Any, candidate: Any, report: Any, work: Any, traffic
     overlapped_bytes=sum(c.overlapped_ring_bytes.values()), dcn_bytes=c.total_dcn_bytes,
     dcn_overlapped_bytes=sum(c.dcn_overlapped_ring_bytes.values()),
     collective_count=sum(c.counts.values()), flops=work.matmul_flops,
-    kernel_seconds=work.kernel_seconds,
+    kernel_seconds=work.kernel_seconds, dcn_window_seconds=work.dcn_window_seconds,
   )  # fmt: skip
   try:
     predicted = search.predict(
@@ -565,9 +565,14 @@ def _print_prediction(chip: Any, candidate: Any, report: Any, work: Any, traffic
     raise SystemExit(f'error: {e}') from None
   dcn = ''
   if c.total_dcn_bytes:
+    window = work.dcn_window_seconds
     dcn = (
       f' (of which DCN {predicted["dcn_exposed"]:.3f} s: {predicted["dcn"]:.3f} s at'
-      f' {chip.dcn_bandwidth / 1e9:.3g} GB/s per chip)'
+      f' {chip.dcn_bandwidth / 1e9:.3g} GB/s per chip'
+      + (
+        f', {window:.3f} s of kernels scheduled while it is in flight' if window is not None else ''
+      )
+      + ')'
     )
   print(
     f'predicted step (not measured; docs/design.md "The step-time model"):'

@@ -49,7 +49,7 @@ _KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)",[^}]*"bytes_access
 # Instructions that launch nothing of their own.
 _FREE = frozenset(
   {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all', 'partition-id',
-   'replica-id', 'opt-barrier', 'add-dependency'}
+   'replica-id', 'opt-barrier', 'add-dependency', 'send', 'recv'}
 )  # fmt: skip
 _CONTROL = frozenset({'while', 'conditional', 'call'})
 
@@ -74,6 +74,10 @@ class ProgramCost:
     estimated_kernels: how many of them carried the compiler's estimate.
     uncertain: why a count is not exact (a loop with no trip count in the HLO,
       counted once; a conditional, counted as its costliest branch).
+    dcn_window_seconds: the kernel time scheduled while collectives between TPU slices
+      are in flight (between each data-center network `send` and its done, windows that
+      overlap counted once, loops times their trip counts): what can hide them. None for a
+      program with none.
   """
 
   matmul_flops: float
@@ -84,6 +88,7 @@ class ProgramCost:
   kernels: int
   estimated_kernels: int
   uncertain: tuple[str, ...] = ()
+  dcn_window_seconds: float | None = None
 
 
 def _shape(type_str: str) -> tuple[int, ...]:
@@ -233,18 +238,57 @@ class _Walk:
       return
     inner = stack + (name,)
     for instr, (op, operands, line) in self.instrs(name).items():
-      if op in _FREE or hlo._collective(line) is not None or op.endswith(('-done', '-update')):
+      self.one(name, instr, op, operands, line, inner, tally)
+
+  def one(self, name, instr, op, operands, line, inner, tally: _Tally) -> None:
+    """Adds what one instruction of computation `name` runs."""
+    if op in _FREE or hlo._collective(line) is not None or op.endswith(('-done', '-update')):
+      return
+    if op == 'while':
+      self.loop(name, instr, line, inner, tally)
+    elif op == 'conditional':
+      self.branches(name, instr, line, inner, tally)
+    elif op == 'call' or op.endswith('-start') and op != 'copy-start':
+      for _, callee in hlo._CALLS.findall(line):
+        if not callee.startswith('async_collective_fusion'):
+          self.visit(callee, inner, tally)
+    else:
+      self.kernel(name, op, operands, line, tally)
+
+  def dcn_window(self, name: str, stack: tuple[str, ...] = ()) -> float:
+    """Kernel seconds scheduled while DCN sends of `name` (and of what it calls) are in
+    flight, per execution of `name`."""
+    if name in stack or name not in self.bodies:
+      return 0.0
+    inner = stack + (name,)
+    items = list(self.instrs(name).items())
+    covered: set[int] = set()
+    for k, (instr, (_, _, line)) in enumerate(items):
+      if hlo._megascale(line) is None:
         continue
+      done = next(
+        (j for j in range(k + 1, len(items)) if items[j][1][0] == 'send-done'
+         and instr in items[j][1][1]),
+        None,
+      )  # fmt: skip
+      if done is not None:
+        covered.update(range(k + 1, done))
+    total = 0.0
+    for k in sorted(covered):
+      instr, (op, operands, line) = items[k]
+      part = _Tally()
+      self.one(name, instr, op, operands, line, inner, part)
+      total += part.seconds
+    # Sends inside loops and calls, times how often those run.
+    for _, (op, _, line) in items:
       if op == 'while':
-        self.loop(name, instr, line, inner, tally)
-      elif op == 'conditional':
-        self.branches(name, instr, line, inner, tally)
-      elif op == 'call' or op.endswith('-start') and op != 'copy-start':
+        body = hlo._BODY.search(line)
+        trip = hlo._trip_count(line, name, self.bodies, self.parsed) or 1
+        total += trip * self.dcn_window(body.group(1), inner) if body else 0.0
+      elif op in ('call', 'conditional'):
         for _, callee in hlo._CALLS.findall(line):
-          if not callee.startswith('async_collective_fusion'):
-            self.visit(callee, inner, tally)
-      else:
-        self.kernel(name, op, operands, line, tally)
+          total += self.dcn_window(callee, inner)
+    return total
 
   def loop(self, name: str, instr: str, line: str, inner: tuple, tally: _Tally) -> None:
     body = hlo._BODY.search(line)
@@ -325,4 +369,5 @@ def program_cost(
     kernels=total.kernels,
     estimated_kernels=total.estimated_kernels,
     uncertain=tuple(walk.uncertain),
+    dcn_window_seconds=walk.dcn_window(walk.entry) if hlo._MEGASCALE.search(text) else None,
   )

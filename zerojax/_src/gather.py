@@ -96,6 +96,9 @@ class ShardedLeaf:
       shape, which the gradient is taken with respect to: the reduce-scattered
       gradient goes to host memory as soon as it is computed (its value is
       never read). None: the gradient is `shard`'s, on the device.
+    replicas: data-parallel mesh axes (`Options.replica_axis`, e.g. across TPU
+      slices) over which the gather's backward also sums the reduce-scattered
+      gradient, in the dtype it was gathered in; () leaves that to the caller.
 
   Outside a gather it is not an array, and says so:
 
@@ -114,6 +117,7 @@ class ShardedLeaf:
   whole: jax.Array | None = None
   quantize: Any = dataclasses.field(default=None, metadata=dict(static=True))
   sink: jax.Array | None = None
+  replicas: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
   def replace(self, **changes) -> ShardedLeaf:
     return dataclasses.replace(self, **changes)
@@ -138,9 +142,12 @@ class ShardedLeaf:
       x = to_sink(x, self.sink)
     if self.whole is not None:
       grads_q = q if q is not None and q.grads is not None else None
+      x = _summed_in_backward(x, self.replicas) if self.replicas else x
       return _whole_with_scattered_grad(x, self.whole, dim, self.axes, dtype, grads_q)
     if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
       x = x.astype(dtype)
+    if self.replicas:
+      x = _summed_in_backward(x, self.replicas)
     if q is not None and q.weights is not None:
       whole = quantize_lib.quantized_all_gather(x, self.axes, dim, q)
     elif q is not None:
@@ -148,6 +155,24 @@ class ShardedLeaf:
     else:
       whole = all_gather_axes(x, self.axes, dim)
     return checkpoint_name(whole, GATHERED)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _summed_in_backward(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """`x`; in the backward pass its cotangent is summed over `axes` (the replica axes: a
+  gradient shard all-reduced across TPU slices once it is reduce-scattered)."""
+  return x
+
+
+def _summed_fwd(x, axes):
+  return x, None
+
+
+def _summed_bwd(axes, _, ct):
+  return (jax.lax.psum(ct, axes[0] if len(axes) == 1 else axes),)
+
+
+_summed_in_backward.defvjp(_summed_fwd, _summed_bwd)
 
 
 def ungathered(path: str) -> TypeError:
@@ -337,19 +362,31 @@ def gather(
   else:
     if scanned:
       raise ValueError('zerojax.gather(..., scanned=True) describes `layouts`: pass them too.')
-    shardings = _own_layouts(tree, mesh, axes)
+    shardings = _own_layouts(tree, mesh, axes, _replica_axes(zero))
   return gather_to(tree, shardings, mesh, dtype)
 
 
-def _own_layouts(tree: Any, mesh: Any, axes: tuple[str, ...]) -> Any:
+def _replica_axes(zero: Any) -> tuple[str, ...]:
+  """The data-parallel axes beside the ZeRO axes (nothing is ever split over them)."""
+  from zerojax._src import transform
+
+  if isinstance(zero, plan_lib.ZeroPlan):
+    return zero.replica_axes
+  config = zero if isinstance(zero, transform.ZeroConfig) else transform.config_of(zero)
+  return config.replica_axes if config is not None else ()
+
+
+def _own_layouts(
+  tree: Any, mesh: Any, axes: tuple[str, ...], replicas: tuple[str, ...] = ()
+) -> Any:
   """Each leaf's layout without the ZeRO axes, read from the leaf itself.
 
   Raises:
     ValueError: a leaf traced on Auto axes (no layout to read) where the mesh
-      has other axes it could be split over.
+      has other axes it could be split over (not the data-parallel `replicas`).
   """
   hidden = not mesh_lib.any_explicit(mesh) and any(
-    mesh.shape[a] > 1 for a in mesh.axis_names if a not in axes
+    mesh.shape[a] > 1 for a in mesh.axis_names if a not in axes and a not in replicas
   )
 
   def one(path, x):

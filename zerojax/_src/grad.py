@@ -178,7 +178,19 @@ def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], l
       # read; whether the TPU compiler drops it is not yet checked).
       sink = _host_stand_in(x.shape, _sink_dtype(x.ndim, route.acc_dtype)) if r.stream else None
       leaves.append(
-        gather_lib.ShardedLeaf(x, dim, axes, x.ndim, route.path, whole, route.quantize, sink)
+        gather_lib.ShardedLeaf(
+          x,
+          dim,
+          axes,
+          x.ndim,
+          route.path,
+          whole,
+          route.quantize,
+          sink,
+          # With one micro-batch the gather's backward also sums the shard over the replica
+          # axes, in the dtype it was reduce-scattered in (the compute dtype, at stage 3).
+          replicas=r.replica_axes if r.micro_batches == 1 else (),
+        )  # fmt: skip
       )
     elif route.gather is not None:
       leaf = gather_lib.ShardedLeaf(x, *route.gather, x.ndim, route.path, quantize=route.quantize)
@@ -355,12 +367,12 @@ def _across_replicas(r: Routes, g: jax.Array) -> jax.Array:
 def _reduce_micro(r: Routes, route: LeafRoute, g: jax.Array) -> jax.Array:
   """Stages 2-3: each micro-batch's gradient into its shard (unless the model's gather did).
 
-  With one micro-batch the shard is also summed over the replica axes here, inside the
-  backward pass where the compiler can overlap it; with several, once after the loop.
+  With one micro-batch the shard is also summed over the replica axes here (or by the
+  model's gather, inside the backward pass where the compiler can overlap it); with several,
+  once after the loop.
   """
-  if r.stage >= 2 and route.scatter is not None:
-    if route.model_split is None:
-      g = _reduce_scatter(route, g, r.axes)
+  if r.stage >= 2 and route.scatter is not None and route.model_split is None:
+    g = _reduce_scatter(route, g, r.axes)
     if r.micro_batches == 1:
       g = _across_replicas(r, g)
   return g

@@ -182,10 +182,11 @@ def _no_constraint(x, kind: str):
 
 
 def tensor_constraint(plan: plan_lib.ZeroPlan, tensor: str = 'tensor'):
-  """Activation layouts for a mesh with a tensor-parallel axis: the batch over the ZeRO
-  axes, and over `tensor` the residual stream's width, the heads and the MLP's columns
-  (as MaxText lays them out), so that no activation a block keeps is whole on a chip."""
-  P, axes = jax.sharding.PartitionSpec, plan.axes
+  """Activation layouts for a mesh with a tensor-parallel axis: the batch over the replica
+  axes (several slices) and the ZeRO axes, and over `tensor` the residual stream's width, the
+  heads and the MLP's columns (as MaxText lays them out), so that no activation a block keeps
+  is whole on a chip."""
+  P, axes = jax.sharding.PartitionSpec, plan.replica_axes + plan.axes
   specs = {
     'residual': P(axes, None, tensor),
     'heads': P(axes, None, tensor, None),

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from zerojax._src import mesh as mesh_lib
+from zerojax._src import rules
 from zerojax._src.hlo import COLLECTIVES, CollectiveStats, count_collectives
 
 
@@ -142,10 +143,10 @@ class StepReport:
       replica axes standing in for them), when more than one: `collectives` then
       counts the bytes between slices apart, and `floor_bytes` is the floor on ICI
       (within a slice, N the ZeRO devices of one slice).
-    dcn_floor_bytes: the floor between slices: each chip's gradient shard all-reduced
-      across them once per step, 2·(Ψ/N)·bytes·(S-1)/S, bytes those of the parameters'
-      dtype, in which gradients are accumulated (ZeRO split over the slices too moves the
-      same: a reduce-scatter and an all-gather of that shard).
+    dcn_floor_bytes: the floor between slices: each chip's gradient shard (its part of
+      the update, split over the ZeRO and any tensor-parallel axes) all-reduced across them
+      once per step, 2·(Ψ/N)·bytes·(S-1)/S, in the floor's bytes per parameter (ZeRO split
+      over the slices too moves the same: a reduce-scatter and an all-gather of that shard).
   """
 
   memory: MemoryStats
@@ -264,12 +265,13 @@ def step_report(
   n = plan.num_shards // num_slices if _zero_over_slices(plan) else plan.num_shards
   dcn_floor = None
   if num_slices > 1:
-    # Across slices the gradient shard is summed as it is accumulated: in the parameters'
-    # dtype (fp32 for an fp32 master), whatever the dtype of the reduce-scatter before it.
-    grad_bytes = sum(
-      int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize for r in plan.rows if r.group == 'params'
+    # Each chip's gradient shard (the part of the update it computes, split over the ZeRO and
+    # any tensor-parallel axes), summed across the slices in the floor's dtype.
+    shard = sum(
+      int(np.prod(r.shape)) // _ways(s)
+      for r, s in zip(_param_rows(plan), jax.tree.leaves(plan.param_shards))
     )
-    dcn_floor = 2 * grad_bytes / n * (num_slices - 1) / num_slices
+    dcn_floor = 2 * shard * bytes_per_param * (num_slices - 1) / num_slices
   return StepReport(
     memory,
     collectives,
@@ -282,6 +284,16 @@ def step_report(
     num_slices=num_slices,
     dcn_floor_bytes=dcn_floor,
   )
+
+
+def _param_rows(plan: Any) -> list:
+  return [r for r in plan.rows if r.group == 'params']
+
+
+def _ways(sharding: Any) -> int:
+  """Into how many parts `sharding` splits an array (the product of the axes it names)."""
+  used = {a for entry in sharding.spec if entry is not None for a in rules.spec_axes(entry)}
+  return int(np.prod([sharding.mesh.shape[a] for a in used]))
 
 
 def _zero_over_slices(plan: Any) -> bool:

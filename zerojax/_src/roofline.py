@@ -132,18 +132,22 @@ def predict(
   ici = ici_bytes / chip.axis_bandwidth + r.collective_count * chip.collective_latency
   dcn = dcn_bytes / chip.dcn_bandwidth if dcn_bytes else 0.0
   ici_share = ici_hidden / ici_bytes if ici_bytes else 0.0
-  dcn_share = dcn_hidden / dcn_bytes if dcn_bytes else 0.0
-  exposed = ici * (1 - ici_share) + dcn * (1 - dcn_share)
+  dcn_hidden = dcn * (dcn_hidden / dcn_bytes if dcn_bytes else 0.0)
+  window = getattr(r, 'dcn_window_seconds', None)
+  if window is not None:
+    # No more of the DCN time hides than the compute scheduled while it is in flight.
+    dcn_hidden = min(dcn_hidden, window)
+  exposed = ici * (1 - ici_share) + dcn - dcn_hidden
   host = host_transfer_bytes / chip.host_link_bandwidth
   host_exposed = host * (1 - host_overlap)
-  hidden = ici * ici_share + dcn * dcn_share + host * host_overlap
+  hidden = ici * ici_share + dcn_hidden + host * host_overlap
   step = max(compute, hidden) + exposed + host_exposed
   return {
     'compute': compute,
     'collectives': ici + dcn,
     'exposed': exposed,
     'dcn': dcn,
-    'dcn_exposed': dcn * (1 - dcn_share),
+    'dcn_exposed': dcn - dcn_hidden,
     'host': host,
     'host_exposed': host_exposed,
     'step': step,

@@ -126,6 +126,9 @@ class Result:
   overlapped_bytes: float = 0.0
   dcn_bytes: float = 0.0  # of ring_bytes, those between slices (data-center network)
   dcn_overlapped_bytes: float = 0.0
+  # Kernel seconds scheduled while DCN transfers are in flight (`cost.ProgramCost`); None
+  # where the program names none (the overlapped share of the bytes is used instead).
+  dcn_window_seconds: float | None = None
   collective_count: int = 0
   flops: float = 0.0  # matmul FLOPs per chip in the compiled program (`cost.program_cost`)
   kernel_seconds: float = 0.0  # the program's kernels, one after another (`cost.program_cost`)
