@@ -79,8 +79,8 @@ def test_readme_planner_commands_reproduce_the_committed_results():
   says, at 10.5 GiB or less and at the ZeRO floor."""
   pytest.importorskip('libtpu', reason='needs the tpu extra')
   commands = [c for c in zerojax_commands(README.read_text()) if ' inspect ' not in c]
-  assert [c.split()[3] for c in commands] == ['estimate', 'plan', 'plan']
-  assert '--search' in commands[2]
+  assert [c.split()[3] for c in commands] == ['plan', 'estimate', 'plan', 'plan']
+  assert '--slices 2' in commands[0] and '--search' in commands[3]
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
   version, committed = _committed_plan()
   for command in commands:
@@ -95,6 +95,10 @@ def test_readme_planner_commands_reproduce_the_committed_results():
     assert proc.returncode == 0, f'{command}\n{proc.stdout}\n{proc.stderr}'
     if ' --search ' in command:
       assert 'winner (predicted, not measured):' in proc.stdout
+    elif ' --slices ' in command:
+      assert 'networks (2 slices): ICI' in proc.stdout and 'FITS' in proc.stdout
+      dcn = re.search(r'DCN floor .*measured/floor = ([\d.]+)', proc.stdout)
+      assert dcn and 1.0 <= float(dcn.group(1)) <= 1.01, proc.stdout[-2000:]
     elif ' plan ' in command:
       assert 'FITS' in proc.stdout
       assert 'measured/floor = 0.998' in proc.stdout
@@ -145,6 +149,27 @@ def test_the_maxtext_check_is_committed_for_both_compilers_and_within_the_band()
       report = (RESULTS / f'maxtext_v5p_{name}.libtpu-{version}.txt').read_text()
       command = report.splitlines()[0]
       assert '--attention flash' in command and '--remat minimal' in command, command
+
+
+def test_the_two_slice_check_is_committed_for_both_compilers():
+  """benchmarks/bench_maxtext.py --slices 2, one set per supported end's TPU compiler: every
+  row's two-slice program at its DCN floor and fitting, its scaling beside the published one,
+  and the README's table the committed one."""
+  import json
+
+  readme = README.read_text()
+  for version in ('0.0.42', '0.0.50'):
+    run = json.loads((RESULTS / f'maxtext_v5p_slices.libtpu-{version}.json').read_text())
+    rows = {r['row']: r for r in run['rows']}
+    assert sorted(rows) == ['128B', '128B-512', '256B', '32B', '64B']
+    for name, r in rows.items():
+      assert 1.0 <= r['dcn_over_floor'] <= 1.01 and r['fits'] is True, (version, name)
+      assert r['published_scaling'] == pytest.approx(r['published_two'] / r['published_one'])
+      report = (RESULTS / f'maxtext_v5p_{name}_2slices.libtpu-{version}.txt').read_text()
+      assert '--slices 2' in report.splitlines()[0] and 'networks (2 slices)' in report
+  table = (RESULTS / 'maxtext_v5p_slices.md').read_text()
+  for row in (line for line in table.splitlines() if line.startswith('|')):
+    assert row in readme, row
 
 
 def test_readme_maxtext_table_is_the_committed_benchmark():

@@ -794,6 +794,11 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     help="presets: 'xla' (plain JAX, --attention-chunk applies) or 'flash' (fused Pallas kernels"
     ' on TPU, as MaxText runs: causal blocks skipped, scores never in HBM)',
   )
+  _precision_and_offload_arguments(p)
+  return p
+
+
+def _slices_argument(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     '--slices',
     type=int,
@@ -802,14 +807,13 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     f' outermost {SLICE!r} axis over them, data-parallel: state split within each slice, each'
     ' gradient shard all-reduced across slices once per step',
   )
-  _precision_and_offload_arguments(p)
-  return p
 
 
 def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
-  """`plan`'s flags for mixed precision, host offload and the JSON report."""
+  """`plan`'s flags for several slices, mixed precision, host offload and the JSON report."""
   from zerojax._src import search
 
+  _slices_argument(p)
   p.add_argument(
     '--mixed-precision',
     action='store_true',
