@@ -61,7 +61,7 @@ TENSOR = 'tensor'
 SLICE = 'slice'
 
 
-def _mesh_shape(mesh: str, n: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _mesh_shape(mesh: str, n: int, slices: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
   """The device mesh `--mesh` asks for: 'data' (one axis), a grid like '16x16', or named
   axes like 'data=16,tensor=4' (an axis named 'tensor' is tensor-parallel)."""
   if '=' in mesh:
@@ -90,10 +90,12 @@ def _mesh_shape(mesh: str, n: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
       )
     names = _GRID_AXES[: len(shape)]
   if math.prod(shape) != n:
+    where = f'one of the {slices} slices has {n}' if slices > 1 else f'the topology has {n}'
     raise SystemExit(
-      f'error: --mesh {mesh} has {math.prod(shape)} devices but the topology has {n};'
+      f'error: --mesh {mesh} has {math.prod(shape)} devices but {where};'
       ' give the chip grid, e.g. --mesh 16x16 for v5e:16x16, or sizes whose product is'
       f' {n}'
+      + (f' (--mesh describes one slice; the {SLICE!r} axis is added)' if slices > 1 else '')
     )
   return shape, names
 
@@ -353,7 +355,7 @@ def _build_step(args, start: float) -> dict:
     f'topology {args.topology}: {n} devices ({devices[0].device_kind})'
     + (f' in {args.slices} slices joined by the data-center network' if args.slices > 1 else ''),
   )
-  shape, names = _mesh_shape(args.mesh, n // args.slices)
+  shape, names = _mesh_shape(args.mesh, n // args.slices, args.slices)
   if args.slices > 1:
     # The slice axis outermost: each slice holds whole blocks of the others (hierarchical ZeRO).
     shape, names = (args.slices, *shape), (SLICE, *names)
