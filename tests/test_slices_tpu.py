@@ -123,8 +123,43 @@ def test_plan_slices_reports_both_networks(tmp_path):
       ' cannot be timed; plan one slice, or a chip whose page gives it (v5e, v5p).',
     ),
     (('--slices', '0'), 'error: the number of slices must be a whole number >= 1, got 0.'),
+    (
+      ('--topology', 'v5e:2x2', '--slices', '2', '--mesh', '4x4'),
+      'error: --mesh 4x4 has 16 devices but one of the 2 slices has 4; give the chip grid, e.g.'
+      ' --mesh 16x16 for v5e:16x16, or sizes whose product is 4 (--mesh describes one slice; the'
+      " 'slice' axis is added)",
+    ),
   ],
 )
 def test_plan_slices_errors(args, message):
   r = run_cli('plan', '--model', TINY, '--seq-len', '256', '--stage', '3', '--no-cache', *args)
   assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]
+
+
+def test_plan_search_takes_slices_as_one_more_dimension(tmp_path):
+  r = run_cli(
+    'plan', '--search', '--model', 'tiny', '--topology', 'v5e:2x2', '--stages', '3',
+    '--layouts', 'flat', '--remats', 'full', '--prefetch-options', 'off', '--slice-counts', '1,2',
+    '--out', str(tmp_path), '--no-cache',
+  )  # fmt: skip
+  assert r.returncode == 0, r.stderr[-3000:]
+  found = json.loads((tmp_path / 'search_tiny_v5e-2x2.json').read_text())['results']
+  by_slices = {row['candidate']['slices']: row for row in found}
+  assert sorted(by_slices) == [1, 2] and all(row['fits'] for row in found)
+  one, two = by_slices[1], by_slices[2]
+  assert one['dcn_ring_bytes'] == 0 and one['dcn_floor_bytes'] is None
+  # Beyond the floor: the loss, and small leaves' shards padded to whole TPU tiles.
+  assert two['dcn_floor_bytes'] <= two['dcn_ring_bytes'] <= two['dcn_floor_bytes'] + 2048
+  assert 's3 flat b1 x2 slices remat:full' in r.stdout
+
+
+def test_plan_search_over_slices_needs_a_published_dcn_figure():
+  r = run_cli(
+    'plan', '--search', '--model', 'tiny', '--topology', 'v6e:2x2', '--stages', '3',
+    '--slice-counts', '1,2', '--no-cache',
+  )  # fmt: skip
+  assert r.returncode != 0
+  assert (
+    'error: v6e has no published data-center network bandwidth, so a step across slices'
+    ' cannot be timed; search one slice, or a chip whose page gives it (v5e, v5p).'
+  ) in r.stderr, r.stderr[-2000:]

@@ -179,7 +179,7 @@ def _none_or(choices):
 # other, each is an error, not ignored.
 SEARCH_ONLY = (
   'stages', 'layouts', 'micro_batches', 'remats', 'prefetch_options', 'offloads', 'update_ons',
-  'quantizes', 'batches_per_chip', 'hbm_gib', 'max_candidates', 'out',
+  'quantizes', 'batches_per_chip', 'hbm_gib', 'max_candidates', 'out', 'slice_counts',
 )  # fmt: skip
 SINGLE_ONLY = ('stage', 'batch_per_chip', 'no_remat', 'remat', 'gather_all', 'mesh', 'grad', 'prefetch', 'json',
                'offload', 'update_on', 'slices')  # fmt: skip
@@ -237,6 +237,7 @@ def cmd_search(args) -> int:
       compute_dtype=args.compute_dtype,
       attention_chunk=args.attention_chunk,
       attention=args.attention,
+      slice_devices={s: _devices(args.topology, s)[0] for s in set(args.slice_counts) if s > 1},
     )
     candidates, invalid = search.candidate_space(
       stages=args.stages,
@@ -248,6 +249,7 @@ def cmd_search(args) -> int:
       update_on=args.update_ons,
       quantize=args.quantizes,
       batch_per_chip=args.batches_per_chip,
+      slices=args.slice_counts,
       grid_dims=len(target.grid),
     )
   except ValueError as e:
@@ -877,6 +879,12 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
                  help='ZeRO++: none, g8, g4 (gradients), w8g8, w8g4 (weights too, stage 3)')  # fmt: skip
   s.add_argument('--batches-per-chip', type=_csv(int), default=(1,), help='sequences per chip')
   s.add_argument(
+    '--slice-counts',
+    type=_csv(int),
+    default=(1,),
+    help='TPU slices of --topology (data-parallel over the data-center network)',
+  )
+  s.add_argument(
     '--hbm-gib', type=float, default=None, help="device memory per chip; default the chip's"
   )
   s.add_argument('--max-candidates', type=int, default=64, help='refuse a larger space')
@@ -927,7 +935,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.command == 'plan':
     _check_plan_flags(parser, p, args)
 
-  _configure_jax(getattr(args, 'topology', ''), getattr(args, 'slices', 1) or 1)
+  most = max(getattr(args, 'slices', 1) or 1, *(getattr(args, 'slice_counts', None) or (1,)))
+  _configure_jax(getattr(args, 'topology', ''), most)
   return args.func(args)
 
 

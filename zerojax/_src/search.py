@@ -70,6 +70,8 @@ class Candidate:
       (on the host, gradients sent down layer by layer), as `zerojax.Options`.
     quantize: ZeRO++ collectives: None, 'g8', 'g4', 'w8g8', 'w8g4' (see `QUANTIZE`).
     batch_per_chip: sequences per chip per step.
+    slices: TPU slices of the topology, joined by the data-center network: an outer 'slice'
+      mesh axis, data-parallel (hierarchical ZeRO: state split within each slice).
   """
 
   stage: int
@@ -81,9 +83,11 @@ class Candidate:
   update_on: str = 'device'
   quantize: str | None = None
   batch_per_chip: int = 1
+  slices: int = 1
 
   def label(self) -> str:
     parts = [f's{self.stage}', self.layout, f'b{self.batch_per_chip}']
+    parts += [f'x{self.slices} slices'] if self.slices > 1 else []
     parts += [f'mb{self.micro_batches}'] if self.micro_batches > 1 else []
     parts += [f'remat:{self.remat}'] + (['prefetch'] if self.prefetch else [])
     if self.offload is not None:
@@ -104,6 +108,8 @@ class Candidate:
        f'update_on={self.update_on!r} needs an offload'),
       (self.quantize in ('w8g8', 'w8g4') and self.stage != 3,
        'quantized weights are gathered at stage 3 only'),
+      (self.slices > 1 and self.update_on == 'stream',
+       "update_on='stream' sends gradient shards down before they are summed across slices"),
     ]  # fmt: skip
     return [why for broken, why in rules if broken]
 
@@ -125,6 +131,7 @@ class Result:
   floor_bytes: float = 0.0
   overlapped_bytes: float = 0.0
   dcn_bytes: float = 0.0  # of ring_bytes, those between slices (data-center network)
+  dcn_floor_bytes: float | None = None  # each chip's gradient shard all-reduced across slices
   dcn_overlapped_bytes: float = 0.0
   # Kernel seconds scheduled while DCN transfers are in flight (`cost.ProgramCost`); None
   # where the program names none (the overlapped share of the bytes is used instead).
@@ -171,6 +178,7 @@ def candidate_space(
   update_on: Sequence[str] = ('device',),
   quantize: Sequence[str | None] = (None,),
   batch_per_chip: Sequence[int] = (1,),
+  slices: Sequence[int] = (1,),
   grid_dims: int = 2,
 ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
   """Every valid combination, and the invalid ones with the reason (for the report).
@@ -188,9 +196,21 @@ def candidate_space(
     bad = [v for v in values if v not in choices]
     if bad:
       raise ValueError(f'`{name}`: unknown {bad}; choose from {list(choices)}.')
+  bad = [s for s in slices if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+  if bad:
+    raise ValueError(f'`slices`: {bad} are not whole numbers of slices >= 1.')
   valid, invalid = [], []
   for combo in itertools.product(
-    stages, layouts, micro_batches, remat, prefetch, offload, update_on, quantize, batch_per_chip
+    stages,
+    layouts,
+    micro_batches,
+    remat,
+    prefetch,
+    offload,
+    update_on,
+    quantize,
+    batch_per_chip,
+    slices,
   ):
     c = Candidate(*combo)
     why = c.invalid()
@@ -218,6 +238,17 @@ class Target:
   compute_dtype: Any = jnp.bfloat16
   attention_chunk: int | None = None  # presets: attention this many queries at a time
   attention: str = 'xla'  # presets: 'xla' or 'flash' (presets.ATTENTION)
+  # The devices of S slices of the topology, slice by slice, for each S > 1 searched.
+  slice_devices: tuple = ()
+
+  def devices_for(self, slices: int) -> tuple:
+    """The devices of `slices` slices of the topology."""
+    if slices == 1:
+      return self.devices
+    found = dict(self.slice_devices).get(slices)
+    if found is None:
+      raise ValueError(f'the target has no devices for {slices} slices; make it with slices=.')
+    return found
 
 
 def _mesh(target: Target, c: Candidate):
@@ -227,8 +258,11 @@ def _mesh(target: Target, c: Candidate):
     shape, names = (len(target.devices),), ('data',)
   else:
     shape, names = target.grid, ('x', 'y', 'z')[: len(target.grid)]
+  devices = target.devices_for(c.slices)
+  # Several slices: an outer 'slice' axis (data-parallel); `names` stays the ZeRO axes.
+  full = ((c.slices, *shape), ('slice', *names)) if c.slices > 1 else (shape, names)
   mesh = Mesh(
-    np.array(target.devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names)
+    np.array(devices).reshape(full[0]), full[1], axis_types=(AxisType.Auto,) * len(full[1])
   )
   return mesh, names
 
@@ -260,6 +294,7 @@ def zero_options(c: Candidate, names: tuple[str, ...]) -> Options:
     offload=c.offload,
     update_on=c.update_on if c.offload is not None else 'device',
     quantize=None if q is None else quantize_lib.Quantize(**q, min_size=1 << 16),
+    replica_axis='slice' if c.slices > 1 else None,
   )
 
 
@@ -281,9 +316,11 @@ def lower_candidate(target: Target, c: Candidate):
   extra = {'param_dtype': jnp.bfloat16} if target.mixed_precision else {}
   state = train_state.abstract_train_state(spec.init_fn, key, tx=tx, **extra)
   plan = transform.plan_for(state.tx, state.params)
-  rows = spec.batch(c.batch_per_chip * len(target.devices))
+  rows = spec.batch(c.batch_per_chip * mesh.devices.size)
+  over = (options.axis,) if isinstance(options.axis, str) else options.axis
+  over = ('slice', *over) if c.slices > 1 else over
   batch = jax.ShapeDtypeStruct(
-    rows.shape, rows.dtype, sharding=NamedSharding(mesh, PartitionSpec(options.axis))
+    rows.shape, rows.dtype, sharding=NamedSharding(mesh, PartitionSpec(over))
   )
   grad_fn = grad_lib.value_and_grad(
     lambda p, b: spec.loss_fn(p, b, plan),
@@ -444,11 +481,15 @@ def _analyse(result: Result, target: Target, plan, unit: int, compiled, text: st
   result.peak_bytes = report.memory.peak
   result.ring_bytes = report.collectives.total_ring_bytes
   result.overlapped_bytes = sum(report.collectives.overlapped_ring_bytes.values())
+  result.dcn_bytes = report.collectives.total_dcn_bytes
+  result.dcn_floor_bytes = report.dcn_floor_bytes
+  result.dcn_overlapped_bytes = sum(report.collectives.dcn_overlapped_ring_bytes.values())
   result.collective_count = sum(report.collectives.counts.values())
   result.floor_bytes = report.floor_bytes
   result.cost_analysis_flops, result.bytes_accessed = _cost(compiled)
   work = program_cost(chip, text)
   result.flops, result.kernel_seconds = work.matmul_flops, work.kernel_seconds
+  result.dcn_window_seconds = work.dcn_window_seconds
   result.peak_reported = not report.memory.host_held
   chip_hbm = chip is not None and hbm_bytes is not None and hbm_bytes >= chip.hbm_bytes
   if hbm_bytes is not None and result.peak_bytes > hbm_bytes:
@@ -601,8 +642,10 @@ def make_target(
   compute_dtype: Any = jnp.bfloat16,
   attention_chunk: int | None = None,
   attention: str = 'xla',
+  slice_devices: Any = (),
 ) -> Target:
-  """A `Target` for `topology` ('v5e:2x4', 'v5p:2x2x1', 'v6e:4x4' or 'cpu:N') and its devices.
+  """A `Target` for `topology` ('v5e:2x4', 'v5p:2x2x1', 'v6e:4x4' or 'cpu:N') and its devices
+  (`slice_devices`: {S: the devices of S slices} for each S > 1 to search).
 
   Raises:
     ValueError: a topology without roofline constants, or a preset name that does not exist.
@@ -626,9 +669,15 @@ def make_target(
       raise ValueError(f'`{name}` is for the presets; a model function computes its own attention.')
   if attention not in presets.ATTENTION:
     raise ValueError(f'`attention`={attention!r}: choose one of {presets.ATTENTION}.')
+  if dict(slice_devices) and chip is not None and not chip.dcn_bandwidth and chip_name != 'cpu':
+    raise ValueError(
+      f'{chip_name} has no published data-center network bandwidth, so a step across slices'
+      ' cannot be timed; search one slice, or a chip whose page gives it (v5e, v5p).'
+    )
   return Target(
     topology, tuple(devices), grid, chip, model, optimizer, mixed_precision, seq_len,
     compute_dtype, attention_chunk, attention,
+    tuple((s, tuple(d)) for s, d in dict(slice_devices).items()),
   )  # fmt: skip
 
 
@@ -664,7 +713,7 @@ def search_plans(
       (`program_cache`; the command line's default is `program_cache.default_dir()`);
       None keeps none between runs.
     **space: `candidate_space`'s options (stages, layouts, micro_batches, remat,
-      prefetch, offload, update_on, quantize, batch_per_chip).
+      prefetch, offload, update_on, quantize, batch_per_chip, slices).
 
   Returns:
     A `SearchReport`; `search_report.format_search`, `search_json`, `plot_search` and `winner_code`
@@ -678,6 +727,7 @@ def search_plans(
   from zerojax._src import tpu
 
   devices = tpu.topology_devices(topology)
+  counts = sorted({s for s in space.get('slices', (1,)) if isinstance(s, int) and s > 1})
   target = make_target(
     model,
     topology,
@@ -687,6 +737,7 @@ def search_plans(
     seq_len=seq_len,
     attention_chunk=attention_chunk,
     attention=attention,
+    slice_devices={s: tpu.topology_devices(topology, s) for s in counts},
   )
   candidates, invalid = candidate_space(grid_dims=len(target.grid), **space)
   if not candidates:

@@ -22,8 +22,15 @@ def winner_code(report: SearchReport) -> str:
   else:
     names = ('x', 'y', 'z')[: len(t.grid)]
     mesh = f'mesh = jax.make_mesh({tuple(t.grid)}, {names})'
+  if c.slices > 1:
+    # Several slices: an outer data-parallel 'slice' axis (on TPU, build it with
+    # mesh_utils.create_hybrid_device_mesh; the axis across slices is found from the devices).
+    shape = (len(t.devices),) if c.layout == 'flat' else tuple(t.grid)
+    mesh = f'mesh = jax.make_mesh({(c.slices, *shape)}, {("slice", *names)})'
   options = zero_options(c, names)
   args = [f'stage={c.stage}', 'mesh=mesh', f'axis={options.axis!r}']
+  if options.replica_axis is not None:
+    args.append(f'replica_axis={options.replica_axis!r}')
   if options.param_axis is not None:
     args.append(f'param_axis={options.param_axis!r}')
   if options.offload is not None:
@@ -94,7 +101,8 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
   )
   lines += ['', head]
   for i, r in enumerate([r for r in report.ranked if r.fits][:limit], 1):
-    ratio = r.ring_bytes / r.floor_bytes if r.floor_bytes else float('nan')
+    # Within a slice (the floor's): bytes between slices are in the DCN column of the JSON.
+    ratio = (r.ring_bytes - r.dcn_bytes) / r.floor_bytes if r.floor_bytes else float('nan')
     share = r.overlapped_bytes / r.ring_bytes if r.ring_bytes else 0.0
     peak = _gib(r.peak_bytes) + ('' if r.peak_reported else '*')
     row = f'{i:>3} {r.candidate.label():<60} {peak:>8} {ratio:>10.3f}'
@@ -141,6 +149,8 @@ def search_json(report: SearchReport) -> dict:
         'ring_bytes': r.ring_bytes,
         'floor_bytes': r.floor_bytes,
         'overlapped_ring_bytes': r.overlapped_bytes,
+        'dcn_ring_bytes': r.dcn_bytes,
+        'dcn_floor_bytes': r.dcn_floor_bytes,
         'flops': r.flops,
         'cost_analysis_flops': r.cost_analysis_flops,
         'bytes_accessed': r.bytes_accessed,
