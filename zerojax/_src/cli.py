@@ -559,7 +559,7 @@ def _print_prediction(chip: Any, candidate: Any, report: Any, work: Any, traffic
     overlapped_bytes=sum(c.overlapped_ring_bytes.values()), dcn_bytes=c.total_dcn_bytes,
     dcn_overlapped_bytes=sum(c.dcn_overlapped_ring_bytes.values()),
     collective_count=sum(c.counts.values()), flops=work.matmul_flops,
-    kernel_seconds=work.kernel_seconds, dcn_window_seconds=work.dcn_window_seconds,
+    kernel_seconds=work.kernel_seconds, dcn_windows=work.dcn_windows,
   )  # fmt: skip
   try:
     predicted = search.predict(
@@ -569,12 +569,15 @@ def _print_prediction(chip: Any, candidate: Any, report: Any, work: Any, traffic
     raise SystemExit(f'error: {e}') from None
   dcn = ''
   if c.total_dcn_bytes:
-    window = work.dcn_window_seconds
+    windows = work.dcn_windows
     dcn = (
       f' (of which DCN {predicted["dcn_exposed"]:.3f} s: {predicted["dcn"]:.3f} s at'
       f' {chip.dcn_bandwidth / 1e9:.3g} GB/s per chip'
       + (
-        f', {window:.3f} s of kernels scheduled while it is in flight' if window is not None else ''
+        f' in {sum(n for _, _, n in windows)} transfers, each hidden only under the kernels'
+        ' scheduled while it is in flight'
+        if windows
+        else ''
       )
       + ')'
     )

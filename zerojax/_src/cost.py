@@ -74,9 +74,9 @@ class ProgramCost:
     estimated_kernels: how many of them carried the compiler's estimate.
     uncertain: why a count is not exact (a loop with no trip count in the HLO,
       counted once; a conditional, counted as its costliest branch).
-    dcn_window_seconds: the kernel time scheduled while collectives between TPU slices
-      are in flight (between each data-center network `send` and its done, windows that
-      overlap counted once, loops times their trip counts): what can hide them. None for a
+    dcn_windows: per collective between TPU slices (a data-center network `send`): the
+      bytes it sends, the kernel seconds scheduled between it and its done (what can hide
+      it), and how often it runs per step (loops times their trip counts). None for a
       program with none.
   """
 
@@ -88,7 +88,7 @@ class ProgramCost:
   kernels: int
   estimated_kernels: int
   uncertain: tuple[str, ...] = ()
-  dcn_window_seconds: float | None = None
+  dcn_windows: tuple[tuple[int, float, int], ...] | None = None
 
 
 def _shape(type_str: str) -> tuple[int, ...]:
@@ -255,40 +255,45 @@ class _Walk:
     else:
       self.kernel(name, op, operands, line, tally)
 
-  def dcn_window(self, name: str, stack: tuple[str, ...] = ()) -> float:
-    """Kernel seconds scheduled while DCN sends of `name` (and of what it calls) are in
-    flight, per execution of `name`."""
+  def dcn_windows(self, name: str, stack: tuple[str, ...] = (), mult: int = 1) -> list:
+    """(bytes sent, kernel seconds scheduled between the send and its done, executions per
+    step) of each collective between TPU slices in `name` and what it calls."""
     if name in stack or name not in self.bodies:
-      return 0.0
+      return []
     inner = stack + (name,)
     items = list(self.instrs(name).items())
-    covered: set[int] = set()
+    seconds: dict[int, float] = {}  # line -> its kernels' seconds, computed once
+
+    def cost_of(j: int) -> float:
+      if j not in seconds:
+        instr, (op, operands, line) = items[j]
+        part = _Tally()
+        self.one(name, instr, op, operands, line, inner, part)
+        seconds[j] = part.seconds
+      return seconds[j]
+
+    out = []
     for k, (instr, (_, _, line)) in enumerate(items):
-      if hlo._megascale(line) is None:
+      found = hlo._megascale(line)
+      if found is None:
         continue
       done = next(
         (j for j in range(k + 1, len(items)) if items[j][1][0] == 'send-done'
          and instr in items[j][1][1]),
-        None,
+        len(items),
       )  # fmt: skip
-      if done is not None:
-        covered.update(range(k + 1, done))
-    total = 0.0
-    for k in sorted(covered):
-      instr, (op, operands, line) = items[k]
-      part = _Tally()
-      self.one(name, instr, op, operands, line, inner, part)
-      total += part.seconds
+      window = sum(cost_of(j) for j in range(k + 1, done))
+      out.append((hlo._type_bytes(found[1]), window, mult))
     # Sends inside loops and calls, times how often those run.
     for _, (op, _, line) in items:
       if op == 'while':
         body = hlo._BODY.search(line)
         trip = hlo._trip_count(line, name, self.bodies, self.parsed) or 1
-        total += trip * self.dcn_window(body.group(1), inner) if body else 0.0
+        out += self.dcn_windows(body.group(1), inner, mult * trip) if body else []
       elif op in ('call', 'conditional'):
         for _, callee in hlo._CALLS.findall(line):
-          total += self.dcn_window(callee, inner)
-    return total
+          out += self.dcn_windows(callee, inner, mult)
+    return out
 
   def loop(self, name: str, instr: str, line: str, inner: tuple, tally: _Tally) -> None:
     body = hlo._BODY.search(line)
@@ -369,5 +374,5 @@ def program_cost(
     kernels=total.kernels,
     estimated_kernels=total.estimated_kernels,
     uncertain=tuple(walk.uncertain),
-    dcn_window_seconds=walk.dcn_window(walk.entry) if hlo._MEGASCALE.search(text) else None,
+    dcn_windows=tuple(walk.dcn_windows(walk.entry)) if hlo._MEGASCALE.search(text) else None,
   )

@@ -133,10 +133,13 @@ def predict(
   dcn = dcn_bytes / chip.dcn_bandwidth if dcn_bytes else 0.0
   ici_share = ici_hidden / ici_bytes if ici_bytes else 0.0
   dcn_hidden = dcn * (dcn_hidden / dcn_bytes if dcn_bytes else 0.0)
-  window = getattr(r, 'dcn_window_seconds', None)
-  if window is not None:
-    # No more of the DCN time hides than the compute scheduled while it is in flight.
-    dcn_hidden = min(dcn_hidden, window)
+  windows = getattr(r, 'dcn_windows', None)
+  if windows is not None:
+    # Each transfer between slices hides at most under the kernels scheduled while it is in
+    # flight; its time is its share of the DCN time, by the bytes it sends.
+    sent = sum(b * n for b, _, n in windows)
+    per_byte = dcn / sent if sent else 0.0
+    dcn_hidden = min(dcn_hidden, sum(n * min(b * per_byte, w) for b, w, n in windows))
   exposed = ici * (1 - ici_share) + dcn - dcn_hidden
   host = host_transfer_bytes / chip.host_link_bandwidth
   host_exposed = host * (1 - host_overlap)

@@ -133,9 +133,9 @@ class Result:
   dcn_bytes: float = 0.0  # of ring_bytes, those between slices (data-center network)
   dcn_floor_bytes: float | None = None  # each chip's gradient shard all-reduced across slices
   dcn_overlapped_bytes: float = 0.0
-  # Kernel seconds scheduled while DCN transfers are in flight (`cost.ProgramCost`); None
-  # where the program names none (the overlapped share of the bytes is used instead).
-  dcn_window_seconds: float | None = None
+  # Per DCN transfer: (bytes sent, kernel seconds scheduled while in flight, runs per step)
+  # (`cost.ProgramCost`); None where the program names none (the overlapped share is used).
+  dcn_windows: tuple | None = None
   collective_count: int = 0
   flops: float = 0.0  # matmul FLOPs per chip in the compiled program (`cost.program_cost`)
   kernel_seconds: float = 0.0  # the program's kernels, one after another (`cost.program_cost`)
@@ -489,7 +489,7 @@ def _analyse(result: Result, target: Target, plan, unit: int, compiled, text: st
   result.cost_analysis_flops, result.bytes_accessed = _cost(compiled)
   work = program_cost(chip, text)
   result.flops, result.kernel_seconds = work.matmul_flops, work.kernel_seconds
-  result.dcn_window_seconds = work.dcn_window_seconds
+  result.dcn_windows = work.dcn_windows
   result.peak_reported = not report.memory.host_held
   chip_hbm = chip is not None and hbm_bytes is not None and hbm_bytes >= chip.hbm_bytes
   if hbm_bytes is not None and result.peak_bytes > hbm_bytes:
