@@ -78,6 +78,8 @@ def test_stage3_over_slices_must_say_where_parameters_are_gathered(devices):
     ' out of `axis` (hierarchical ZeRO: one DCN all-reduce of each gradient shard per step),'
     " or say param_axis=('slice', 'data') to gather over DCN on purpose."
   )
+  with pytest.raises(ValueError, match='with a ZeRO axis inside the slices and param_axis= that'):
+    zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis='slice')
   # Said either way, it is taken.
   zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis=('slice', 'data'), param_axis='data')
   zerojax.zero_stage(

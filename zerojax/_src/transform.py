@@ -426,10 +426,15 @@ def _replica_axes(
   over_dcn = [a for a in axes if a in dcn]
   if stage == 3 and over_dcn and options.param_axis is None:
     inner = tuple(a for a in axes if a not in dcn)
+    keep = (
+      f'param_axis={inner!r} (ZeRO++ hpZ)'
+      if inner
+      else 'a ZeRO axis inside the slices and param_axis= that axis (ZeRO++ hpZ)'
+    )
     raise ValueError(
       f'stage 3 with ZeRO over {over_dcn}, which runs across TPU slices, would all-gather'
       ' every parameter over the data-center network in each forward and backward pass.'
-      f' Keep the parameters inside a slice with param_axis={inner!r} (ZeRO++ hpZ), or'
+      f' Keep the parameters inside a slice with {keep}, or'
       f' leave {over_dcn} out of `axis` (hierarchical ZeRO: one DCN all-reduce of each'
       f' gradient shard per step), or say param_axis={axes!r} to gather over DCN on purpose.'
     )
