@@ -6,6 +6,7 @@ replicas (the stand-in for the data-center network between TPU slices) are the D
 each device's gradient shard all-reduced across the slices once per step.
 """
 
+import json
 import re
 
 import jax
@@ -187,3 +188,23 @@ def test_a_collective_between_slices_as_the_tpu_compiler_emits_it():
   assert stats.dcn_overlapped_ring_bytes['all-reduce'] == stats.dcn_ring_bytes['all-reduce']
   with pytest.warns(hlo.CollectiveCountWarning, match='the number of slices was not given'):
     assert hlo.count_collectives(text).counts == {}
+
+
+def test_a_cpu_search_over_slices_is_timed_and_measured(tmp_path):
+  # On cpu:N the slices are stood in for by the faked devices: the search compiles, predicts
+  # with the measured copy bandwidth for the bytes between them, and runs each candidate.
+  from _models import run_cli
+
+  r = run_cli(
+    'plan', '--search', '--model', 'tiny', '--topology', 'cpu:4', '--slice-counts', '1,2',
+    '--stages', '3', '--layouts', 'flat', '--remats', 'full', '--prefetch-options', 'off',
+    '--out', str(tmp_path),
+  )  # fmt: skip
+  assert r.returncode == 0, r.stderr[-3000:]
+  found = json.loads((tmp_path / 'search_tiny_cpu-4.json').read_text())['results']
+  two = next(row for row in found if row['candidate']['slices'] == 2)
+  assert two['fits'] and two['measured_seconds'] and two['predicted_seconds']['dcn'] > 0
+  # The bf16 gradient shards cross in f32: XLA:CPU carries bf16 all-reduces in f32, twice the
+  # floor's bytes (on TPU they cross in bf16, at the floor: tests/test_slices_tpu.py).
+  floor = two['dcn_floor_bytes']
+  assert 2 * floor <= two['dcn_ring_bytes'] <= 2 * floor + 16

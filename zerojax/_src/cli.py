@@ -457,9 +457,9 @@ def _abstract_step(args, spec, tx, mesh, axis, explicit: bool, n: int):
   # As MaxText counts it: the global batch is the batch per chip times every chip; the chips
   # of one tensor-parallel group share their sequences.
   batch_sds = spec.batch(args.batch_per_chip * n)
-  rows = (
-    (SLICE, *((axis,) if isinstance(axis, str) else axis)) if SLICE in mesh.axis_names else axis
-  )
+  # The batch's rows over every chip: the data-parallel (slice) axes, then ZeRO's.
+  rows = transform.config_of(state.tx).replica_axes + ((axis,) if isinstance(axis, str) else axis)
+  rows = rows[0] if len(rows) == 1 else rows
   batch = jax.ShapeDtypeStruct(
     batch_sds.shape, batch_sds.dtype, sharding=NamedSharding(mesh, PartitionSpec(rows))
   )

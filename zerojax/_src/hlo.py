@@ -58,10 +58,7 @@ _ASYNC_COPY = re.compile(r'\bcalls=%?async_collective_fusion')
 # Replica groups: explicit lists, iota form [groups,size]<=[...], or TPU's
 # mesh['axis_0'=8, ...] {'axis_0'} form.
 _GROUPS_ANY = re.compile(r'replica_groups=')
-_GROUPS_LIST = re.compile(r'replica_groups=\{\{([\d,]*)\}')
-_GROUPS_IOTA = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=')
 # (an optional `device_ids=(...)` permutation may sit between the two parts).
-_GROUPS_MESH = re.compile(r'replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}')
 _PARTITIONS = re.compile(r'num_partitions=(\d+)')
 _CHANNEL = re.compile(r'\bchannel_id=(\d+)')
 
@@ -71,32 +68,22 @@ class CollectiveCountWarning(UserWarning):
 
 
 def _group_size(line: str, default: int) -> int:
-  m = _GROUPS_LIST.search(line)
-  if m:
-    return len([x for x in m.group(1).split(',') if x]) or default
-  m = _GROUPS_IOTA.search(line)
-  if m:
-    return int(m.group(2))
-  m = _GROUPS_MESH.search(line)
-  if m:
-    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-    names = re.findall(r"'([^']+)'", m.group(2))
-    return int(np.prod([int(sizes[n]) for n in names if n in sizes] or [1]))
-  return default
+  """Devices per group of a collective (`replica_groups`); `default` where none is read."""
+  groups = replica_groups(line, default)
+  return len(groups[0]) if groups and groups[0] else default
 
 
 _IOTA_FULL = re.compile(r'replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
 # TPU's mesh form: mesh['a'=4,'b'=2], an optional device_ids=([dims]T(perm)) iota, {'a'}.
-_GROUPS_MESH_FULL = re.compile(
-  r'replica_groups=mesh\[([^\]]*)\](?:,?\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?'
-  r'\s*\{([^}]*)\}'
-)
+_GROUPS_MESH = re.compile(r'replica_groups=mesh\[([^\]]*)\]([^{]*)\{([^}]*)\}')
+_DEVICE_IDS = re.compile(r'device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)')
 _PAIRS = re.compile(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}')
 
 
 def replica_groups(line: str, n: int) -> list[list[int]] | None:
-  """The device groups of a collective (partition ids), or None where the line's form is
-  not read here (TPU's mesh[...] form). `replica_groups={}` is one group of all `n`."""
+  """The device groups of a collective (partition ids), from its `replica_groups` (a list,
+  the iota form [G,S]<=[dims]T(perm), or TPU's mesh[...] form), or None where the form is
+  not one of these. No groups, or `replica_groups={}`, is one group of all `n`."""
   m = re.search(r'replica_groups=\{(\{[\d,{} ]*\})?\}', line)
   if m:
     if not m.group(1):
@@ -110,21 +97,19 @@ def replica_groups(line: str, n: int) -> list[list[int]] | None:
     if m.group(4):
       ids = ids.transpose([int(p) for p in m.group(4).split(',')])
     return ids.reshape(count, size).tolist()
-  m = _GROUPS_MESH_FULL.search(line)
+  m = _GROUPS_MESH.search(line)
   if m:
     sizes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
     names = [k for k, _ in sizes]
     shape = [v for _, v in sizes]
-    total = int(np.prod(shape))
-    if m.group(2):
-      dims = [int(d) for d in m.group(2).split(',')]
-      ids = np.arange(total).reshape(dims)
-      if m.group(3):
-        ids = ids.transpose([int(p) for p in m.group(3).split(',')])
-      ids = ids.reshape(shape)
-    else:
-      ids = np.arange(total).reshape(shape)
-    over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4)) if a in names]
+    ids = np.arange(int(np.prod(shape)))
+    device_ids = _DEVICE_IDS.search(m.group(2))
+    if device_ids:
+      ids = ids.reshape([int(d) for d in device_ids.group(1).split(',')])
+      if device_ids.group(2):
+        ids = ids.transpose([int(p) for p in device_ids.group(2).split(',')])
+    ids = ids.reshape(shape)
+    over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3)) if a in names]
     rest = [i for i in range(len(shape)) if i not in over]
     size = int(np.prod([shape[i] for i in over])) if over else 1
     return ids.transpose(rest + over).reshape(-1, size).tolist()
@@ -180,8 +165,7 @@ def _megascale(line: str) -> tuple[str, str] | None:
   m = _MEGASCALE.search(line)
   if m is None:
     return None
-  name, op = _opcode(line)
-  if op != 'send':
+  if _opcode(line)[1] != 'send':
     return None
   type_str = _split_type(_INSTR.match(line).group('rest'))[0]
   return _MEGASCALE_KINDS.get(m.group(1), 'collective-permute'), _tuple_elements(type_str)[0]
@@ -597,6 +581,7 @@ class _CollectiveWalk:
 
   def __init__(self, text: str, slices: Any = None):
     self.slices = slices
+    self.num_slices = 0 if slices is None else len(set(slices.tolist()))
     self.bodies, self.entry = _parse_computations(text)
     self.parsed: dict = {}  # computation -> its instructions, for trip counts
     self.uncertain: list[str] = []
@@ -639,7 +624,7 @@ class _CollectiveWalk:
   def count_megascale(self, line: str, found, mult: int, tally: _Tally, overlapped: bool) -> None:
     """A collective between slices: all of its bytes cross the data-center network."""
     kind, sent_type = found
-    s = len(set(self.slices.tolist())) if self.slices is not None else 0
+    s = self.num_slices
     if s < 2:
       reason = (
         f'a {kind} between TPU slices, but the number of slices was not given'

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 AxisName = str | tuple[str, ...]
@@ -117,8 +118,6 @@ def device_slices(mesh: Mesh) -> Any:
   """Each mesh position's TPU slice (`Device.slice_index`) as an array shaped like the mesh,
   or None where the devices carry none (CPU, GPU, one slice's compile-only devices) or the
   mesh is abstract."""
-  import numpy as np
-
   if isinstance(mesh, AbstractMesh) or not isinstance(mesh, Mesh):
     return None
   devices = mesh.devices
@@ -131,8 +130,6 @@ def device_slices(mesh: Mesh) -> Any:
 def dcn_axes(mesh: Mesh) -> tuple[str, ...]:
   """The mesh axes whose devices lie in different TPU slices: their collectives cross the
   data-center network (DCN) between slices. () on one slice or where devices name none."""
-  import numpy as np
-
   slices = device_slices(mesh)
   if slices is None or len(np.unique(slices)) < 2:
     return ()
@@ -151,8 +148,6 @@ def check_slice_axes(mesh: Mesh, axes: Sequence[str]) -> None:
     ValueError: a slice axis after an axis inside the slices, or a mesh whose slices are
       not whole blocks of the inner axes.
   """
-  import numpy as np
-
   names = tuple(mesh.axis_names)
   if tuple(names[: len(axes)]) != tuple(axes):
     raise ValueError(
@@ -177,8 +172,6 @@ def slice_ids(mesh: Mesh, replica_axes: Sequence[str] = ()) -> Any:
   """Each device's slice, in the mesh's device order (the partition ids of its programs):
   `Device.slice_index` where the devices carry one, else the position along `replica_axes`
   (a CPU or one-slice mesh standing in for several slices); None when neither applies."""
-  import numpy as np
-
   slices = device_slices(mesh)
   if slices is not None and len(np.unique(slices)) > 1:
     return slices.reshape(-1)

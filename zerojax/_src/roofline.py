@@ -201,4 +201,6 @@ def calibrate_cpu(num_devices: int, size: int = 1024, repeats: int = 5) -> Chip:
     f'measured here: {flops / 1e9:.1f} GFLOP/s (f32 matmul {size}^2), {bandwidth / 1e9:.1f} GB/s'
     f' (elementwise), {latency * 1e6:.0f} us per all-reduce; shared by {num_devices} faked devices',
     collective_latency=latency,
+    # Slices stood in for on one machine: what crosses between them moves as any copy does.
+    dcn_bandwidth=bandwidth / num_devices,
   )  # fmt: skip

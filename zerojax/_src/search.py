@@ -317,8 +317,10 @@ def lower_candidate(target: Target, c: Candidate):
   state = train_state.abstract_train_state(spec.init_fn, key, tx=tx, **extra)
   plan = transform.plan_for(state.tx, state.params)
   rows = spec.batch(c.batch_per_chip * mesh.devices.size)
-  over = (options.axis,) if isinstance(options.axis, str) else options.axis
-  over = ('slice', *over) if c.slices > 1 else over
+  # The batch's rows over every chip: the data-parallel (slice) axes, then ZeRO's.
+  over = options.axis if isinstance(options.axis, tuple) else (options.axis,)
+  over = transform.config_of(state.tx).replica_axes + over
+  over = over[0] if len(over) == 1 else over
   batch = jax.ShapeDtypeStruct(
     rows.shape, rows.dtype, sharding=NamedSharding(mesh, PartitionSpec(over))
   )
@@ -669,7 +671,7 @@ def make_target(
       raise ValueError(f'`{name}` is for the presets; a model function computes its own attention.')
   if attention not in presets.ATTENTION:
     raise ValueError(f'`attention`={attention!r}: choose one of {presets.ATTENTION}.')
-  if dict(slice_devices) and chip is not None and not chip.dcn_bandwidth and chip_name != 'cpu':
+  if dict(slice_devices) and not chip.dcn_bandwidth:
     raise ValueError(
       f'{chip_name} has no published data-center network bandwidth, so a step across slices'
       ' cannot be timed; search one slice, or a chip whose page gives it (v5e, v5p).'
