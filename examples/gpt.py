@@ -24,9 +24,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import hashlib
 import os
 import sys
 import sysconfig
+import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import setup_devices  # noqa: E402
@@ -57,9 +59,24 @@ class Config:
 
 
 # --- Data: bytes of a text file, or of the standard library's docstrings.
-@functools.lru_cache(maxsize=1)
-def stdlib_docstrings(max_bytes: int = 2_000_000) -> bytes:
-  """Docstrings of Python's standard library modules, classes and functions."""
+CORPUS_FORMAT = 1  # bump when the extraction below changes what it returns
+
+
+def corpus_path(max_bytes: int = 2_000_000) -> str:
+  """Where the docstring corpus of this Python installation is kept once built:
+  `$ZEROJAX_CACHE_DIR/text/`, else `$XDG_CACHE_HOME/zerojax/text/` (~/.cache/...). The name
+  holds a hash of the Python version, the standard library's folder and `max_bytes`."""
+  base = os.environ.get('ZEROJAX_CACHE_DIR') or os.path.join(
+    os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'zerojax'
+  )
+  key = f'{CORPUS_FORMAT}|{sys.version}|{sysconfig.get_paths()["stdlib"]}|{max_bytes}'
+  digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+  return os.path.join(base, 'text', f'stdlib-docstrings-{digest}.bin')
+
+
+def extract_stdlib_docstrings(max_bytes: int = 2_000_000) -> bytes:
+  """Docstrings of Python's standard library modules, classes and functions, in a fixed
+  order (folders and files sorted, each file's tree breadth first), up to `max_bytes`."""
   root = sysconfig.get_paths()['stdlib']
   chunks, total = [], 0
   for dirpath, dirnames, filenames in sorted(os.walk(root)):
@@ -83,6 +100,33 @@ def stdlib_docstrings(max_bytes: int = 2_000_000) -> bytes:
             if total >= max_bytes:
               return b''.join(chunks)
   return b''.join(chunks)
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_docstrings(max_bytes: int = 2_000_000) -> bytes:
+  """The standard library's docstrings (`extract_stdlib_docstrings`): parsing the library
+  takes seconds, so the bytes are kept at `corpus_path()` after the first run and read back
+  from there. A folder that cannot be written only means parsing again next time."""
+  path = corpus_path(max_bytes)
+  try:
+    with open(path, 'rb') as f:
+      return f.read()
+  except OSError:
+    pass
+  print(f'building the training text from the standard library\'s docstrings (kept in {path})')
+  data = extract_stdlib_docstrings(max_bytes)
+  tmp = None
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix='.tmp')
+    with os.fdopen(fd, 'wb') as f:
+      f.write(data)
+    os.replace(tmp, path)  # whole or not at all: a reader never sees half a file
+  except OSError as e:
+    print(f'(not kept: {e})')
+    if tmp is not None and os.path.exists(tmp):
+      os.remove(tmp)
+  return data
 
 
 def load_text(path: str | None) -> np.ndarray:

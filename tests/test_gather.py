@@ -136,6 +136,33 @@ def test_stdlib_corpus_is_text():
   assert b'Return' in data.tobytes()[:200_000]
 
 
+def test_stdlib_corpus_is_built_once_and_kept(tmp_path, monkeypatch, capsys):
+  """The corpus is parsed on the first call, kept under $ZEROJAX_CACHE_DIR/text, and read
+  back after (the same bytes, no parsing); a folder that cannot be written still trains."""
+  monkeypatch.setenv('ZEROJAX_CACHE_DIR', str(tmp_path / 'cache'))
+  parsed = []
+  extract = gpt.extract_stdlib_docstrings
+  monkeypatch.setattr(gpt, 'extract_stdlib_docstrings', lambda n: parsed.append(n) or extract(n))
+  gpt.stdlib_docstrings.cache_clear()
+  try:
+    first = gpt.stdlib_docstrings(50_000)
+    path = gpt.corpus_path(50_000)
+    assert path.startswith(str(tmp_path / 'cache' / 'text')) and parsed == [50_000]
+    assert 'building the training text' in capsys.readouterr().out
+    gpt.stdlib_docstrings.cache_clear()
+    assert gpt.stdlib_docstrings(50_000) == first == open(path, 'rb').read()
+    assert parsed == [50_000] and os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+    assert len(first) >= 50_000 and b'Return' in first
+    blocked = tmp_path / 'file'
+    blocked.write_text('not a folder')
+    monkeypatch.setenv('ZEROJAX_CACHE_DIR', str(blocked))
+    gpt.stdlib_docstrings.cache_clear()
+    assert gpt.stdlib_docstrings(50_000) == first and parsed == [50_000, 50_000]
+    assert '(not kept: ' in capsys.readouterr().out
+  finally:
+    gpt.stdlib_docstrings.cache_clear()
+
+
 # --- NNX
 
 
