@@ -113,7 +113,7 @@ def stdlib_docstrings(max_bytes: int = 2_000_000) -> bytes:
       return f.read()
   except OSError:
     pass
-  print(f'building the training text from the standard library\'s docstrings (kept in {path})')
+  print(f"building the training text from the standard library's docstrings (kept in {path})")
   data = extract_stdlib_docstrings(max_bytes)
   tmp = None
   try:
