@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
@@ -341,6 +342,40 @@ def _check_splittable(param_leaves: _Leaves, state_leaves: _Leaves, config: Plan
   )
 
 
+def _layout(rule: rules.LeafRule, split: bool, axes, padded_ok: bool = True, within=None):
+  """A leaf's PartitionSpec: split by its rule, or whole. A padded split exists only inside the
+  optimizer: parameters and the gradients handed to it keep their true shape, so they stay
+  whole. `within`: the parameter axes of hpZ, a subset of `axes`."""
+  if (rule.padded_shape is not None and not padded_ok) or not split:
+    return rule.base
+  if within is None or rule.dim is None:
+    return rule.sharded
+  return _restrict(rule.sharded, rule.dim, within, axes)
+
+
+def _named(mesh, explicit: bool, spec: PartitionSpec, memory_kind: str | None = None):
+  """The NamedSharding in the form JAX itself gives arrays on this kind of mesh, so that
+  `array.sharding == plan_leaf` holds: Explicit meshes keep one entry per dimension, Auto
+  meshes drop trailing Nones."""
+  if not explicit:
+    entries = list(spec)
+    while entries and entries[-1] is None:
+      entries.pop()
+    spec = PartitionSpec(*entries)
+  return NamedSharding(mesh, spec, memory_kind=memory_kind)
+
+
+def _why(rule: rules.LeafRule, split: bool, padded_ok: bool = True) -> str | None:
+  """Why a leaf that should be split is not (None when it is, or need not be)."""
+  if not split:
+    return None
+  if rule.padded_shape is not None:
+    return None if padded_ok else rule.reason + " (policy='pad')"
+  if rule.dim is not None:
+    return None
+  return rule.reason + (" (policy='replicate')" if rule.indivisible else '')
+
+
 def _assemble(
   param_leaves: _Leaves, state_leaves: _Leaves, state_padding: list, param_axes, config
 ) -> ZeroPlan:
@@ -348,35 +383,10 @@ def _assemble(
   mesh, axes = config.mesh, config.axes
   must = _must_split(config.stage)
   explicit = mesh_lib.any_explicit(mesh)
+  named = functools.partial(_named, mesh, explicit)
 
-  def layout(rule: rules.LeafRule, split: bool, padded_ok: bool = True, within=None):
-    # A padded split exists only inside the optimizer: parameters and the
-    # gradients handed to it keep their true shape, so they stay whole.
-    if (rule.padded_shape is not None and not padded_ok) or not split:
-      return rule.base
-    if within is None or rule.dim is None:
-      return rule.sharded
-    return _restrict(rule.sharded, rule.dim, within, axes)
-
-  def named(spec: PartitionSpec, memory_kind: str | None = None) -> NamedSharding:
-    # Match the form JAX itself gives arrays on this kind of mesh, so that
-    # `array.sharding == plan_leaf` holds: Explicit meshes keep one entry per
-    # dimension, Auto meshes drop trailing Nones.
-    if not explicit:
-      entries = list(spec)
-      while entries and entries[-1] is None:
-        entries.pop()
-      spec = PartitionSpec(*entries)
-    return NamedSharding(mesh, spec, memory_kind=memory_kind)
-
-  def why(rule: rules.LeafRule, split: bool, padded_ok: bool = True) -> str | None:
-    if not split:
-      return None
-    if rule.padded_shape is not None:
-      return None if padded_ok else rule.reason + " (policy='pad')"
-    if rule.dim is not None:
-      return None
-    return rule.reason + (" (policy='replicate')" if rule.indivisible else '')
+  def layout(rule, split, padded_ok=True, within=None):
+    return _layout(rule, split, axes, padded_ok, within)
 
   hpz = param_axes if param_axes != axes else None
   rows, p_rest, p_grad, p_shard = [], [], [], []
@@ -384,7 +394,7 @@ def _assemble(
     p_rest.append(named(layout(rule, must['params'], padded_ok=False, within=hpz)))
     p_grad.append(named(layout(rule, must['grads'], padded_ok=False)))
     p_shard.append(named(layout(rule, config.stage >= 1)))
-    reason = why(rule, must['params'] or must['grads'], padded_ok=False)
+    reason = _why(rule, must['params'] or must['grads'], padded_ok=False)
     rows.append(
       PlanRow(
         'params',
@@ -408,7 +418,7 @@ def _assemble(
         rules.as_dtype(x.dtype),
         s_rest[-1].spec,
         None,
-        why(rule, must['opt_state']),
+        _why(rule, must['opt_state']),
         offloaded=host,
       )
     )
