@@ -497,6 +497,10 @@ def test_the_streamed_70b_plan_with_chunked_attention_is_committed_for_both_comp
     assert f'{ratio:.3f}' == '1.002', (version, ratio)
     gib = f'{plan["memory"]["peak"] / 2**30:.2f}'
     assert f'| {gib} / {gib} | 1.002 |' in (ROOT / 'docs' / 'results.md').read_text()
+  readme = ' '.join((ROOT / 'README.md').read_text().split())
+  plain_ratio = sum(plain['collectives']['ring_bytes'].values()) / plain['zero_floor_bytes']
+  assert f'{plain["memory"]["peak"] / 2**30:.2f} GiB per chip, {plain_ratio:.3f}x the' in readme
+  assert f'with `--attention-chunk 512`, {gib} GiB at {ratio:.3f}x' in readme
 
 
 def test_the_committed_searches_are_those_of_both_supported_compilers():
