@@ -281,9 +281,7 @@ def run(
 
   def to_devices(batch):
     # Each process contributes its rows; with one process this is a device_put.
-    return zerojax.distributed.global_batch(
-      {k: v[rows] for k, v in batch.items()}, mesh, axis=axes
-    )
+    return zerojax.distributed.global_batch({k: v[rows] for k, v in batch.items()}, mesh, axis=axes)
 
   if grad not in ('auto', 'jax', 'zerojax'):
     raise ValueError(f"grad must be 'auto', 'jax' or 'zerojax', got {grad!r}")

@@ -385,15 +385,12 @@ def _assemble(
   explicit = mesh_lib.any_explicit(mesh)
   named = functools.partial(_named, mesh, explicit)
 
-  def layout(rule, split, padded_ok=True, within=None):
-    return _layout(rule, split, axes, padded_ok, within)
-
   hpz = param_axes if param_axes != axes else None
   rows, p_rest, p_grad, p_shard = [], [], [], []
   for (path, _), rule in zip(param_leaves.entries, param_leaves.rules):
-    p_rest.append(named(layout(rule, must['params'], padded_ok=False, within=hpz)))
-    p_grad.append(named(layout(rule, must['grads'], padded_ok=False)))
-    p_shard.append(named(layout(rule, config.stage >= 1)))
+    p_rest.append(named(_layout(rule, must['params'], axes, padded_ok=False, within=hpz)))
+    p_grad.append(named(_layout(rule, must['grads'], axes, padded_ok=False)))
+    p_shard.append(named(_layout(rule, config.stage >= 1, axes)))
     reason = _why(rule, must['params'] or must['grads'], padded_ok=False)
     rows.append(
       PlanRow(
@@ -409,7 +406,7 @@ def _assemble(
   s_rest = []
   for (path, x), rule in zip(state_leaves.entries, state_leaves.rules):
     host = _offloaded(path, x, config.options.offload)
-    s_rest.append(named(layout(rule, must['opt_state']), HOST if host else None))
+    s_rest.append(named(_layout(rule, must['opt_state'], axes), HOST if host else None))
     rows.append(
       PlanRow(
         'opt_state',
