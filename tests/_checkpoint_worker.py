@@ -14,7 +14,10 @@ import sys
 
 N = int(sys.argv[2]) if sys.argv[1] not in ('kill', 'exit', 'exit-state', 'preempt') else 2
 os.environ['JAX_PLATFORMS'] = 'cpu'
-os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={N}'
+# This process's devices, beside the flags the suite passes down (tests/_models.py child_env).
+os.environ['XLA_FLAGS'] = (
+  os.environ.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={N}'
+).strip()
 
 import glob  # noqa: E402
 

@@ -168,11 +168,24 @@ def compile_step(mesh, stage, batch=64):
 SCALARS = 4 + 4  # TrainState.step and Adam's count, int32 each
 
 
-def run_cli(*args, timeout=600, drop=('XLA_FLAGS',)):
-  """`python -m zerojax ARGS`, with the tests' folder importable (models named module:function)."""
-  env = dict(os.environ)
-  for name in drop:
-    env.pop(name, None)
+DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count='
+
+
+def child_env(drop=()) -> dict:
+  """This process's environment for a child process that fakes its own devices: XLA_FLAGS
+  without the suite's 8-device flag, the rest of it kept (the CPU code-generation level
+  conftest.py sets); the variables named in `drop` left out."""
+  env = {k: v for k, v in os.environ.items() if k not in drop}
+  flags = [f for f in env.pop('XLA_FLAGS', '').split() if not f.startswith(DEVICE_COUNT_FLAG)]
+  if flags:
+    env['XLA_FLAGS'] = ' '.join(flags)
+  return env
+
+
+def run_cli(*args, timeout=600, drop=()):
+  """`python -m zerojax ARGS`, with the tests' folder importable (models named module:function),
+  in `child_env(drop)`."""
+  env = child_env(drop)
   env['PYTHONPATH'] = os.pathsep.join(
     [os.path.dirname(os.path.abspath(__file__))] + env.get('PYTHONPATH', '').split(os.pathsep)
   )

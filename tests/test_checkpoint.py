@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import batch, loss_fn, mlp_params
+from _models import batch, child_env, loss_fn, mlp_params
 from flax import nnx
 from jax.sharding import AxisType
 
@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def worker(*args, timeout=300):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = child_env()
   proc = subprocess.run(
     [sys.executable, os.path.join(HERE, '_checkpoint_worker.py'), *map(str, args)],
     capture_output=True,
@@ -116,7 +116,7 @@ def test_retention(tmp_path):
 
 @pytest.mark.slow
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = child_env()
   proc = subprocess.Popen(
     [sys.executable, os.path.join(HERE, '_checkpoint_worker.py'), 'kill', str(tmp_path)],
     stdout=subprocess.PIPE,
@@ -260,7 +260,7 @@ def test_inspect_command(tmp_path, mesh):
   )
   with zerojax.checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
     ckpt.save(4, state, extra={'data_position': jnp.array(4)})
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = child_env()
   proc = subprocess.run(
     [sys.executable, '-m', 'zerojax', 'inspect', str(tmp_path)],
     capture_output=True,

@@ -5,12 +5,13 @@ import subprocess
 import sys
 
 import pytest
+from _models import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cli(*args, timeout=600):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = child_env()
   return subprocess.run(
     [sys.executable, '-m', 'zerojax', 'plan', *args],
     capture_output=True,

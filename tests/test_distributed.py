@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from _models import child_env
 from _tolerance import reordered
 
 import zerojax
@@ -35,7 +36,7 @@ def free_port() -> int:
 
 
 def env():
-  out = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # no 8-device flag
+  out = child_env()  # without the 8-device flag
   out['JAX_PLATFORMS'] = 'cpu'
   return out
 
@@ -308,7 +309,7 @@ def test_no_private_jax_modules_are_used():
 
 @pytest.mark.slow
 def test_initialize_without_a_cluster_says_what_to_pass():
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS',)}
+  env = child_env()
   env['JAX_PLATFORMS'] = 'cpu'
   code = (
     'import zerojax\n'

@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 
 import pytest
+from _models import child_env
 
 import zerojax
 from zerojax._src.tpu import _probe
@@ -17,7 +18,7 @@ def test_quickstart_notebook_executes(tmp_path):
   nbclient = pytest.importorskip('nbclient')
   nb = nbformat.read(NOTEBOOK, as_version=4)
   # The kernel starts its own jax: give it a clean environment for the fake devices.
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = child_env()
   client = nbclient.NotebookClient(
     nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(tmp_path)}}
   )

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _models import mlp_apply, mlp_params
+from _models import child_env, mlp_apply, mlp_params
 from _tolerance import EPSBF16
 from jax.sharding import AxisType
 
@@ -252,7 +252,7 @@ def test_handler_is_removed_on_close(tmp_path):
 
 
 def env():
-  out = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # the script fakes its own
+  out = child_env()  # the script fakes its own devices
   out['JAX_PLATFORMS'] = 'cpu'
   return out
 

@@ -10,6 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from _models import child_env
 
 from zerojax._src import program_cache
 
@@ -98,7 +99,7 @@ def test_the_default_folder_follows_the_environment(monkeypatch, tmp_path):
 
 
 def _plan(*args, cache):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = child_env()
   env['ZEROJAX_CACHE_DIR'] = str(cache)
   return subprocess.run(
     [sys.executable, '-m', 'zerojax', 'plan', *args],

@@ -9,6 +9,7 @@ import sys
 import jax
 import optax
 import pytest
+from _models import child_env
 
 import zerojax
 from zerojax._src import search, search_report
@@ -87,7 +88,7 @@ def test_nothing_fits_says_what_would(tmp_path):
 
 
 def _cli(*args, timeout=600):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = child_env()
   return subprocess.run(
     [sys.executable, '-m', 'zerojax', 'plan', *args],
     capture_output=True,
