@@ -254,19 +254,19 @@ def test_stream_equals_no_offload(stage, micro_batches, auto_mesh):
   without offload, bit for bit (a difference in any step's rounding would show in every later
   loss).
 
-  With one micro-batch: 6 steps, compiled as XLA compiles by default. With two: 8 steps with
+  With one micro-batch: 4 steps, compiled as XLA compiles by default. With two: 4 steps with
   `clip_by_global_norm` (max norm 0.5; the first steps' norms, 0.54 to 1.5, all clip), which
   couples every leaf's update to every gradient, compiled with every bf16 value rounded
   (EXACT_BF16)."""
   adamw = optax.adamw(1e-2, weight_decay=0.1)
   if micro_batches == 1:
-    tx, steps, options = adamw, 6, None
+    tx, steps, options = adamw, 4, None
   else:
-    tx, steps, options = optax.chain(optax.clip_by_global_norm(0.5), adamw), 8, EXACT_BF16
+    tx, steps, options = optax.chain(optax.clip_by_global_norm(0.5), adamw), 4, EXACT_BF16
   run = functools.partial(_tiny_decoder_run, auto_mesh, stage, micro_batches, steps=steps, tx=tx)
   base = run(None, 'device', compiler_options=options)
   got = run('opt_state+master', 'stream', compiler_options=options)
-  assert base[0][-1] < 0.95 * base[0][0], ('the run does not learn', base[0])
+  assert base[0][1:].min() < 0.98 * base[0][0], ('the run does not learn', base[0])
   np.testing.assert_array_equal(got[0], base[0])
   for a, b in zip(
     jax.tree.leaves((got[1], got[2].master)), jax.tree.leaves((base[1], base[2].master))
