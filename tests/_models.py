@@ -61,27 +61,26 @@ def shard_batch(mesh, *arrays):
   return jax.device_put(arrays, NamedSharding(mesh, PartitionSpec('data')))
 
 
-def plain_run(tx: optax.GradientTransformation, steps: int, *, extra: bool = False):
-  """Reference: plain optax on one device."""
+def plain_steps(tx: optax.GradientTransformation, *, extra: bool = False):
+  """Plain optax on one device: the first carry (params, state), the step's other arguments
+  (none) and the step, `step(carry, *args) -> carry`."""
   params = mlp_params()
   x, y = batch()
   tx = optax.with_extra_args_support(tx)  # extra args reach only optimizers that take them
-  state = tx.init(params)
 
-  @jax.jit
-  def step(params, state):
+  def step(carry):
+    params, state = carry
     value, grads = jax.value_and_grad(loss_fn)(params, x, y)
     kwargs = dict(value=value, grad=grads, value_fn=lambda p: loss_fn(p, x, y)) if extra else {}
     updates, state = tx.update(grads, state, params, **kwargs)
     return optax.apply_updates(params, updates), state
 
-  for _ in range(steps):
-    params, state = step(params, state)
-  return params
+  return (params, tx.init(params)), (), step
 
 
-def zero_run(tx, mesh, stage: int, steps: int, *, extra: bool = False):
-  """The same training under `zero_stage`; returns params, opt_state and the plan."""
+def zero_steps(tx, mesh, stage: int, *, extra: bool = False):
+  """The same under `zero_stage`: the first carry (params, opt_state) placed as its plan
+  says, the step's other arguments (the batch), the step and the plan."""
   ztx = zerojax.zero_stage(tx, stage, mesh=mesh)
   params = mlp_params()
   opt_state = ztx.init(params)
@@ -89,8 +88,9 @@ def zero_run(tx, mesh, stage: int, steps: int, *, extra: bool = False):
   params = jax.device_put(params, plan.params)
   x, y = shard_batch(mesh, *batch())
 
-  @jax.jit
-  def step(params, opt_state, x, y):
+  def step(carry, x, y):
+    params, opt_state = carry
+
     def loss(p):
       return loss_fn(zerojax.gather(p, plan), x, y)
 
@@ -99,8 +99,26 @@ def zero_run(tx, mesh, stage: int, steps: int, *, extra: bool = False):
     updates, opt_state = ztx.update(grads, opt_state, params, **kwargs)
     return optax.apply_updates(params, updates), opt_state
 
+  return (params, opt_state), (x, y), step, plan
+
+
+def run_steps(carry, args, step, steps: int):
+  """`step(carry, *args)` applied `steps` times, jitted."""
+  step = jax.jit(step)
   for _ in range(steps):
-    params, opt_state = step(params, opt_state, x, y)
+    carry = step(carry, *args)
+  return carry
+
+
+def plain_run(tx: optax.GradientTransformation, steps: int, *, extra: bool = False):
+  """Reference: plain optax on one device."""
+  return run_steps(*plain_steps(tx, extra=extra), steps)[0]
+
+
+def zero_run(tx, mesh, stage: int, steps: int, *, extra: bool = False):
+  """The same training under `zero_stage`; returns params, opt_state and the plan."""
+  carry, args, step, plan = zero_steps(tx, mesh, stage, extra=extra)
+  params, opt_state = run_steps(carry, args, step, steps)
   return params, opt_state, plan
 
 

@@ -34,11 +34,13 @@ from jax.sharding import AxisType  # noqa: E402
 
 NUM_DEVICES = 8
 
-# Modules whose tests share work behind a lock (test_distributed.py's session fixture trains
-# once for all its tests): run each on one worker, or the other waits on the lock. pytest-xdist's
+# Modules whose tests share work: test_distributed.py's session fixture trains once for all its
+# tests behind a lock (the other worker would wait on it), test_zero_stage.py compiles each form
+# of every optimizer's run as one program (the other worker would compile it again). Each runs
+# whole on one worker. pytest-xdist's
 # own `xdist_group` marks do not group on pytest 9.2 (the group is written into `_nodeid`, which
 # pytest 9.2 no longer reads), so the groups are given here, by module, to its scheduler.
-GROUPED_MODULES = ('test_distributed.py',)
+GROUPED_MODULES = ('test_distributed.py', 'test_zero_stage.py')
 
 
 def pytest_xdist_make_scheduler(config, log):
