@@ -231,11 +231,11 @@ def test_linen_and_nnx_versions_agree(mesh):
 
 
 def test_gpt_resume_from_checkpoint_is_bitwise_exact(tmp_path):
-  # The example GPT at half its width and depth: the same code paths, compiled in half the time.
-  small = dict(stage=3, cfg=gpt.Config(d_model=64, n_layers=2), log_every=1, quiet=True)
-  whole = gpt.run(steps=8, **small)
-  gpt.run(steps=5, checkpoint_dir=str(tmp_path), save_every=3, **small)
-  resumed = gpt.run(steps=8, checkpoint_dir=str(tmp_path), save_every=3, **small)
+  whole = gpt.run(stage=3, steps=8, log_every=1, quiet=True)
+  gpt.run(stage=3, steps=5, log_every=1, quiet=True, checkpoint_dir=str(tmp_path), save_every=3)
+  resumed = gpt.run(
+    stage=3, steps=8, log_every=1, quiet=True, checkpoint_dir=str(tmp_path), save_every=3
+  )
   assert resumed['losses'][0][0] == 5  # continued at the saved data position
   for a, b in zip(jax.tree.leaves(resumed['state'].params), jax.tree.leaves(whole['state'].params)):
     assert np.array_equal(np.asarray(a), np.asarray(b))
