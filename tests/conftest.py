@@ -38,9 +38,13 @@ def _xla_takes(flag: str) -> bool:
 # 14 min). Both are XLA's own code generators; the optimized HLO keeps its collectives and
 # differs in how lone instructions are wrapped for the emitter, and results in the order of
 # rounding. XLA_FLAGS that name the flag are kept as they are.
-_EMITTERS = '--xla_cpu_use_fusion_emitters'
-if _EMITTERS not in os.environ['XLA_FLAGS'] and _xla_takes(f'{_EMITTERS}=false'):
-  os.environ['XLA_FLAGS'] += f' {_EMITTERS}=false'
+# The test workers inherit the verdict: the flag in XLA_FLAGS, or this variable where XLA lacks it.
+_EMITTERS, _LACKED = '--xla_cpu_use_fusion_emitters', 'ZEROJAX_TEST_XLA_LACKS_EMITTERS_FLAG'
+if _EMITTERS not in os.environ['XLA_FLAGS'] and _LACKED not in os.environ:
+  if _xla_takes(f'{_EMITTERS}=false'):
+    os.environ['XLA_FLAGS'] += f' {_EMITTERS}=false'
+  else:
+    os.environ[_LACKED] = '1'
 
 # The planner's compiled TPU programs (`program_cache`) are kept for this run only, in one
 # folder the test workers share (they inherit this variable), never in ~/.cache.
