@@ -76,6 +76,39 @@ def test_a_plan_flag_the_mode_does_not_read_is_an_error(args, message):
   assert proc.stderr.strip().endswith(message), proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize(
+  'args, code, message',
+  [
+    (
+      ['--compiler-option', 'xla_tpu_rematerialization_min_size_in_bytes'],
+      2,
+      'error: argument --compiler-option: expected NAME=VALUE, got'
+      " 'xla_tpu_rematerialization_min_size_in_bytes' (e.g."
+      ' xla_tpu_rematerialization_min_size_in_bytes=33554432)',
+    ),
+    (
+      ['--compiler-option', 'xla_no_such_option=1'],
+      1,
+      'error: --compiler-option xla_no_such_option=1: the compiler for cpu:8 refused it:'
+      " INVALID_ARGUMENT: No such compile option: 'xla_no_such_option'. Option names and values"
+      ' are those of the installed jaxlib and libtpu.',
+    ),
+    (
+      ['--search', '--compiler-option', 'xla_no_such_option=true'],
+      1,
+      'error: --compiler-option xla_no_such_option=True: the compiler for cpu:8 refused it:',
+    ),
+  ],
+)
+def test_a_compiler_option_is_checked_before_the_step_compiles(args, code, message):
+  """A malformed --compiler-option is an argument error; one the compiler does not know is
+  refused by compiling a one-line program with it, before the model is built."""
+  proc = _cli('--topology', 'cpu:8', *args)
+  assert proc.returncode == code
+  assert message in proc.stderr, proc.stderr[-2000:]
+  assert 'command:' not in proc.stdout
+
+
 def test_a_single_plan_reports_its_command_and_host_traffic(tmp_path):
   """A single plan takes the offload flags, prints the command that reproduces it first, and
   reports the host link's bytes: on cpu:N by formula (XLA:CPU keeps no memory spaces),

@@ -506,6 +506,32 @@ def test_the_streamed_70b_plan_with_chunked_attention_is_committed_for_both_comp
     assert f'with `--attention-chunk 512`, {gib(plan)} GiB at 1.002x' in readme
 
 
+def test_the_streamed_70b_plan_without_the_compilers_regathers_is_at_the_floor():
+  """`plan_llama2-70b_v5e-4x8_noregather.libtpu-*`: the chunked streamed plan compiled with
+  `--compiler-option xla_tpu_rematerialization_min_size_in_bytes=33554432`, on each paired
+  compiler: 81 all-gathers fewer (the key and value weights' re-gathers), at or under the ZeRO
+  floor, and the same peak within a MiB; docs/results.md and the README quote it."""
+  floor_ratio = lambda p: sum(p['collectives']['ring_bytes'].values()) / p['zero_floor_bytes']
+  gib = lambda p: f'{p["memory"]["peak"] / 2**30:.2f}'
+  option = 'xla_tpu_rematerialization_min_size_in_bytes'
+  readme = ' '.join((ROOT / 'README.md').read_text().split())
+  results = (ROOT / 'docs' / 'results.md').read_text()
+  for version in ('0.0.42', '0.0.50'):
+    chunked = _json(f'plan_llama2-70b_v5e-4x8_chunked.libtpu-{version}.json')
+    plan = _json(f'plan_llama2-70b_v5e-4x8_noregather.libtpu-{version}.json')
+    command = plan['command'].split(' --json ')[0]
+    assert (
+      command == chunked['command'].split(' --json ')[0] + f' --compiler-option {option}=33554432'
+    )
+    assert plan['compiler_options'] == {option: 33554432}
+    gathers = lambda p: p['collectives']['counts']['all-gather']
+    assert gathers(chunked) - gathers(plan) == 81, (gathers(chunked), gathers(plan))
+    assert floor_ratio(plan) <= 1.0 and f'{floor_ratio(plan):.3f}' == '0.999'
+    assert plan['fits'] and abs(plan['memory']['peak'] - chunked['memory']['peak']) < 2**20
+    assert f'| {gib(plan)} / {gib(plan)} | 0.999 |' in results
+  assert f'{gib(plan)} GiB at 0.999x' in readme and option in readme
+
+
 def test_the_committed_searches_are_those_of_both_supported_compilers():
   """Each TPU search is committed once per supported end's compiler (libtpu 0.0.42 with jax
   0.10.2, 0.0.50 with jax 0.12), with the same command, and none from another compiler is left

@@ -52,6 +52,27 @@ def test_whatever_decides_the_program_is_in_its_key(tmp_path, monkeypatch):
   assert program_cache.program_key(_lowered(), 'v5e:2x4') != key  # another compiler
   monkeypatch.undo()
   assert program_cache.program_key(_lowered(), 'v5e:2x4') == key
+  options = {'xla_tpu_rematerialization_min_size_in_bytes': 33554432}
+  assert program_cache.program_key(_lowered(), 'v5e:2x4', options) != key  # compiler options
+  assert program_cache.program_key(_lowered(), 'v5e:2x4', {}) == key  # none: keys kept as before
+
+
+@pytest.mark.parametrize('cached', [False, True])
+def test_compiler_options_reach_the_compiler_and_name_their_own_record(tmp_path, cached):
+  """`compiler_options` (the planner's --compiler-option) go to the compile, here XLA's
+  dump options, whose files show they arrived; with a cache they key a record of their own."""
+  dump = tmp_path / 'dump'
+  options = {'xla_dump_to': str(dump), 'xla_dump_hlo_as_text': True}
+  cache = tmp_path / 'cache' if cached else None
+  done = program_cache.compile_program(
+    _lowered(), topology='cpu:8', cache_dir=cache, compiler_options=options
+  )
+  assert done.source == 'compiled'
+  assert list(dump.glob('*after_optimizations.txt')), sorted(p.name for p in dump.iterdir())
+  if cached:
+    plain = program_cache.compile_program(_lowered(), topology='cpu:8', cache_dir=cache)
+    assert plain.source == 'compiled'  # not the record compiled with the options
+    assert len(list(cache.rglob('*.json.gz'))) == 2
 
 
 def test_a_record_cut_short_is_compiled_again_and_rewritten(tmp_path):

@@ -204,6 +204,24 @@ def _check_plan_flags(parser: argparse.ArgumentParser, p: argparse.ArgumentParse
     )
 
 
+def _compiler_option(text: str) -> tuple[str, Any]:
+  """NAME=VALUE for the compiler; the value an int, a float, true/false or else text."""
+  name, eq, value = text.partition('=')
+  if not eq or not name.strip() or not value.strip():
+    raise argparse.ArgumentTypeError(
+      f'expected NAME=VALUE, got {text!r} (e.g. xla_tpu_rematerialization_min_size_in_bytes=33554432)'
+    )
+  value = value.strip()
+  if value.lower() in ('true', 'false'):
+    return name.strip(), value.lower() == 'true'
+  for kind in (int, float):
+    try:
+      return name.strip(), kind(value)
+    except ValueError:
+      pass
+  return name.strip(), value
+
+
 def _on_off(text: str) -> bool:
   if text not in ('on', 'off'):
     raise ValueError(text)
@@ -268,7 +286,7 @@ def cmd_search(args) -> int:
         f' for {args.topology} ({len(devices)} chips)', flush=True)  # fmt: skip
   report = search.run_search(
     target, candidates, invalid=invalid, hbm_bytes=hbm, measure=args.topology.startswith('cpu:'),
-    cache_dir=_cache_dir(args),
+    cache_dir=_cache_dir(args), compiler_options=dict(args.compiler_options),
   )  # fmt: skip
   text = f'command: {args.command_line}\n' + search_report.format_search(report)
   print('\n' + text)
@@ -292,20 +310,49 @@ def cmd_search(args) -> int:
   return 0
 
 
+def _check_compiler_options(args) -> None:
+  """Refuses, in a second, a --compiler-option the topology's compiler does not take, before
+  a compile of minutes: a one-line program is compiled with the options first."""
+  import jax
+  import jax.numpy as jnp
+
+  options = dict(args.compiler_options)
+  if not options:
+    return
+  device = _devices(args.topology)[0][0]
+  x = jax.ShapeDtypeStruct(
+    (8, 128), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device)
+  )
+  try:
+    jax.jit(lambda a: a + 1).trace(x).lower().compile(compiler_options=options)
+  except jax.errors.JaxRuntimeError as e:
+    given = ' '.join(f'--compiler-option {k}={v}' for k, v in options.items())
+    raise SystemExit(
+      f'error: {given}: the compiler for {args.topology} refused it: {str(e).splitlines()[0]}.'
+      ' Option names and values are those of the installed jaxlib and libtpu.'
+    ) from None
+
+
 def cmd_plan(args) -> int:
+  _check_compiler_options(args)
   if args.search:
     return cmd_search(args)
   print(f'command: {args.command_line}', flush=True)
   start = time.perf_counter()
   built = _build_step(args, start)
-  _log(start, 'lowered; compiling (large models take minutes on a small machine)')
+  options = dict(args.compiler_options)
+  given = f' with compiler options {options}' if options else ''
+  _log(start, f'lowered; compiling{given} (large models take minutes on a small machine)')
   from rich.console import Console
 
   from zerojax._src import program_cache
 
   with Console(stderr=True).status('compiling...'):
     done = program_cache.compile_program(
-      built['lowered'], topology=args.topology, cache_dir=_cache_dir(args)
+      built['lowered'],
+      topology=args.topology,
+      cache_dir=_cache_dir(args),
+      compiler_options=options,
     )
   compiled, text = done.program, done.text
   built['compile_seconds'] = done.seconds
@@ -323,6 +370,7 @@ def cmd_plan(args) -> int:
   phases['report'] = time.perf_counter() - t
   _log(start, 'reported; ' + ', '.join(f'{k} {v:.1f} s' for k, v in phases.items()))
   if args.json:
+    out['compiler_options'] = options
     out['compile_seconds'] = built['compile_seconds']
     out['program_source'] = done.source
     out['phase_seconds'] = phases | {'total': time.perf_counter() - start}
@@ -841,6 +889,16 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
     ' to host memory layer by layer in the backward pass; needs --mixed-precision)',
   )
   p.add_argument('--json', help='also write the report as JSON here')
+  p.add_argument(
+    '--compiler-option',
+    dest='compiler_options',
+    type=_compiler_option,
+    action='append',
+    default=[],
+    metavar='NAME=VALUE',
+    help='an XLA or libtpu option to compile the step with (repeatable), as jax.jit(...,'
+    ' compiler_options={NAME: VALUE}) takes it: pass the same to the training run',
+  )
   from zerojax._src import program_cache
 
   p.add_argument(

@@ -93,9 +93,10 @@ def _versions() -> dict[str, str]:
   return found
 
 
-def program_key(lowered: Any, topology: str) -> str:
+def program_key(lowered: Any, topology: str, compiler_options: dict[str, Any] | None = None) -> str:
   """sha256 of what decides the compiled program: the lowered module, the topology,
-  the jax, jaxlib and libtpu versions, and the flags XLA and libtpu read."""
+  the jax, jaxlib and libtpu versions, the flags XLA and libtpu read and the compiler
+  options passed with the program."""
   h = hashlib.sha256()
   context = {
     'format': FORMAT,
@@ -103,6 +104,8 @@ def program_key(lowered: Any, topology: str) -> str:
     'versions': _versions(),
     'flags': {k: os.environ.get(k, '') for k in ('XLA_FLAGS', 'LIBTPU_INIT_ARGS')},
   }
+  if compiler_options:  # keys written before options existed stay the same without them
+    context['compiler_options'] = {k: str(v) for k, v in compiler_options.items()}
   h.update(json.dumps(context, sort_keys=True).encode())
   h.update(lowered.as_text().encode())
   return h.hexdigest()
@@ -173,6 +176,7 @@ def compile_program(
   topology: str,
   cache_dir: str | os.PathLike | None = None,
   memo: dict[str, dict] | None = None,
+  compiler_options: dict[str, Any] | None = None,
 ) -> Compiled:
   """Compiles `lowered`, or reads back the record of the same program compiled before.
 
@@ -181,6 +185,7 @@ def compile_program(
     topology: the topology it is compiled for (part of the key).
     cache_dir: where records are kept between runs; None keeps none.
     memo: records of this run (a search's earlier candidates), by key.
+    compiler_options: XLA or libtpu options for this compile (part of the key).
 
   Returns:
     A `Compiled`; its `program` is the executable when it was compiled here.
@@ -194,10 +199,10 @@ def compile_program(
 
   if cache_dir is None and memo is None:
     start = time.perf_counter()
-    program, text = report_lib.compile_with_text(lowered)
+    program, text = report_lib.compile_with_text(lowered, compiler_options)
     seconds = time.perf_counter() - start
     return Compiled(program, text, 'compiled', seconds, seconds)
-  key = program_key(lowered, topology)
+  key = program_key(lowered, topology, compiler_options)
   if memo is not None and key in memo:
     return _from_record(memo[key], 'memo')
   path = None if cache_dir is None else _path(Path(cache_dir).expanduser(), key)
@@ -209,7 +214,7 @@ def compile_program(
   start = time.perf_counter()
   base = {'format': FORMAT, 'topology': topology, 'versions': _versions()}
   try:
-    program, text = report_lib.compile_with_text(lowered)
+    program, text = report_lib.compile_with_text(lowered, compiler_options)
   except jax.errors.JaxRuntimeError as e:
     if runtime.is_out_of_memory(e):
       _keep(path, memo, key, base | {'error': str(e)})

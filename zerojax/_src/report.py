@@ -191,26 +191,31 @@ def _process_devices(plan: Any) -> dict[int, int]:
   return dict(sorted(counts.items()))
 
 
-def compile_with_text(lowered: Any) -> tuple[Any, str]:
-  """Compiles `lowered` and returns the program with its optimized HLO text.
+def compile_with_text(
+  lowered: Any, compiler_options: dict[str, Any] | None = None
+) -> tuple[Any, str]:
+  """Compiles `lowered` (with `compiler_options`, as `jax.jit(..., compiler_options=...)`
+  takes them) and returns the program with its optimized HLO text.
 
   The text is `as_text()`'s where it can print the program. Some jax and
   libtpu pairs (jax 0.10 with libtpu 0.0.52) cannot print v5p and v6e programs
   that hold asynchronous updates (an XLA RET_CHECK on their arity); where
   `as_text()` fails, the text is read from XLA's dump (`dumped_hlo_text`).
   """
-  compiled = lowered.compile()
+  compiled = lowered.compile(compiler_options=compiler_options or None)
   try:
     return compiled, compiled.as_text()
   except jax.errors.JaxRuntimeError as e:
     try:
-      return dumped_hlo_text(lowered)
+      return dumped_hlo_text(lowered, compiler_options)
     except Exception as dump_error:
       e.add_note(f"zerojax: reading the program from XLA's dump failed too: {dump_error}")
       raise e from None
 
 
-def dumped_hlo_text(lowered: Any) -> tuple[Any, str]:
+def dumped_hlo_text(
+  lowered: Any, compiler_options: dict[str, Any] | None = None
+) -> tuple[Any, str]:
   """Compiles `lowered` with XLA's dump options and reads the optimized HLO it wrote.
 
   The same program as `as_text()` prints, as written by the compiler itself.
@@ -221,7 +226,7 @@ def dumped_hlo_text(lowered: Any) -> tuple[Any, str]:
     RuntimeError: XLA did not dump exactly one optimized module.
   """
   with tempfile.TemporaryDirectory() as folder:
-    options = {'xla_dump_to': folder, 'xla_dump_hlo_as_text': True}
+    options = {**(compiler_options or {}), 'xla_dump_to': folder, 'xla_dump_hlo_as_text': True}
     compiled = lowered.compile(compiler_options=options)
     dumped = glob.glob(os.path.join(folder, '*after_optimizations.txt'))
     if len(dumped) != 1:

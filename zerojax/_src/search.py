@@ -420,11 +420,13 @@ def evaluate(
   hbm_bytes: int | None,
   cache_dir: Any = None,
   memo: dict | None = None,
+  compiler_options: dict[str, Any] | None = None,
 ) -> Result:
   """Theory first (states at rest, host bytes), then the compiled program's own figures.
 
   `cache_dir` and `memo` (`program_cache.compile_program`) let a program lowered before,
   in an earlier run or by an earlier candidate, be read back instead of compiled again.
+  `compiler_options` go to the compiler with every candidate.
   """
   from zerojax._src import program_cache
 
@@ -452,7 +454,11 @@ def evaluate(
   start = time.perf_counter()
   try:
     done = program_cache.compile_program(
-      lowered, topology=target.topology, cache_dir=cache_dir, memo=memo
+      lowered,
+      topology=target.topology,
+      cache_dir=cache_dir,
+      memo=memo,
+      compiler_options=compiler_options,
     )
   except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses what cannot fit
     if not runtime.is_out_of_memory(e):
@@ -554,6 +560,7 @@ def run_search(
   progress: bool = True,
   measure: bool = False,
   cache_dir: Any = None,
+  compiler_options: dict[str, Any] | None = None,
 ) -> SearchReport:
   """Evaluates every candidate (theory, then the compiled program) and ranks them.
 
@@ -568,6 +575,8 @@ def run_search(
     cache_dir: where compiled programs are kept between runs
       (`program_cache.default_dir()` for the planner's); None keeps none. Within
       the search, a candidate that lowers to an earlier one's program reuses it.
+    compiler_options: XLA or libtpu options every candidate is compiled with (pass the
+      same to `jax.jit` in the training run).
 
   Returns:
     A `SearchReport`.
@@ -582,7 +591,14 @@ def run_search(
     task = bar.add_task('compiling candidates', total=len(candidates))
     for c in candidates:
       bar.update(task, description=f'{c.label():<60}')
-      r = evaluate(target, c, hbm_bytes=hbm, cache_dir=None if measure else cache_dir, memo=memo)
+      r = evaluate(
+        target,
+        c,
+        hbm_bytes=hbm,
+        cache_dir=None if measure else cache_dir,
+        memo=memo,
+        compiler_options=compiler_options,
+      )
       if measure and r.fits:
         r.measured_seconds = _measure_cpu(r)
       for attr in ('_compiled', '_state', '_batch'):  # free the compiled program
@@ -695,6 +711,7 @@ def search_plans(
   hbm_bytes: int | None = None,
   progress: bool = True,
   cache_dir: Any = None,
+  compiler_options: dict[str, Any] | None = None,
   **space: Any,
 ) -> SearchReport:
   """Which ZeRO configuration for `model` on `topology`: every candidate compiled ahead of time.
@@ -714,6 +731,8 @@ def search_plans(
     cache_dir: keep compiled TPU programs here and read back those compiled before
       (`program_cache`; the command line's default is `program_cache.default_dir()`);
       None keeps none between runs.
+    compiler_options: XLA or libtpu options every candidate is compiled with, as
+      `jax.jit(..., compiler_options=...)` takes them.
     **space: `candidate_space`'s options (stages, layouts, micro_batches, remat,
       prefetch, offload, update_on, quantize, batch_per_chip, slices).
 
@@ -752,6 +771,7 @@ def search_plans(
     progress=progress,
     measure=topology.startswith('cpu:'),
     cache_dir=cache_dir,
+    compiler_options=compiler_options,
   )
 
 
