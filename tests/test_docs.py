@@ -489,7 +489,8 @@ def test_the_streamed_70b_plan_with_chunked_attention_is_committed_for_both_comp
   """`plan_llama2-70b_v5e-4x8_chunked.libtpu-*`: the streamed 4x8 plan with attention 512
   queries at a time, on each paired compiler: the same command plus `--attention-chunk 512`, a
   lower peak than the plain one, and the ring bytes docs/results.md quotes (1.002x the floor,
-  the compiler's re-gathers of the key and value weights; the bound 1.00x is not met)."""
+  the compiler's re-gathers of the key and value weights, which the `_noregather` plan's
+  compiler option removes)."""
   floor_ratio = lambda p: sum(p['collectives']['ring_bytes'].values()) / p['zero_floor_bytes']
   gib = lambda p: f'{p["memory"]["peak"] / 2**30:.2f}'
   plain = _json('plan_llama2-70b_v5e-4x8.libtpu-0.0.42.json')
