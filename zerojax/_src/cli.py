@@ -906,7 +906,7 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
     default=str(program_cache.default_dir()),
     help='keep what the planner reads from each compiled TPU program here, and read it back'
     ' when the same program is planned again (by a plan or a search; keyed by the lowered'
-    ' program, topology, jax/jaxlib/libtpu versions and XLA flags; default from'
+    ' program, topology, jax/jaxlib/libtpu versions, XLA flags and compiler options; default from'
     f' ${program_cache.ENV})',
   )
   p.add_argument(
