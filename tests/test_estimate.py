@@ -115,6 +115,26 @@ def test_plan_command_for_tpu_topology(tmp_path):
   assert report['collectives']['counts']['reduce-scatter'] >= 1
 
 
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_plan_for_a_chip_without_published_figures_says_why_it_has_no_step_time(tmp_path):
+  # TPU v4 compiles, so memory and collectives are the compiler's; its peak and bandwidths
+  # are not in zerojax's chip table, so the step is not timed, and the plan says so.
+  pytest.importorskip('libtpu', reason='needs the tpu extra')
+  out = tmp_path / 'plan.json'
+  proc = run_cli(
+    'plan', '--model', 'tiny', '--topology', 'v4:2x2x1', '--seq-len', '128', '--json', str(out)
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert (
+    'no predicted step: zerojax has no published figures (peak FLOP/s, HBM and ICI bandwidth)'
+    " for 'v4' chips, so the memory and collectives above are its compiler's but the step"
+    ' cannot be timed; plan a chip it has figures for (v5e, v5p, v6e) for a step time.'
+  ) in proc.stderr
+  assert json.loads(out.read_text())['predicted_seconds'] is None
+  assert 'predicted step' not in proc.stdout
+
+
 @pytest.mark.slow
 def test_plan_command_on_a_two_axis_mesh(tmp_path):
   # One ZeRO axis per grid dimension, gradients through zerojax.value_and_grad:

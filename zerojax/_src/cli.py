@@ -565,7 +565,7 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
   print(
     f'matmul FLOPs per chip per step (counted in the compiled program): {work.matmul_flops:.4g}'
   )
-  predicted = _print_prediction(chip, candidate, report, work, traffic)
+  predicted = _print_prediction(args.topology, chip, candidate, report, work, traffic)
   return {
     'command': args.command_line, 'model': spec.name, 'num_params': built['num_params'],
     'stage': args.stage, 'mixed_precision': args.mixed_precision, 'offload': args.offload,
@@ -594,12 +594,23 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
   }  # fmt: skip
 
 
-def _print_prediction(chip: Any, candidate: Any, report: Any, work: Any, traffic: dict):
+def _print_prediction(
+  topology: str, chip: Any, candidate: Any, report: Any, work: Any, traffic: dict
+):
   """Prints the predicted step (the step-time model of docs/design.md) and returns it; None
-  for a chip without published figures."""
+  for faked CPU devices, and for a chip without published figures, which it says."""
   from zerojax._src import search
 
   if chip is None:
+    name = topology.split(':')[0]
+    if name != 'cpu':
+      print(
+        f'no predicted step: zerojax has no published figures (peak FLOP/s, HBM and ICI'
+        f' bandwidth) for {name!r} chips, so the memory and collectives above are its'
+        f" compiler's but the step cannot be timed; plan a chip it has figures for"
+        f' ({", ".join(sorted(search.CHIPS))}) for a step time.',
+        file=sys.stderr,
+      )
     return None
   c = report.collectives
   costed = search.Result(
