@@ -1,4 +1,4 @@
-"""The planner against MaxText's published v5p training throughput (one slice, and two).
+"""The planner against MaxText's published TPU training throughput (v5p and v5e; one slice, two).
 
 For each single-slice row MaxText published for TPU v5p (its configs/v5p README:
 measured runs, sequence 2048, Adam, bf16 compute), this plans the same model,
@@ -16,6 +16,11 @@ Writes maxtext_v5p.libtpu-VERSION.json and each row's plan report beside it
 supported jax), and maxtext_v5p.md: every compiler's rows side by side (row,
 predicted, published, ratio, peak, fits). Each row compiles a 32B-256B model for
 64-512 chips: minutes per row on a 2-core machine.
+
+With --chip v5e it plans MaxText's v5e-256 rows instead (its configs/v5e README and scripts:
+the 16B, 32B and 64B models at 6, 4 and 2 sequences per chip, remat full, flash attention,
+FSDP over all 256 chips, which zerojax lays out as ZeRO-3 over both torus axes, --mesh 16x16),
+written as maxtext_v5e.* beside the v5p results.
 
 With --slices 2 it plans each row's two-slice run (MaxText's: the same slice twice, data
 parallel over the data-center network; `plan --slices 2`, hierarchical ZeRO) and checks the
@@ -50,6 +55,21 @@ ROWS = [
 # parallel over DCN", the same batch per chip).
 TWO_SLICES = {'32B': 319.0, '64B': 309.0, '128B': 305.0, '128B-512': 274.0, '256B': 289.0}
 
+# MaxText's v5e table (configs/v5e/README.md, measured on 1x and 2x v5e-256) with each
+# model's script: batch per chip 6 / 4 / 2, remat full, flash attention, FSDP over all chips.
+V5E_ROWS = [
+  ('16B', 4096, 64, 28672, 32, 'v5e:16x16', 1, 6, 120.0),
+  ('32B', 8192, 64, 28672, 32, 'v5e:16x16', 1, 4, 132.0),
+  ('64B', 8192, 64, 28672, 64, 'v5e:16x16', 1, 2, 118.0),
+]  # fmt: skip
+V5E_TWO_SLICES = {'16B': 117.0, '32B': 128.0, '64B': 112.0}
+
+# Per chip family: its rows, their two-slice figures and MaxText's rematerialisation there.
+CHIPS = {
+  'v5p': (ROWS, TWO_SLICES, 'minimal'),
+  'v5e': (V5E_ROWS, V5E_TWO_SLICES, 'full'),
+}
+
 
 def maxtext_flops(width, heads, mlp, layers, batch, seq=SEQ, vocab=VOCAB, head=HEAD) -> float:
   """MaxText's model FLOPs of one training step per chip (forward + backward = 3 x forward),
@@ -64,10 +84,13 @@ def maxtext_flops(width, heads, mlp, layers, batch, seq=SEQ, vocab=VOCAB, head=H
   return 3 * ((mlp_f + qkv + proj) * layers + embed) + 3 * attention * layers
 
 
-def plan_row(row, out: str, tag: str, reuse: bool = False, slices: int = 1) -> dict:
+def plan_row(
+  row, out: str, tag: str, reuse: bool = False, slices: int = 1, chip: str = 'v5p'
+) -> dict:
   name, width, heads, mlp, layers, topology, tensor, batch, published = row
+  _, two_slices, remat = CHIPS[chip]
   if slices > 1:
-    published = TWO_SLICES[name]
+    published = two_slices[name]
   chips = 1
   for d in topology.split(':')[1].split('x'):
     chips *= int(d)
@@ -76,12 +99,15 @@ def plan_row(row, out: str, tag: str, reuse: bool = False, slices: int = 1) -> d
     f'head_size={HEAD}'
   )
   stem = os.path.join(
-    out, f'maxtext_v5p_{name}' + (f'_{slices}slices' if slices > 1 else '') + f'.{tag}'
+    out, f'maxtext_{chip}_{name}' + (f'_{slices}slices' if slices > 1 else '') + f'.{tag}'
   )
+  # A tensor axis beside ZeRO's, or (FSDP over every chip) ZeRO over each torus axis.
+  grid = topology.split(':')[1]
+  mesh = f'data={chips // tensor},tensor={tensor}' if tensor > 1 else grid
   cmd = [
     sys.executable, '-m', 'zerojax', 'plan', '--model', model, '--topology', topology,
-    '--mesh', f'data={chips // tensor},tensor={tensor}', '--stage', '3',
-    '--batch-per-chip', str(batch), '--seq-len', str(SEQ), '--remat', 'minimal',
+    '--mesh', mesh, '--stage', '3',
+    '--batch-per-chip', str(batch), '--seq-len', str(SEQ), '--remat', remat,
     '--attention', 'flash', *(['--slices', str(slices)] if slices > 1 else []),
     '--json', os.path.relpath(stem + '.json'),
   ]  # fmt: skip
@@ -124,11 +150,11 @@ def compiler_tag() -> str:
   return 'libtpu-' + '.'.join(getattr(libtpu, '__version__', '?').split('.')[:3])
 
 
-def table(out: str) -> list[str]:
+def table(out: str, chip: str = 'v5p') -> list[str]:
   """The rows of every compiler's results in `out`, side by side (one column group each)."""
   runs = {}
   for name in sorted(os.listdir(out)):
-    if name.startswith('maxtext_v5p.libtpu-') and name.endswith('.json'):
+    if name.startswith(f'maxtext_{chip}.libtpu-') and name.endswith('.json'):
       with open(os.path.join(out, name)) as f:
         run = json.load(f)
       runs[run['versions']['libtpu']] = {r['row']: r for r in run['rows']}
@@ -139,13 +165,13 @@ def table(out: str) -> list[str]:
     head += f' predicted ({v}) | ratio | peak GiB | fits |'
     rule += '---|---|---|---|'
   lines = [
-    'MaxText v5p, one slice: TFLOP/s per chip predicted by `python -m zerojax plan` with each'
-    ' TPU compiler, against the published figure',
+    f'MaxText {chip}, one slice: TFLOP/s per chip predicted by `python -m zerojax plan` with'
+    ' each TPU compiler, against the published figure',
     '',
     head,
     rule,
   ]
-  for row in ROWS:
+  for row in CHIPS[chip][0]:
     got = [runs[v].get(row[0]) for v in order]
     if not any(got):
       continue
@@ -181,18 +207,18 @@ def scaling_rows(one: list[dict], two: list[dict]) -> list[dict]:
   return out
 
 
-def scaling_table(out: str) -> list[str]:
+def scaling_table(out: str, chip: str = 'v5p') -> list[str]:
   """Every compiler's scaling rows in `out`, one line each."""
   lines = [
-    'MaxText v5p, two slices over the data-center network: predicted two-slice / one-slice'
-    ' TFLOP/s per chip against the published ratio (`plan --slices 2`)',
+    f'MaxText {chip}, two slices over the data-center network: predicted two-slice /'
+    ' one-slice TFLOP/s per chip against the published ratio (`plan --slices 2`)',
     '',
     '| row | compiler | predicted 1 slice | predicted 2 slices | predicted scaling |'
     ' published scaling | difference (points) | DCN / floor | DCN s (exposed) | peak GiB | fits |',
     '|---|---|---|---|---|---|---|---|---|---|---|',
   ]
   for name in sorted(os.listdir(out)):
-    if not (name.startswith('maxtext_v5p_slices.libtpu-') and name.endswith('.json')):
+    if not (name.startswith(f'maxtext_{chip}_slices.libtpu-') and name.endswith('.json')):
       continue
     with open(os.path.join(out, name)) as f:
       run = json.load(f)
@@ -209,7 +235,10 @@ def scaling_table(out: str) -> list[str]:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--rows', default=','.join(r[0] for r in ROWS))
+  parser.add_argument(
+    '--chip', default='v5p', choices=sorted(CHIPS), help="whose published rows (MaxText's tables)"
+  )
+  parser.add_argument('--rows', default=None, help='comma-separated row names (default: all)')
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
   parser.add_argument(
     '--reuse', action='store_true', help="reuse a row's plan JSON already in --out (same command)"
@@ -222,33 +251,37 @@ def main() -> int:
   import jax
   import libtpu
 
-  tag = compiler_tag()
-  wanted = args.rows.split(',')
+  tag, chip = compiler_tag(), args.chip
+  rows = CHIPS[chip][0]
+  wanted = args.rows.split(',') if args.rows else [r[0] for r in rows]
+  unknown = sorted(set(wanted) - {r[0] for r in rows})
+  if unknown:
+    parser.error(f'--rows: no {chip} row {unknown}; the rows are {[r[0] for r in rows]}')
   results = []
-  for row in ROWS:
+  for row in rows:
     if row[0] in wanted:
       where = row[5] + (f' x {args.slices} slices' if args.slices > 1 else '')
       print(f'planning {row[0]} on {where} with {tag} ...', flush=True)
-      results.append(plan_row(row, args.out, tag, args.reuse, args.slices))
+      results.append(plan_row(row, args.out, tag, args.reuse, args.slices, chip))
       r = results[-1]
       print(f'  predicted {r["predicted_tflops"]:.0f} TFLOP/s, published {r["published_tflops"]:.0f}:'
             f' {r["ratio"]:.2f}x; peak {r["peak_gib"]:.1f} GiB; {r["wall_seconds"]:.0f} s', flush=True)  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
   if args.slices > 1:
-    with open(os.path.join(args.out, f'maxtext_v5p.{tag}.json')) as f:
+    with open(os.path.join(args.out, f'maxtext_{chip}.{tag}.json')) as f:
       one = json.load(f)['rows']
-    rows = scaling_rows(one, results)
-    with open(os.path.join(args.out, f'maxtext_v5p_slices.{tag}.json'), 'w') as f:
-      json.dump({'versions': versions, 'rows': rows, 'plans': results}, f, indent=2)
-    lines = scaling_table(args.out)
-    with open(os.path.join(args.out, 'maxtext_v5p_slices.md'), 'w') as f:
+    scaled = scaling_rows(one, results)
+    with open(os.path.join(args.out, f'maxtext_{chip}_slices.{tag}.json'), 'w') as f:
+      json.dump({'versions': versions, 'rows': scaled, 'plans': results}, f, indent=2)
+    lines = scaling_table(args.out, chip)
+    with open(os.path.join(args.out, f'maxtext_{chip}_slices.md'), 'w') as f:
       f.write('\n'.join(lines) + '\n')
     print('\n'.join(lines))
     return 0
-  with open(os.path.join(args.out, f'maxtext_v5p.{tag}.json'), 'w') as f:
+  with open(os.path.join(args.out, f'maxtext_{chip}.{tag}.json'), 'w') as f:
     json.dump({'versions': versions, 'rows': results}, f, indent=2)
-  lines = table(args.out)
-  with open(os.path.join(args.out, 'maxtext_v5p.md'), 'w') as f:
+  lines = table(args.out, chip)
+  with open(os.path.join(args.out, f'maxtext_{chip}.md'), 'w') as f:
     f.write('\n'.join(lines) + '\n')
   print('\n'.join(lines))
   return 0

@@ -172,6 +172,39 @@ def test_the_two_slice_check_is_committed_for_both_compilers():
     assert row in readme, row
 
 
+def test_the_v5e_check_is_committed_for_both_compilers_with_maxtexts_settings():
+  """bench_maxtext.py --chip v5e (MaxText's v5e-256 rows), one set per supported end's TPU
+  compiler: each row fits 16 GiB, made with MaxText's settings (remat full, flash attention,
+  ZeRO over both torus axes), its ratio the published figure over the predicted step's; the
+  two-slice runs at their DCN floor, each within 5 points of the published scaling; and the
+  README's tables the committed ones."""
+  import json
+
+  readme = README.read_text()
+  for version in ('0.0.42', '0.0.50'):
+    run = json.loads((RESULTS / f'maxtext_v5e.libtpu-{version}.json').read_text())
+    assert run['versions']['libtpu'].startswith(version)
+    rows = {r['row']: r for r in run['rows']}
+    assert sorted(rows) == ['16B', '32B', '64B']
+    for name, r in rows.items():
+      assert r['fits'] is True and r['peak_gib'] <= 16, (version, name, r['peak_gib'])
+      assert r['ratio'] == pytest.approx(
+        r['maxtext_flops_per_chip'] / r['predicted_step_seconds'] / 1e12 / r['published_tflops']
+      )
+      command = (RESULTS / f'maxtext_v5e_{name}.libtpu-{version}.txt').read_text().splitlines()[0]
+      for flag in ('--remat full', '--attention flash', '--mesh 16x16', '--topology v5e:16x16'):
+        assert flag in command, (flag, command)
+    two = json.loads((RESULTS / f'maxtext_v5e_slices.libtpu-{version}.json').read_text())
+    for r in two['rows']:
+      assert 1.0 <= r['dcn_over_floor'] <= 1.01 and r['fits'] is True, (version, r['row'])
+      assert abs(r['difference_points']) <= 5, (version, r['row'], r['difference_points'])
+  for table in ('maxtext_v5e.md', 'maxtext_v5e_slices.md'):
+    for row in (
+      line for line in (RESULTS / table).read_text().splitlines() if line.startswith('|')
+    ):
+      assert row in readme, row
+
+
 def test_readme_maxtext_table_is_the_committed_benchmark():
   """The README's check against MaxText's published v5p runs is the table
   benchmarks/bench_maxtext.py wrote (benchmarks/results/maxtext_v5p.md), row for row."""
