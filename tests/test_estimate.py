@@ -197,6 +197,24 @@ def test_plan_command_rejects_unknown_topology():
   assert "cannot compile for TPU topology 'v9z:3x3'" in proc.stderr
 
 
+@pytest.mark.tpu
+def test_a_slice_the_installed_compiler_cannot_form_is_named_not_blamed_on_the_install():
+  # With libtpu installed, the fix is another topology name, not installing the compiler.
+  libtpu = pytest.importorskip('libtpu', reason='needs the tpu extra')
+  del libtpu
+  import importlib.metadata
+
+  proc = run_cli('plan', '--model', 'tiny', '--topology', 'v5e:3x3')
+  assert proc.returncode == 1
+  lines = proc.stderr.strip().splitlines()
+  assert lines[-2].startswith("error: cannot compile for TPU topology 'v5e:3x3': "), lines
+  assert lines[-1] == (
+    f'libtpu {importlib.metadata.version("libtpu")} cannot form that slice; name one it can,'
+    ' like v5e:2x4, v5e:4x4, v5e:16x16, v5p:2x2x1, v5p:4x4x4 or v4:2x2x1.'
+  )
+  assert 'pip install' not in proc.stderr
+
+
 def test_estimate_command():
   proc = run_cli('estimate', '--params', '1e9', '--devices', '64')
   assert proc.returncode == 0, proc.stderr

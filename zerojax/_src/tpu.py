@@ -4,6 +4,7 @@ topology to compile for ahead of time, here or anywhere libtpu is installed."""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -98,11 +99,14 @@ def topology_devices(topology: str, slices: int = 1) -> list:
     with quiet_libtpu():
       desc = topologies.get_topology_desc(topology_name=topology, platform='tpu', **extra)
   except Exception as e:  # libtpu missing or an unknown topology name
-    raise ValueError(
-      f'cannot compile for TPU topology {topology!r}: {e}\n'
-      'Install the TPU compiler with `pip install zerojax[tpu]` (libtpu), and name a'
-      ' topology like v5e:2x4, v5e:16x16, v4:2x2x1 or v5p:2x2x1.'
-    ) from None
+    if importlib.util.find_spec('libtpu') is None:
+      fix = 'the TPU compiler is not installed: `pip install zerojax[tpu]` (libtpu).'
+    else:
+      fix = (
+        f'libtpu {importlib.metadata.version("libtpu")} cannot form that slice; name one it'
+        ' can, like v5e:2x4, v5e:4x4, v5e:16x16, v5p:2x2x1, v5p:4x4x4 or v4:2x2x1.'
+      )
+    raise ValueError(f'cannot compile for TPU topology {topology!r}: {e}\n{fix}') from None
   devices = list(desc.devices)
   # Slice by slice, each in the order libtpu lists it.
   return sorted(devices, key=lambda d: getattr(d, 'slice_index', 0) or 0)
