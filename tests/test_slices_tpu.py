@@ -126,6 +126,12 @@ def test_plan_slices_reports_both_networks(tmp_path):
     ),
     (('--slices', '0'), 'error: the number of slices must be a whole number >= 1, got 0.'),
     (
+      # The compiler would end the process (a failed check, no exception) at 512 slices.
+      ('--topology', 'v5e:2x2', '--slices', '512'),
+      'error: 512 slices of v5e:2x2: the TPU compiler stops the process when it compiles for 512'
+      ' slices or more (libtpu 0.0.42 and 0.0.50); plan at most 511, or fewer, larger slices.',
+    ),
+    (
       ('--topology', 'v5e:2x2', '--slices', '2', '--mesh', '4x4'),
       'error: --mesh 4x4 has 16 devices but one of the 2 slices has 4; give the chip grid, e.g.'
       ' --mesh 16x16 for v5e:16x16, or sizes whose product is 4 (--mesh describes one slice; the'

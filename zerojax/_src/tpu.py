@@ -66,6 +66,13 @@ def _entries(folder: str, keep) -> list[str]:
     return []
 
 
+# The TPU compilers the supported jax versions pair with (libtpu 0.0.42 and 0.0.50) end the
+# process when they compile for this many slices or more (a failed check in their
+# cross-slice rewrites, "NumSlices() < kMaxNumSlices (512 vs. 512)"), which no caller can
+# catch; the planner refuses such a count first.
+MAX_TPU_SLICES = 512
+
+
 def topology_devices(topology: str, slices: int = 1) -> list:
   """The devices of `slices` slices of `topology`: 'cpu:N' (faked CPU devices, N per
   slice) or a TPU name like 'v5e:2x4', slice by slice.
@@ -75,8 +82,9 @@ def topology_devices(topology: str, slices: int = 1) -> list:
   `slice_index`, and collectives between slices cross the data-center network.
 
   Raises:
-    ValueError: too few CPU devices, a slice count below 1, or a TPU topology libtpu
-      cannot describe (naming the install and the form of the name).
+    ValueError: too few CPU devices, a slice count below 1 (or, for TPU, at or above
+      `MAX_TPU_SLICES`), or a TPU topology libtpu cannot describe (naming the install
+      and the form of the name).
   """
   import jax
 
@@ -92,6 +100,12 @@ def topology_devices(topology: str, slices: int = 1) -> list:
         ' has initialised jax first).'
       )
     return devices[:n]
+  if slices >= MAX_TPU_SLICES:
+    raise ValueError(
+      f'{slices} slices of {topology}: the TPU compiler stops the process when it compiles for'
+      f' {MAX_TPU_SLICES} slices or more (libtpu 0.0.42 and 0.0.50); plan at most'
+      f' {MAX_TPU_SLICES - 1}, or fewer, larger slices.'
+    )
   from jax.experimental import topologies
 
   extra = {'num_slices': slices} if slices > 1 else {}
