@@ -163,6 +163,11 @@ def test_stream_needs_zerojax_gradients():
       "error: --model: decoder shape: ['d_ff', 'n_layers'] missing; give each as key=value.",
     ),
     (
+      ['--model', 'decoder:no_such_shape.json'],
+      "error: --model: decoder shape: no file 'no_such_shape.json'; give the path of a JSON file"
+      ' of the keys, or the keys as key=value pairs (decoder:vocab=32000,d_model=4096,...).',
+    ),
+    (
       ['--model', 'decoder:vocab=256,d_model=128,n_layers=2,n_heads=6,d_ff=512',
        '--mesh', 'data=2,tensor=4'],
       'error: --mesh data=2,tensor=4: a tensor axis of 4 does not divide n_heads=6,'
@@ -186,6 +191,19 @@ def test_a_decoder_shape_or_tensor_axis_that_cannot_work_is_named(args, message)
   proc = _cli('--topology', 'cpu:8', *args)
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert proc.stderr.strip().endswith(message), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+  'flag, value', [('--batch-per-chip', '0'), ('--seq-len', '-3'), ('--attention-chunk', 'x')]
+)
+def test_a_batch_length_or_chunk_below_one_is_refused_by_name(flag, value):
+  # A zero batch planned a step of no work (0 FLOPs, "FITS") before it was refused.
+  proc = _cli('--topology', 'cpu:8', '--model', 'tiny', flag, value)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  shown = repr(value) if value == 'x' else str(int(value))
+  assert proc.stderr.strip().endswith(
+    f'error: argument {flag}: expected a whole number >= 1, got {shown}'
+  ), proc.stderr[-2000:]
 
 
 def test_a_decoder_of_any_shape_plans_tensor_parallel_with_each_phase_timed(tmp_path):

@@ -34,6 +34,17 @@ def _optimizer(name: str, lr: float = 1e-4):
   }[name]()
 
 
+def _positive_int(text: str) -> int:
+  """An argparse type: a whole number of at least 1 (a batch, a length, a chunk)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'expected a whole number >= 1, got {text!r}') from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'expected a whole number >= 1, got {value}')
+  return value
+
+
 def _log(start: float, message: str) -> None:
   print(f'[{time.perf_counter() - start:7.1f}s] {message}', flush=True)
 
@@ -809,8 +820,12 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
   )
   p.add_argument('--stage', type=int, default=3, choices=(0, 1, 2, 3), help='ZeRO stage')
   p.add_argument('--optimizer', default='adamw', choices=OPTIMIZERS, help='optax optimizer')
-  p.add_argument('--batch-per-chip', type=int, default=1, help='sequences per chip per step')
-  p.add_argument('--seq-len', type=int, default=None, help="sequence length; None: the preset's")
+  p.add_argument(
+    '--batch-per-chip', type=_positive_int, default=1, help='sequences per chip per step'
+  )
+  p.add_argument(
+    '--seq-len', type=_positive_int, default=None, help="sequence length; None: the preset's"
+  )
   p.add_argument('--compute-dtype', default='bfloat16', help='dtype of the matmuls')
   p.add_argument(
     '--remat',
@@ -848,7 +863,7 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
   )
   p.add_argument(
     '--attention-chunk',
-    type=int,
+    type=_positive_int,
     default=None,
     help='presets: compute attention this many queries at a time, one chunk of scores live at'
     ' a time (memory-efficient, the same arithmetic); default: all queries at once',

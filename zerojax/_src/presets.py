@@ -286,6 +286,11 @@ def parse_decoder(text: str, seq_len: int | None = None) -> DecoderConfig:
   import json
   import os
 
+  if text.endswith('.json') and '=' not in text and not os.path.exists(text):
+    raise ValueError(
+      f'decoder shape: no file {text!r}; give the path of a JSON file of the keys, or the keys'
+      ' as key=value pairs (decoder:vocab=32000,d_model=4096,...).'
+    )
   if text.endswith('.json') and os.path.exists(text):
     with open(text) as f:
       given = {k: str(v) for k, v in json.load(f).items()}
