@@ -206,6 +206,33 @@ def test_a_batch_length_or_chunk_below_one_is_refused_by_name(flag, value):
   ), proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize(
+  'args, message',
+  [
+    (('estimate', '--params', '1e9', '--devices', '0'),
+     'argument --devices: expected a whole number >= 1, got 0'),
+    (('estimate', '--params', '-5', '--devices', '8'),
+     "argument --params: expected a whole count >= 1 such as 7e9, got '-5'"),
+    (('estimate', '--params', 'inf', '--devices', '8'),
+     "argument --params: expected a whole count >= 1 such as 7e9, got 'inf'"),
+    (('estimate', '--params', 'abc', '--devices', '8'),
+     "argument --params: expected a count such as 7e9, got 'abc'"),
+    (('plan', '--search', '--model', 'tiny', '--topology', 'cpu:8', '--batches-per-chip', '1,0'),
+     'argument --batches-per-chip: expected a whole number >= 1, got 0'),
+    (('plan', '--search', '--model', 'tiny', '--topology', 'cpu:8', '--slice-counts', '0'),
+     'argument --slice-counts: expected a whole number >= 1, got 0'),
+  ],
+)  # fmt: skip
+def test_a_count_below_one_is_refused_by_argparse_not_a_traceback(args, message):
+  # --devices 0 raised ZeroDivisionError and --params -5 a JAX TypeError from deep inside.
+  env = child_env()
+  proc = subprocess.run(
+    [sys.executable, '-m', 'zerojax', *args], capture_output=True, text=True, env=env, cwd=ROOT
+  )
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().endswith(f'{args[0]}: error: {message}'), proc.stderr[-2000:]
+
+
 def test_a_decoder_of_any_shape_plans_tensor_parallel_with_each_phase_timed(tmp_path):
   """A decoder given on the command line (128-wide heads on a 256-wide model, as MaxText's
   family has), split over a tensor axis beside the ZeRO axis: the projections keep their

@@ -45,6 +45,17 @@ def _positive_int(text: str) -> int:
   return value
 
 
+def _count(text: str) -> int:
+  """An argparse type: a count of at least 1, written as an integer or in e-notation (7e9)."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'expected a count such as 7e9, got {text!r}') from None
+  if not (math.isfinite(value) and value >= 1 and value == int(value)):
+    raise argparse.ArgumentTypeError(f'expected a whole count >= 1 such as 7e9, got {text!r}')
+  return int(value)
+
+
 def _log(start: float, message: str) -> None:
   print(f'[{time.perf_counter() - start:7.1f}s] {message}', flush=True)
 
@@ -774,7 +785,7 @@ def cmd_estimate(args) -> int:
       is_leaf=lambda x: isinstance(x, tuple),
     )
   elif args.params:
-    params = int(float(args.params))
+    params = args.params
   else:
     raise SystemExit('error: give --params COUNT (e.g. 7e9) or --model PRESET')
   tx, dtype = _optimizer(args.optimizer), jnp.float32
@@ -964,10 +975,12 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
                  help='device, host, stream (the update on the host, gradients sent down layer by layer)')  # fmt: skip
   s.add_argument('--quantizes', type=_csv(_none_or(tuple(q for q in search.QUANTIZE if q))), default=(None,),
                  help='ZeRO++: none, g8, g4 (gradients), w8g8, w8g4 (weights too, stage 3)')  # fmt: skip
-  s.add_argument('--batches-per-chip', type=_csv(int), default=(1,), help='sequences per chip')
+  s.add_argument(
+    '--batches-per-chip', type=_csv(_positive_int), default=(1,), help='sequences per chip'
+  )
   s.add_argument(
     '--slice-counts',
-    type=_csv(int),
+    type=_csv(_positive_int),
     default=(1,),
     help='TPU slices of --topology (data-parallel over the data-center network)',
   )
@@ -983,9 +996,9 @@ def _estimate_parser(sub) -> argparse.ArgumentParser:
   e = sub.add_parser(
     'estimate', help='per-device bytes of each stage, from theory', formatter_class=shown
   )
-  e.add_argument('--params', help='parameter count, e.g. 7e9')
+  e.add_argument('--params', type=_count, help='parameter count, e.g. 7e9')
   e.add_argument('--model', help='or a preset name')
-  e.add_argument('--devices', type=int, required=True, help='devices on the ZeRO axes')
+  e.add_argument('--devices', type=_positive_int, required=True, help='devices on the ZeRO axes')
   e.add_argument('--optimizer', default='adam', choices=OPTIMIZERS, help='optax optimizer')
   e.add_argument(
     '--mixed-precision',
