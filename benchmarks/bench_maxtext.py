@@ -22,9 +22,10 @@ the 16B, 32B and 64B models at 6, 4 and 2 sequences per chip, remat full, flash 
 FSDP over all 256 chips, which zerojax lays out as ZeRO-3 over both torus axes, --mesh 16x16),
 written as maxtext_v5e.* beside the v5p results.
 
-With --slices 2 it plans each row's two-slice run (MaxText's: the same slice twice, data
-parallel over the data-center network; `plan --slices 2`, hierarchical ZeRO) and checks the
-scaling: predicted two-slice TFLOP/s over predicted one-slice against the published ratio
+With --slices 2 (v5e: any of 2,4,8,16,32) it plans each row's runs on that many slices
+(MaxText's: the same slice repeated, data parallel over the data-center network; `plan
+--slices S`, hierarchical ZeRO) and checks the scaling: predicted S-slice TFLOP/s over
+predicted one-slice against the published ratio
 (maxtext_v5p_slices.libtpu-VERSION.json, maxtext_v5p_slices.md). The one-slice plans must be
 in --out already (run without --slices first).
 """
@@ -51,23 +52,31 @@ ROWS = [
 ]  # fmt: skip
 
 
-# Published TFLOP/s per chip of each row's two-slice run (MaxText's v5p table: "+ data
-# parallel over DCN", the same batch per chip).
-TWO_SLICES = {'32B': 319.0, '64B': 309.0, '128B': 305.0, '128B-512': 274.0, '256B': 289.0}
+# Published TFLOP/s per chip of each row's runs on several slices, by the number of slices
+# (MaxText's v5p table: two slices, "+ data parallel over DCN", the same batch per chip).
+V5P_SLICES = {
+  2: {'32B': 319.0, '64B': 309.0, '128B': 305.0, '128B-512': 274.0, '256B': 289.0},
+}
 
-# MaxText's v5e table (configs/v5e/README.md, measured on 1x and 2x v5e-256) with each
+# MaxText's v5e table (configs/v5e/README.md, measured on 1 to 32 v5e-256 slices) with each
 # model's script: batch per chip 6 / 4 / 2, remat full, flash attention, FSDP over all chips.
 V5E_ROWS = [
   ('16B', 4096, 64, 28672, 32, 'v5e:16x16', 1, 6, 120.0),
   ('32B', 8192, 64, 28672, 32, 'v5e:16x16', 1, 4, 132.0),
   ('64B', 8192, 64, 28672, 64, 'v5e:16x16', 1, 2, 118.0),
 ]  # fmt: skip
-V5E_TWO_SLICES = {'16B': 117.0, '32B': 128.0, '64B': 112.0}
+V5E_SLICES = {
+  2: {'16B': 117.0, '32B': 128.0, '64B': 112.0},
+  4: {'16B': 117.0, '32B': 126.0, '64B': 110.0},
+  8: {'16B': 115.0, '32B': 125.0, '64B': 108.0},
+  16: {'16B': 111.0, '32B': 123.0, '64B': 105.0},
+  32: {'16B': 108.0, '32B': 119.0, '64B': 99.0},
+}
 
-# Per chip family: its rows, their two-slice figures and MaxText's rematerialisation there.
+# Per chip family: its rows, their figures on several slices and MaxText's rematerialisation.
 CHIPS = {
-  'v5p': (ROWS, TWO_SLICES, 'minimal'),
-  'v5e': (V5E_ROWS, V5E_TWO_SLICES, 'full'),
+  'v5p': (ROWS, V5P_SLICES, 'minimal'),
+  'v5e': (V5E_ROWS, V5E_SLICES, 'full'),
 }
 
 
@@ -88,9 +97,9 @@ def plan_row(
   row, out: str, tag: str, reuse: bool = False, slices: int = 1, chip: str = 'v5p'
 ) -> dict:
   name, width, heads, mlp, layers, topology, tensor, batch, published = row
-  _, two_slices, remat = CHIPS[chip]
+  _, sliced, remat = CHIPS[chip]
   if slices > 1:
-    published = two_slices[name]
+    published = sliced[slices][name]
   chips = 1
   for d in topology.split(':')[1].split('x'):
     chips *= int(d)
@@ -186,18 +195,19 @@ def table(out: str, chip: str = 'v5p') -> list[str]:
   return lines
 
 
-def scaling_rows(one: list[dict], two: list[dict]) -> list[dict]:
-  """Each row's predicted two-slice / one-slice TFLOP/s beside the published ratio."""
+def scaling_rows(one: list[dict], sliced: list[dict]) -> list[dict]:
+  """Each row's predicted several-slice / one-slice TFLOP/s beside the published ratio."""
   by_name = {r['row']: r for r in one}
   out = []
-  for r in two:
+  for r in sliced:
     base = by_name[r['row']]
     predicted = r['predicted_tflops'] / base['predicted_tflops']
     published = r['published_tflops'] / base['published_tflops']
     out.append({
-      'row': r['row'], 'chips_per_slice': r['chips'], 'predicted_one': base['predicted_tflops'],
-      'predicted_two': r['predicted_tflops'], 'published_one': base['published_tflops'],
-      'published_two': r['published_tflops'], 'predicted_scaling': predicted,
+      'row': r['row'], 'slices': r['slices'], 'chips_per_slice': r['chips'],
+      'predicted_one': base['predicted_tflops'], 'predicted_sliced': r['predicted_tflops'],
+      'published_one': base['published_tflops'], 'published_sliced': r['published_tflops'],
+      'predicted_scaling': predicted,
       'published_scaling': published, 'difference_points': 100 * (predicted - published),
       'dcn_over_floor': r['dcn_bytes'] / r['dcn_floor_bytes'] if r['dcn_floor_bytes'] else None,
       'dcn_seconds': r['predicted_parts'].get('dcn'),
@@ -210,12 +220,12 @@ def scaling_rows(one: list[dict], two: list[dict]) -> list[dict]:
 def scaling_table(out: str, chip: str = 'v5p') -> list[str]:
   """Every compiler's scaling rows in `out`, one line each."""
   lines = [
-    f'MaxText {chip}, two slices over the data-center network: predicted two-slice /'
-    ' one-slice TFLOP/s per chip against the published ratio (`plan --slices 2`)',
+    f'MaxText {chip}, several slices over the data-center network: predicted S-slice /'
+    ' one-slice TFLOP/s per chip against the published ratio (`plan --slices S`)',
     '',
-    '| row | compiler | predicted 1 slice | predicted 2 slices | predicted scaling |'
+    '| row | slices | compiler | predicted 1 slice | predicted S slices | predicted scaling |'
     ' published scaling | difference (points) | DCN / floor | DCN s (exposed) | peak GiB | fits |',
-    '|---|---|---|---|---|---|---|---|---|---|---|',
+    '|---|---|---|---|---|---|---|---|---|---|---|---|',
   ]
   for name in sorted(os.listdir(out)):
     if not (name.startswith(f'maxtext_{chip}_slices.libtpu-') and name.endswith('.json')):
@@ -224,13 +234,25 @@ def scaling_table(out: str, chip: str = 'v5p') -> list[str]:
       run = json.load(f)
     for r in run['rows']:
       lines.append(
-        f'| {r["row"]} | {run["versions"]["libtpu"]} | {r["predicted_one"]:.0f} |'
-        f' {r["predicted_two"]:.0f} | {r["predicted_scaling"]:.3f} | {r["published_scaling"]:.3f} |'
+        f'| {r["row"]} | {r["slices"]} | {run["versions"]["libtpu"]} | {r["predicted_one"]:.0f} |'
+        f' {r["predicted_sliced"]:.0f} | {r["predicted_scaling"]:.3f} |'
+        f' {r["published_scaling"]:.3f} |'
         f' {r["difference_points"]:+.1f} | {r["dcn_over_floor"]:.3f} |'
         f' {r["dcn_seconds"]:.3f} ({r["dcn_exposed_seconds"]:.3f}) | {r["peak_gib"]:.1f} |'
         f' {r["fits"]} |'
       )
   return lines
+
+
+def _save(out: str, name: str, payload: dict) -> None:
+  with open(os.path.join(out, name), 'w') as f:
+    json.dump(payload, f, indent=2)
+
+
+def _show(out: str, md: str, lines: list[str]) -> None:
+  with open(os.path.join(out, md), 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  print('\n'.join(lines))
 
 
 def main() -> int:
@@ -244,46 +266,44 @@ def main() -> int:
     '--reuse', action='store_true', help="reuse a row's plan JSON already in --out (same command)"
   )
   parser.add_argument(
-    '--slices', type=int, default=1, choices=(1, 2), help='2: the two-slice runs and the scaling'
+    '--slices',
+    default='1',
+    help='1 (one slice), or comma-separated slice counts MaxText published for --chip (v5p: 2;'
+    ' v5e: 2,4,8,16,32): those runs and their scaling against one slice',
   )
   args = parser.parse_args()
-  os.makedirs(args.out, exist_ok=True)
-  import jax
-  import libtpu
-
   tag, chip = compiler_tag(), args.chip
-  rows = CHIPS[chip][0]
+  rows, published, _ = CHIPS[chip]
   wanted = args.rows.split(',') if args.rows else [r[0] for r in rows]
   unknown = sorted(set(wanted) - {r[0] for r in rows})
   if unknown:
     parser.error(f'--rows: no {chip} row {unknown}; the rows are {[r[0] for r in rows]}')
+  counts = [int(c) for c in args.slices.split(',')]
+  if counts != [1] and not set(counts) <= set(published):
+    parser.error(f'--slices: MaxText published {chip} runs on {sorted(published)} slices, or 1')
+  os.makedirs(args.out, exist_ok=True)
+  import jax
+  import libtpu
+
   results = []
-  for row in rows:
-    if row[0] in wanted:
-      where = row[5] + (f' x {args.slices} slices' if args.slices > 1 else '')
+  for row in (r for r in rows if r[0] in wanted):
+    for slices in counts:
+      where = row[5] + (f' x {slices} slices' if slices > 1 else '')
       print(f'planning {row[0]} on {where} with {tag} ...', flush=True)
-      results.append(plan_row(row, args.out, tag, args.reuse, args.slices, chip))
+      results.append(plan_row(row, args.out, tag, args.reuse, slices, chip))
       r = results[-1]
       print(f'  predicted {r["predicted_tflops"]:.0f} TFLOP/s, published {r["published_tflops"]:.0f}:'
             f' {r["ratio"]:.2f}x; peak {r["peak_gib"]:.1f} GiB; {r["wall_seconds"]:.0f} s', flush=True)  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
-  if args.slices > 1:
+  if counts != [1]:
     with open(os.path.join(args.out, f'maxtext_{chip}.{tag}.json')) as f:
       one = json.load(f)['rows']
-    scaled = scaling_rows(one, results)
-    with open(os.path.join(args.out, f'maxtext_{chip}_slices.{tag}.json'), 'w') as f:
-      json.dump({'versions': versions, 'rows': scaled, 'plans': results}, f, indent=2)
-    lines = scaling_table(args.out, chip)
-    with open(os.path.join(args.out, f'maxtext_{chip}_slices.md'), 'w') as f:
-      f.write('\n'.join(lines) + '\n')
-    print('\n'.join(lines))
+    payload = {'versions': versions, 'rows': scaling_rows(one, results), 'plans': results}
+    _save(args.out, f'maxtext_{chip}_slices.{tag}.json', payload)
+    _show(args.out, f'maxtext_{chip}_slices.md', scaling_table(args.out, chip))
     return 0
-  with open(os.path.join(args.out, f'maxtext_{chip}.{tag}.json'), 'w') as f:
-    json.dump({'versions': versions, 'rows': results}, f, indent=2)
-  lines = table(args.out, chip)
-  with open(os.path.join(args.out, f'maxtext_{chip}.md'), 'w') as f:
-    f.write('\n'.join(lines) + '\n')
-  print('\n'.join(lines))
+  _save(args.out, f'maxtext_{chip}.{tag}.json', {'versions': versions, 'rows': results})
+  _show(args.out, f'maxtext_{chip}.md', table(args.out, chip))
   return 0
 
 
