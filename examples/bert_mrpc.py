@@ -7,17 +7,29 @@ swaps the verb for its synonym and a non-paraphrase is another sentence from
 the same words, with 10% of the labels flipped at random, so held-out
 accuracy cannot exceed about 90%. They are written in MRPC format to a
 temporary folder, read back through the same reader, and the folder removed.
-Byte-level tokens, so no vocabulary is downloaded:
-[CLS] sentence-1 bytes [SEP] sentence-2 bytes [SEP].
+From scratch (the default) it trains a small pre-LayerNorm encoder on byte-level tokens, so
+no vocabulary is downloaded: [CLS] sentence-1 bytes [SEP] sentence-2 bytes [SEP].
+
+With --pretrained DIR (a Hugging Face BERT folder: config.json, model.safetensors or its
+shards, vocab.txt or tokenizer.json) it fine-tunes that BERT, of any size: the architecture is
+built from config.json (examples/pretrained.py), the weights are read straight into the stage's
+layout by zerojax.checkpoint.load_safetensors (the classification head is new unless the
+checkpoint has one), and the pairs are tokenized with the checkpoint's WordPiece vocabulary
+through the `tokenizers` library ([CLS] a [SEP] b [SEP], segment ids, attention mask).
+Held-out accuracy and F1 are MRPC's GLUE metrics; --heldout takes MRPC's dev.tsv.
 
   python examples/bert_mrpc.py --stage 3 --data ~/glue/MRPC/train.tsv
   python examples/bert_mrpc.py --compare --steps 200    # stages 0-3 side by side
+  python examples/bert_mrpc.py --pretrained ~/bert-base-uncased --data ~/glue/MRPC/train.tsv \\
+      --heldout ~/glue/MRPC/dev.tsv --steps 350 --compare
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -32,6 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import pretrained  # noqa: E402
 from common import Data, Task, main, split_heldout  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
@@ -199,8 +212,169 @@ TASK = Task(
   logits_and_labels=logits_and_labels,
   tx=lambda: optax.adamw(optax.linear_schedule(0.0, 3e-3, 30)),  # 30 steps of warm-up
   batch=32,
+  f1=True,
 )
 
 
+# --- Fine-tuning a published BERT (--pretrained).
+
+
+def wordpiece(folder: str, max_len: int, lowercase: bool | None = None):
+  """The checkpoint's WordPiece tokenizer (`tokenizers`), encoding pairs as
+  [CLS] a [SEP] b [SEP], truncated and padded to `max_len`.
+
+  tokenizer.json, where the folder has it, is the tokenizer as published. Otherwise
+  vocab.txt, lowercased as tokenizer_config.json's `do_lower_case` says, or as `lowercase`.
+
+  Raises:
+    ValueError: neither file, nor `lowercase`, says whether to lowercase.
+  """
+  from tokenizers import Tokenizer
+  from tokenizers.implementations import BertWordPieceTokenizer
+
+  if os.path.exists(os.path.join(folder, 'tokenizer.json')) and lowercase is None:
+    tok = Tokenizer.from_file(os.path.join(folder, 'tokenizer.json'))
+  else:
+    vocab = os.path.join(folder, 'vocab.txt')
+    if not os.path.exists(vocab):
+      raise FileNotFoundError(f'{folder} has neither tokenizer.json nor vocab.txt.')
+    if lowercase is None:
+      config = os.path.join(folder, 'tokenizer_config.json')
+      lowercase = json.load(open(config)).get('do_lower_case') if os.path.exists(config) else None
+    if lowercase is None:
+      raise ValueError(
+        f'{folder}: nothing says whether its vocabulary is lowercased (no tokenizer.json, no'
+        ' do_lower_case in tokenizer_config.json): pass --lowercase or --no-lowercase.'
+      )
+    tok = BertWordPieceTokenizer(vocab, lowercase=lowercase)
+  probe = tok.encode('a', 'b')
+  cls, sep = tok.token_to_id('[CLS]'), tok.token_to_id('[SEP]')
+  if probe.ids[:1] != [cls] or probe.ids.count(sep) != 2:
+    raise ValueError(
+      f'{folder}: its tokenizer does not encode a pair as [CLS] a [SEP] b [SEP] (it gave'
+      f' {probe.tokens}); pass --lowercase or --no-lowercase to build it from vocab.txt.'
+    )
+  tok.enable_truncation(max_length=max_len)
+  tok.enable_padding(length=max_len, pad_id=tok.token_to_id('[PAD]'), pad_token='[PAD]')
+  return tok
+
+
+def encode_wordpiece(rows, tok) -> dict[str, np.ndarray]:
+  """Token ids, segment ids, attention mask and labels of MRPC rows."""
+  encoded = tok.encode_batch([(a, b) for _, a, b in rows])
+  arrays = lambda field: np.array([getattr(e, field) for e in encoded], np.int32)
+  return {
+    'tokens': arrays('ids'),
+    'segments': arrays('type_ids'),
+    'mask': arrays('attention_mask'),
+    'label': np.array([r[0] for r in rows], np.int32),
+  }
+
+
+def load_rows(path: str | None, heldout: str | None):
+  """(train rows, held-out rows, description): MRPC files, or synthetic pairs."""
+  if path is None:
+    with tempfile.TemporaryDirectory(prefix='mrpc_synthetic_') as tmp:
+      write_synthetic_mrpc(os.path.join(tmp, 'train.tsv'), n=2048, seed=0)
+      write_synthetic_mrpc(os.path.join(tmp, 'heldout.tsv'), n=512, seed=1)
+      rows = read_mrpc(os.path.join(tmp, 'train.tsv')), read_mrpc(os.path.join(tmp, 'heldout.tsv'))
+    return (
+      *rows,
+      'SYNTHETIC sentence pairs (synonym swap or another sentence, 10% flipped labels)',
+    )
+  rows = read_mrpc(path)
+  if heldout is not None:
+    return rows, read_mrpc(heldout), f'{path}, held out: {heldout}'
+  cut = len(rows) - max(1, len(rows) // 10)
+  return rows[:cut], rows[cut:], f'{path} (last 10% held out)'
+
+
+def pretrained_task(
+  folder: str, *, max_len: int, heldout: str | None, steps: int, lowercase=None, lr: float = 2e-5
+) -> Task:
+  """The MRPC task for a published BERT in `folder`."""
+  cfg = pretrained.BertConfig.from_folder(folder, num_labels=2)
+  if max_len > cfg.max_position_embeddings:
+    raise ValueError(
+      f"--max-len {max_len} exceeds the model's {cfg.max_position_embeddings} positions."
+    )
+  tok = wordpiece(folder, max_len, lowercase)
+
+  def load(path):
+    train, held, source = load_rows(path, heldout)
+    return Data(
+      encode_wordpiece(train, tok), encode_wordpiece(held, tok), source, synthetic=path is None
+    )
+
+  def init_params(tx, init_fn, key):
+    headers = zerojax.checkpoint.read_tensor_names(folder)
+    fresh = [] if 'classifier.weight' in headers else ['classifier/*']
+    return zerojax.checkpoint.load_safetensors(
+      folder,
+      init_fn,
+      key,
+      tx=tx,
+      names=pretrained.bert_names(headers),
+      skip=pretrained.BERT_UNUSED,
+      init=fresh,
+    )
+
+  zeros = jnp.zeros((1, max_len), jnp.int32)
+  return dataclasses.replace(
+    TASK,
+    name='mrpc_pretrained',
+    load=load,
+    model=lambda tx: pretrained.Bert(cfg, tx),
+    init_inputs=lambda data: {'tokens': zeros, 'segments': zeros, 'mask': zeros.astype(bool)},
+    logits_and_labels=lambda apply_fn, params, batch: (
+      apply_fn({'params': params}, batch['tokens'], batch['segments'], batch['mask'].astype(bool)),
+      batch['label'],
+    ),
+    # BERT's fine-tuning recipe: AdamW, a linear warm-up over the first 10% of the steps,
+    # then a linear decay to zero.
+    tx=lambda: optax.adamw(_warmup_decay(lr, steps), weight_decay=0.01),
+    init_params=init_params,
+  )
+
+
+def _warmup_decay(peak: float, steps: int):
+  warmup = max(1, steps // 10)
+  return optax.join_schedules(
+    [optax.linear_schedule(0.0, peak, warmup), optax.linear_schedule(peak, 0.0, steps - warmup)],
+    [warmup],
+  )
+
+
+def add_arguments(parser) -> None:
+  parser.add_argument('--pretrained', default=None, help='a Hugging Face BERT folder to fine-tune')
+  parser.add_argument(
+    '--heldout', default=None, help="MRPC's dev.tsv (default: last 10%% of --data)"
+  )
+  parser.add_argument('--max-len', type=int, default=128, help='--pretrained: tokens per pair')
+  parser.add_argument('--lr', type=float, default=2e-5, help='--pretrained: peak learning rate')
+  parser.add_argument(
+    '--lowercase',
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help='--pretrained: lowercase before WordPiece (default: as the folder says)',
+  )
+
+
+def configure(task: Task, args) -> tuple[Task, dict]:
+  if args.pretrained is None:
+    if args.heldout is not None:
+      raise SystemExit('--heldout is for --pretrained runs (the from-scratch run holds out 10%).')
+    return task, {}
+  task = pretrained_task(
+    args.pretrained,
+    max_len=args.max_len,
+    heldout=args.heldout,
+    steps=args.steps,
+    lowercase=args.lowercase,
+    lr=args.lr,
+  )
+  return task, {'stacked': {'layers': True}}
+
+
 if __name__ == '__main__':
-  sys.exit(main(None, TASK))
+  sys.exit(main(None, TASK, add_arguments=add_arguments, configure=configure))

@@ -137,6 +137,10 @@ class Task:
     rngs: the Flax RNG streams the model draws from in training (e.g.
       ('dropout',)); then `logits_and_labels` also takes `rngs=` in training,
       and the run carries a key chain that its checkpoints save.
+    init_params: None (parameters from the model's init), or (optimizer from
+      zero_stage, init_fn, key) -> parameters already in its layout (a published
+      checkpoint through `zerojax.checkpoint.load_safetensors`).
+    f1: also report the held-out F1 of class 1 (a binary task's GLUE metric).
   """
 
   name: str
@@ -151,6 +155,8 @@ class Task:
   batches: Callable = lambda data, batch, seed: random_batches(data.train, batch, seed)
   log_every: int = 5
   rngs: tuple[str, ...] = ()
+  init_params: Callable | None = None
+  f1: bool = False
 
 
 def image_logits_and_labels(apply_fn, params, batch):
@@ -158,11 +164,17 @@ def image_logits_and_labels(apply_fn, params, batch):
   return apply_fn({'params': params}, batch['image']), batch['label']
 
 
-def _cross_entropy(task: Task, apply_fn, params, batch, key=None):
+def f1_score(true_positives: float, predicted: float, actual: float) -> float:
+  """F1 of the positive class from its counts (0 when nothing is predicted or present)."""
+  return 2 * true_positives / (predicted + actual) if predicted + actual else 0.0
+
+
+def _cross_entropy(task: Task, apply_fn, params, batch, key=None, counts=False):
   """Per-example losses and hits (averaged over any non-batch label positions).
 
   With `key` (training a task with `rngs`), each of the task's RNG streams
-  draws from its own fold of it.
+  draws from its own fold of it. With `counts`, also a function of the
+  examples' weights giving class 1's (true positive, predicted, actual) counts.
   """
   import jax
   import jax.numpy as jnp
@@ -177,7 +189,15 @@ def _cross_entropy(task: Task, apply_fn, params, batch, key=None):
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
   hits = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
   axes = tuple(range(1, losses.ndim))
-  return losses.mean(axes), hits.mean(axes)
+  if not counts:
+    return losses.mean(axes), hits.mean(axes)
+  predicted, actual = jnp.argmax(logits, -1) == 1, labels == 1
+
+  def positives(weight):
+    total = lambda x: jnp.sum(x.reshape(x.shape[0], -1).mean(-1) * weight)
+    return jnp.stack([total(predicted & actual), total(predicted), total(actual)])
+
+  return losses.mean(axes), hits.mean(axes), positives
 
 
 def heldout_batches(arrays: dict, batch: int):
@@ -257,6 +277,7 @@ def run(
   """
   import jax
   import jax.numpy as jnp
+  import numpy as np
 
   import zerojax
 
@@ -265,12 +286,15 @@ def run(
   zerojax.distributed.check_mesh(mesh)
   ztx = zerojax.zero_stage(tx or task.tx(), stage, mesh=mesh, **zero_options)
   model = task.model(ztx)
+  init_fn = lambda k: model.init(k, **task.init_inputs(data))['params']
+  if task.init_params is not None:
+    # Published weights, read straight into the layout; the state starts from them.
+    params = task.init_params(ztx, init_fn, jax.random.key(seed))
+    init_fn, init_arg = (lambda p: p), params
+  else:
+    init_arg = jax.random.key(seed)
   state = zerojax.create_train_state(
-    lambda k: model.init(k, **task.init_inputs(data))['params'],
-    jax.random.key(seed),
-    tx=ztx,
-    apply_fn=model.apply,
-    param_dtype=param_dtype,
+    init_fn, init_arg, tx=ztx, apply_fn=model.apply, param_dtype=param_dtype
   )
   plan = zerojax.plan_for(state.tx, state.params)
   batch_at = task.batches(data, task.batch, seed)
@@ -344,8 +368,8 @@ def run(
 
   @jax.jit
   def eval_step(params, batch, weight):
-    losses, hits = _cross_entropy(task, state.apply_fn, params, batch)
-    return jnp.sum(losses * weight), jnp.sum(hits * weight)
+    losses, hits, positives = _cross_entropy(task, state.apply_fn, params, batch, counts=True)
+    return jnp.sum(losses * weight), jnp.sum(hits * weight), positives(weight)
 
   step_fn = jax.jit(train_step, donate_argnums=0)
   first = to_devices(batch_at(0))
@@ -396,16 +420,19 @@ def run(
       ckpt.save(steps, state, extra=extra_at(steps), force=True, **split)
     ckpt.close()
   total_loss = total_hits = 0.0
+  positives = np.zeros(3)  # class 1: predicted and true, predicted, true
   for batch, weight in heldout_batches(data.heldout, task.batch):
     part = to_devices({**batch, '_weight': weight})
-    loss_sum, hit_sum = eval_step(state.params, part, part.pop('_weight'))
+    loss_sum, hit_sum, pos = eval_step(state.params, part, part.pop('_weight'))
     total_loss, total_hits = total_loss + float(loss_sum), total_hits + float(hit_sum)
+    positives += np.asarray(pos)
   count = len(next(iter(data.heldout.values())))
   return {
     'stage': stage,
     'losses': losses,
     'heldout_loss': total_loss / count,
     'heldout_accuracy': total_hits / count,
+    **({'heldout_f1': f1_score(*positives)} if task.f1 else {}),
     'step_seconds': seconds,
     'state': state,
     'plan': plan,
@@ -460,7 +487,9 @@ def report(out: dict, name: str) -> None:
   print(
     f'{name} stage {out["stage"]}: {out["num_params"]:,} parameters; training loss'
     f' {out["losses"][0][1]:.4f} -> {out["losses"][-1][1]:.4f}; held-out loss'
-    f' {out["heldout_loss"]:.4f}, accuracy {out["heldout_accuracy"]:.1%};'
+    f' {out["heldout_loss"]:.4f}, accuracy {out["heldout_accuracy"]:.1%}'
+    + (f', F1 {out["heldout_f1"]:.1%}' if 'heldout_f1' in out else '')
+    + ';'
     f' {median_step_seconds(out) * 1e3:.1f} ms/step (median)'
   )
   print(f'per device ({len(jax.devices())} devices):')
@@ -478,6 +507,7 @@ def stage_row(out: dict) -> dict:
     'final_loss': out['losses'][-1][1],
     'heldout_loss': out['heldout_loss'],
     'heldout_accuracy': out['heldout_accuracy'],
+    **({'heldout_f1': out['heldout_f1']} if 'heldout_f1' in out else {}),
     'step_ms': median_step_seconds(out) * 1e3,
     'states_at_rest_bytes': sizes['params'] + sizes['opt_state'],
     'grads_bytes': sizes['grads'],
@@ -542,19 +572,24 @@ def _write(record: dict, base: str, table: Callable, plot: Callable) -> None:
 def stage_table(record: dict) -> str:
   """The comparison as a Markdown table (memory in MiB per device)."""
   mib = lambda b: f'{b / 2**20:.2f}'
+  f1 = all('heldout_f1' in row for row in record['stages'])
   lines = [
     f'{record["task"]}: {record["num_params"]:,} parameters, {record["steps"]} steps of'
     f' batch {record["batch"]} on {record["devices"]} x {record["device_kind"]}'
     f' ({record["machine"]}); data: {record["data"]}',
     '',
-    '| stage | final training loss | held-out loss | held-out accuracy | step (ms, median)'
-    ' | states at rest (MiB/device) | gradients (MiB/device) | step peak (MiB/device) |',
-    '|---|---|---|---|---|---|---|---|',
+    '| stage | final training loss | held-out loss | held-out accuracy |'
+    + (' held-out F1 |' if f1 else '')
+    + ' step (ms, median) | states at rest (MiB/device) | gradients (MiB/device)'
+    ' | step peak (MiB/device) |',
+    '|---|---|---|---|' + ('---|' if f1 else '') + '---|---|---|---|',
   ]
   for row in record['stages']:
     lines.append(
       f'| {row["stage"]} | {row["final_loss"]:.4f} | {row["heldout_loss"]:.4f}'
-      f' | {row["heldout_accuracy"]:.1%} | {row["step_ms"]:.1f}'
+      f' | {row["heldout_accuracy"]:.1%}'
+      + (f' | {row["heldout_f1"]:.1%}' if f1 else '')
+      + f' | {row["step_ms"]:.1f}'
       f' | {mib(row["states_at_rest_bytes"])} | {mib(row["grads_bytes"])}'
       f' | {mib(row["peak_bytes"])} |'
     )

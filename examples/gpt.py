@@ -17,6 +17,15 @@ the same folder then resumes on any device count and stage, the same run
   python examples/gpt.py --stage 2 --dropout 0.1 --micro-batches 2 --checkpoint-dir ckpt \
       --save-on-preemption
   python examples/gpt.py --stage 3 --dropout 0.1 --devices 4 --checkpoint-dir ckpt
+
+With --pretrained DIR (a Hugging Face GPT-2 folder: config.json, model.safetensors or its
+shards, tokenizer.json or vocab.json + merges.txt) it fine-tunes that GPT-2, of any size, on the
+same text tokenized with the checkpoint's byte-level BPE (`tokenizers`): the architecture from
+config.json (examples/pretrained.py), the weights read straight into the stage's layout by
+zerojax.checkpoint.load_safetensors (GPT-2's Conv1D (in, out) weights as they are, the head
+tied to the token embedding), and the held-out figures are per token:
+
+  python examples/gpt.py --pretrained ~/gpt2 --stage 3 --steps 200 --seq-len 128
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import pretrained  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
 import zerojax  # noqa: E402
@@ -143,9 +153,15 @@ def batch_at(data: np.ndarray, step: int, cfg: Config, seed: int = 0) -> np.ndar
   return np.stack([data[s : s + cfg.seq_len + 1] for s in starts]).astype(np.int32)
 
 
-def load(path: str | None, cfg: Config = Config(), max_windows: int = 256) -> common.Data:
-  """The text's first 95% for training; up to `max_windows` windows of the rest held out."""
+def load(
+  path: str | None, cfg: Config = Config(), max_windows: int = 256, encode=None
+) -> common.Data:
+  """The text's first 95% for training; up to `max_windows` windows of the rest held out.
+
+  The text is bytes, or with `encode` (bytes -> token ids) the tokens it returns."""
   text = load_text(path)
+  if encode is not None:
+    text = encode(text.tobytes())
   window = cfg.seq_len + 1
   cut = min(len(text) * 95 // 100, len(text) - 8 * window)
   if cut < 2 * window:
@@ -157,10 +173,11 @@ def load(path: str | None, cfg: Config = Config(), max_windows: int = 256) -> co
   count = min(max_windows, len(rest) // window)
   heldout = rest[: count * window].reshape(count, window).astype(np.int32)
   where = path or "Python's standard-library docstrings"
+  unit = 'bytes' if encode is None else 'tokens'
   return common.Data(
     {'text': text[:cut]},
     {'tokens': heldout},
-    f'{where} (real text; last {len(rest):,} bytes held out)',
+    f'{where} (real text; last {len(rest):,} {unit} held out)',
     synthetic=False,
   )
 
@@ -279,7 +296,60 @@ def bf16_options(tx) -> dict:
   return {'tx': zerojax.mixed_precision(tx), 'param_dtype': jnp.bfloat16}
 
 
+# --- Fine-tuning a published GPT-2 (--pretrained).
+
+
+def byte_level_bpe(folder: str):
+  """The checkpoint's byte-level BPE tokenizer (`tokenizers`): tokenizer.json as published,
+  else vocab.json and merges.txt."""
+  from tokenizers import Tokenizer
+  from tokenizers.implementations import ByteLevelBPETokenizer
+
+  if os.path.exists(os.path.join(folder, 'tokenizer.json')):
+    return Tokenizer.from_file(os.path.join(folder, 'tokenizer.json'))
+  vocab, merges = os.path.join(folder, 'vocab.json'), os.path.join(folder, 'merges.txt')
+  if not (os.path.exists(vocab) and os.path.exists(merges)):
+    raise FileNotFoundError(f'{folder} has neither tokenizer.json nor vocab.json and merges.txt.')
+  return ByteLevelBPETokenizer(vocab, merges)
+
+
+def pretrained_task(folder: str, cfg: Config, lr: float) -> common.Task:
+  """The language-modelling task for a published GPT-2 in `folder`."""
+  gcfg = pretrained.GPT2Config.from_folder(folder)
+  if cfg.seq_len > gcfg.n_positions:
+    raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's {gcfg.n_positions} positions.")
+  tok = byte_level_bpe(folder)
+
+  def encode(data: bytes) -> np.ndarray:
+    return np.array(tok.encode(data.decode('utf-8', errors='replace')).ids, np.int32)
+
+  def init_params(tx, init_fn, key):
+    names = pretrained.gpt2_names(zerojax.checkpoint.read_tensor_names(folder))
+    return zerojax.checkpoint.load_safetensors(
+      folder, init_fn, key, tx=tx, names=names, skip=pretrained.GPT2_BUFFERS
+    )
+
+  base = task(cfg)
+  return dataclasses.replace(
+    base,
+    name='gpt2_pretrained',
+    load=lambda path: load(path, cfg, encode=encode),
+    model=lambda tx: pretrained.GPT2(gcfg, tx),
+    tx=lambda: optax.adamw(lr, weight_decay=0.01),
+    init_params=init_params,
+    rngs=(),
+  )
+
+
 def add_arguments(parser) -> None:
+  parser.add_argument('--pretrained', default=None, help='a Hugging Face GPT-2 folder to fine-tune')
+  parser.add_argument('--seq-len', type=int, default=Config.seq_len, help='tokens per sequence')
+  parser.add_argument(
+    '--lr',
+    type=float,
+    default=None,
+    help='learning rate (default: 3e-3, or 6e-5 with --pretrained)',
+  )
   parser.add_argument('--d-model', type=int, default=Config.d_model, help='model width')
   parser.add_argument('--layers', type=int, default=Config.n_layers, help='transformer blocks')
   parser.add_argument('--batch', type=int, default=Config.batch, help='global batch size')
@@ -312,8 +382,20 @@ def add_arguments(parser) -> None:
 
 
 def configure(_, args) -> tuple[common.Task, dict]:
-  cfg = Config(d_model=args.d_model, n_layers=args.layers, batch=args.batch, dropout=args.dropout)
+  cfg = Config(
+    d_model=args.d_model,
+    n_layers=args.layers,
+    batch=args.batch,
+    dropout=args.dropout,
+    seq_len=args.seq_len,
+    lr=args.lr or Config.lr,
+  )
   job, options = task(cfg), {'offload': args.offload, 'update_on': args.update_on}
+  if args.pretrained is not None:
+    if args.dropout:
+      raise SystemExit('--pretrained fine-tunes without dropout (examples/pretrained.py).')
+    job = pretrained_task(args.pretrained, cfg, args.lr or 6e-5)
+    options['stacked'] = {'h': True}
   if args.quantize:
     options['quantize'] = zerojax.Quantize(
       weights='int8' if args.stage == 3 else None, grads=args.quantize

@@ -10,9 +10,13 @@ import subprocess
 import sys
 import tempfile
 
+import jax
 import numpy as np
+import optax
 import pytest
 from _tolerance import reordered
+
+import zerojax
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), '..', 'examples')
 sys.path.insert(0, EXAMPLES)
@@ -238,6 +242,60 @@ def test_bert_trains_on_synthetic_sample(tmp_path):
   out = common.run(bert_mrpc.TASK, stage=3, steps=40, data=data, quiet=True)
   assert np.isfinite(out['losses'][-1][1]) and np.isfinite(out['heldout_loss'])
   assert out['losses'][-1][1] < out['losses'][0][1]
+
+
+HF_BERT = os.path.join(os.path.dirname(__file__), 'data', 'hf-tiny-bert')
+HF_GPT2 = os.path.join(os.path.dirname(__file__), 'data', 'hf-tiny-gpt2')
+
+
+def test_pretrained_bert_tokenizes_pairs_as_its_wordpiece_vocabulary_does():
+  # The fixture's expected.npz holds the pairs as tokenizers' BertWordPieceTokenizer over
+  # vocab.txt encoded them when the checkpoint was made; the example reads tokenizer.json.
+  want = np.load(os.path.join(HF_BERT, 'expected.npz'))
+  text = ['The company said its shares rose by 5 percent on Monday.',
+          'Shares of the company increased 5 percent on Monday, it stated.',
+          'The court ruled against the minister in March.',
+          'Analysts expect the team to win the final next year.']  # fmt: skip
+  tok = bert_mrpc.wordpiece(HF_BERT, 48)
+  got = bert_mrpc.encode_wordpiece([(1, text[0], text[1]), (0, text[2], text[3])], tok)
+  np.testing.assert_array_equal(got['tokens'], want['tokens'])
+  np.testing.assert_array_equal(got['segments'], want['segments'])
+  np.testing.assert_array_equal(got['mask'], want['mask'])
+  cls, sep = tok.token_to_id('[CLS]'), tok.token_to_id('[SEP]')
+  row = list(got['tokens'][0])
+  assert row[0] == cls and row.count(sep) == 2
+  second = row.index(sep) + 1
+  assert set(got['segments'][0][:second]) == {0} and got['segments'][0][second] == 1
+
+
+def test_pretrained_bert_fine_tunes_and_reports_f1(tmp_path):
+  path = str(tmp_path / 'train.tsv')
+  bert_mrpc.write_synthetic_mrpc(path, n=96)
+  task = bert_mrpc.pretrained_task(HF_BERT, max_len=48, heldout=None, steps=12, lr=1e-3)
+  out = common.run(task, stage=3, steps=12, data=path, quiet=True, stacked={'layers': True})
+  assert np.isfinite(out['losses'][-1][1]) and 0.0 <= out['heldout_f1'] <= 1.0
+  # The encoder starts from the checkpoint (the classifier is new): its first layer's query
+  # kernel was read from bert.encoder.layer.0.attention.self.query.weight, transposed.
+  from safetensors.numpy import load_file
+
+  published = load_file(os.path.join(HF_BERT, 'model.safetensors'))
+  fresh = task.init_params(
+    zerojax.zero_stage(optax.adam(1e-3), 3, mesh=common.make_mesh(), stacked={'layers': True}),
+    lambda k: task.model(None).init(k, **task.init_inputs(None))['params'],
+    jax.random.key(0),
+  )
+  np.testing.assert_array_equal(
+    np.asarray(fresh['layers']['query']['kernel'][0]),
+    published['bert.encoder.layer.0.attention.self.query.weight'].T,
+  )
+
+
+def test_pretrained_gpt2_fine_tunes_on_bpe_tokens():
+  cfg = gpt.Config(seq_len=32, batch=16)
+  task = gpt.pretrained_task(HF_GPT2, cfg, lr=1e-3)
+  out = common.run(task, stage=3, steps=10, quiet=True, stacked={'h': True})
+  assert out['losses'][-1][1] < out['losses'][0][1]
+  assert 'tokens held out' in out['data'].source
 
 
 # --- The shared command line and the per-stage comparison

@@ -36,21 +36,30 @@ def test_leaf_rule_picks_largest_divisible_dimension(shape, expected, explicit_m
 
 
 @pytest.mark.parametrize(
-  'shape, dim',
+  'shape, stacked, dim',
   [
     # The 70B decoder's stacked MLP input: 28672 / 256 = 112 columns would
     # unalign TPU's 128 lanes, so the 8192 rows are split instead.
-    ((80, 8192, 28672), 1),
-    ((80, 28672, 8192), 1),  # the largest dimension is not the minor one
-    ((8192, 32000), 0),  # the LM head: 32000 / 256 = 125 columns
-    ((80, 1024, 65536), 2),  # 65536 / 256 = 256 columns: aligned, the largest
-    ((28672,), 0),  # one dimension: nothing else to split
+    ((80, 8192, 28672), True, 1),
+    ((80, 28672, 8192), True, 1),  # the largest dimension is not the minor one
+    # The LM head: 32000 / 256 = 125 columns. Marked as no layer stack, its rows are split;
+    # unmarked, its leading dimension could be a layer axis, which lanes never promote.
+    ((8192, 32000), False, 0),
+    ((8192, 32000), None, 1),
+    ((80, 1024, 65536), True, 2),  # 65536 / 256 = 256 columns: aligned, the largest
+    ((28672,), None, 0),  # one dimension: nothing else to split
   ],
 )
-def test_leaf_rule_keeps_the_minor_dimension_lane_aligned(shape, dim):
+def test_leaf_rule_keeps_the_minor_dimension_lane_aligned(shape, stacked, dim):
   mesh = jax.sharding.AbstractMesh((16, 16), ('x', 'y'))
   rule = rules.leaf_rule(
-    shape, jnp.bfloat16, None, mesh=mesh, axes=('x', 'y'), replicate_below_bytes=1 << 18
+    shape,
+    jnp.bfloat16,
+    None,
+    mesh=mesh,
+    axes=('x', 'y'),
+    replicate_below_bytes=1 << 18,
+    stacked=stacked,
   )
   assert rule.dim == dim
   assert rule.sharded[dim] == ('x', 'y')

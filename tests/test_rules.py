@@ -29,11 +29,17 @@ def test_bytes_per_device_rounds_up_each_split_dimension():
 
 def test_the_minor_dimension_is_split_last_unless_its_shards_are_whole_pairs_of_lanes():
   mesh = jax.make_mesh((8,), ('data',))
-  rule = lambda shape: rules.leaf_rule(
-    shape, np.float32, None, mesh=mesh, axes=('data',), replicate_below_bytes=0
+  rule = lambda shape, stacked=False: rules.leaf_rule(
+    shape, np.float32, None, mesh=mesh, axes=('data',), replicate_below_bytes=0, stacked=stacked
   )
-  # 7168 / 8 = 896: seven 128-lane tiles, an odd number (an all-reduce on TPU): the rows.
+  # 7168 / 8 = 896: seven 128-lane tiles, an odd number (an all-reduce on TPU): the rows, on a
+  # leaf marked as no layer stack (`Options.stacked`). Unmarked, its leading dimension may be
+  # the axis a layer loop walks, and lane alignment never promotes it over a larger one.
   assert rule((1024, 7168)).sharded == P('data', None)
+  assert rule((1024, 7168), None).sharded == P(None, 'data')
+  assert rule((1024, 7168), True).sharded == P(None, 'data')
+  # Unmarked, the larger leading dimension is still the largest: split.
+  assert rule((7168, 1024), None).sharded == P('data', None)
   # 8192 / 8 = 1024: eight tiles; the larger dimension is split.
   assert rule((1024, 8192)).sharded == P(None, 'data')
   # When only the minor dimension divides, it is split all the same.

@@ -156,8 +156,10 @@ def test_plan_search_takes_slices_as_one_more_dimension(tmp_path):
   assert sorted(by_slices) == [1, 2] and all(row['fits'] for row in found)
   one, two = by_slices[1], by_slices[2]
   assert one['dcn_ring_bytes'] == 0 and one['dcn_floor_bytes'] is None
-  # Beyond the floor: the loss, and small leaves' shards padded to whole TPU tiles.
-  assert two['dcn_floor_bytes'] <= two['dcn_ring_bytes'] <= two['dcn_floor_bytes'] + 2048
+  # Beyond the floor: the loss, and small leaves' shards padded to whole TPU tiles: the final
+  # norm (128,) and the stacked norm scales (4, 128), split along their width (never along
+  # the layers a loop walks) into 32-value shards. Measured on libtpu 0.0.42: 1.020x.
+  assert two['dcn_floor_bytes'] <= two['dcn_ring_bytes'] <= two['dcn_floor_bytes'] * 1.025
   assert 's3 flat b1 x2 slices remat:full' in r.stdout
 
 

@@ -456,6 +456,7 @@ def _build_step(args, start: float) -> dict:
     tx = zero_stage.zero_stage(
       inner, args.stage, mesh=mesh, axis=axis, offload=args.offload, update_on=args.update_on,
       param_specs=param_specs, replica_axis=(SLICE,) if SLICE in names else None,
+      stacked=spec.stacked,
     )  # fmt: skip
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None

@@ -131,12 +131,7 @@ class ShardedLeaf:
     sliced = self.ndim - x.ndim  # leading dimensions a scan has taken off
     dim = self.dim - sliced
     if dim < 0:
-      raise ValueError(
-        f'parameter {self.path} is split over {self.axes} on dimension {self.dim}, which a'
-        f' scan slices off: each device would hold other layers. Stacked layer parameters'
-        ' must be split on a per-layer dimension (a larger one than the layer count),'
-        ' or kept whole with zero_stage(..., policy) options.'
-      )
+      raise layer_axis_split(self.path, self.axes, self.dim)
     q = self.quantize
     if self.sink is not None:
       x = to_sink(x, self.sink)
@@ -173,6 +168,16 @@ def _summed_bwd(axes, _, ct):
 
 
 _summed_in_backward.defvjp(_summed_fwd, _summed_bwd)
+
+
+def layer_axis_split(path: str, axes: Any, dim: int) -> ValueError:
+  """The error for a stacked parameter split along the layer axis a loop walks."""
+  return ValueError(
+    f'parameter {path} is split over {axes} on dimension {dim}, the layer axis a layer loop'
+    ' walks: each device would hold other layers. Mark the stacked layers so that ZeRO splits'
+    " another dimension: zero_stage(..., stacked={'layers': True}) (their subtree in your"
+    ' parameters), or give dimension 0 no mesh axis in `param_specs`.'
+  )
 
 
 def ungathered(path: str) -> TypeError:

@@ -38,6 +38,15 @@ class Options:
     param_specs: PartitionSpecs (a prefix tree of the params) for
       tensor-parallel layouts, overriding those the params carry (see
       `zerojax.linen.logical_param_specs` for Flax logical partitioning).
+    stacked: which parameters are stacked layers, whose leading dimension is the axis a
+      layer loop walks (`zerojax.scan_layers`, `nn.scan`, `nnx.scan`, `jax.lax.scan`): a
+      bool or a prefix tree of them (and None), e.g. `{'layers': True, 'head': False}`.
+      True: the leading dimension is never split (another dimension carries the ZeRO
+      axes). False: any dimension may be, the leading one included. None (the default,
+      for leaves not named): the leading dimension of a leaf of two or more dimensions is
+      split only where no larger dimension divides by the ZeRO axes, so stacked layers of
+      fewer layers than their width are never split along the layers; name them True
+      when the layer count is the larger.
     param_axis: hierarchical partitioning (ZeRO++ hpZ): at stage 3 split the
       parameters over only these axes (a subset of `axis`, e.g. the devices of
       one host) so their all-gathers stay inside that group; gradients and
@@ -77,6 +86,7 @@ class Options:
   policy: rules.Policy = 'error'
   replicate_below_bytes: int = rules.DEFAULT_REPLICATE_BELOW_BYTES
   param_specs: Any = None
+  stacked: Any = None
   param_axis: AxisName | None = None
   offload: Offload = None
   update_on: Literal['device', 'host', 'stream'] = 'device'

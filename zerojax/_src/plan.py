@@ -253,7 +253,7 @@ def _leaf_rule_for(config: PlanOptions):
   # Padding only matters where something is split: from stage 1 up.
   pad = config.options.policy == 'pad' and config.stage >= 1
 
-  def rule_for(shape, dtype, base):
+  def rule_for(shape, dtype, base, stacked=None):
     return rules.leaf_rule(
       shape,
       dtype,
@@ -262,6 +262,7 @@ def _leaf_rule_for(config: PlanOptions):
       axes=config.axes,
       replicate_below_bytes=config.options.replicate_below_bytes,
       pad=pad,
+      stacked=stacked,
     )
 
   return rule_for
@@ -277,9 +278,36 @@ def _param_rules(params, config: PlanOptions, rule_for) -> tuple[_Leaves, list]:
     specs = jax.tree.map(spec_of, params)
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
   entries = _paths(abstract)
-  leaf_rules = [rule_for(x.shape, x.dtype, s) for (_, x), s in zip(entries, spec_leaves)]
+  stacked = validation.stacked_leaves(config.options.stacked, params)
+  _check_layer_axes(entries, spec_leaves, stacked, config)
+  leaf_rules = [
+    rule_for(x.shape, x.dtype, s, k) for (_, x), s, k in zip(entries, spec_leaves, stacked)
+  ]
   opt_shapes = [r.padded_shape or r.shape for r in leaf_rules]
   return _Leaves(entries, leaf_rules, jax.tree.structure(abstract)), opt_shapes
+
+
+def _check_layer_axes(entries, spec_leaves, stacked, config: PlanOptions) -> None:
+  """Raises ValueError where `param_specs` (or a leaf's own layout) splits the layer axis of a
+  leaf marked stacked: a layer loop would hand each device other layers' parameters."""
+  offending = []
+  for (path, x), spec, walked in zip(entries, spec_leaves, stacked):
+    if not walked or x.ndim < 2:
+      continue
+    base = rules.normalize_spec(spec, x.ndim, config.mesh, drop=config.axes)
+    if base[0] is not None:
+      offending.append(
+        f'  params{jax.tree_util.keystr(path)}: shape {tuple(x.shape)}, layout {base}:'
+        f' dimension 0 split over {base[0]!r}'
+      )
+  if offending:
+    raise ValueError(
+      f'{validation.count(len(offending), "stacked leaf", "stacked leaves")} would be split'
+      ' along the layer axis (dimension 0), which a layer loop walks:\n'
+      + '\n'.join(offending)
+      + '\nGive dimension 0 no mesh axis in `param_specs` (e.g. P(None, ...)), or pass'
+      ' `stacked=False` for leaves whose leading dimension is not a layer axis.'
+    )
 
 
 def _state_rules(

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax._src import gather as gather_lib
+from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
 from zerojax._src import reduction
 
@@ -79,6 +80,7 @@ def scan_layers(
     raise ValueError(f"scan_layers: remat must be 'gathers' or 'full', got {remat!r}.")
   leaves, treedef = jax.tree.flatten(layers, is_leaf=gather_lib.is_sharded_leaf)
   sharded = [gather_lib.is_sharded_leaf(x) for x in leaves]
+  _check_layer_axis(layers)
   if not prefetch or not any(sharded):
 
     def plain(carry, layer):
@@ -115,6 +117,20 @@ def scan_layers(
   dtypes = tuple(None if x is None else x.dtype for x in sinks)
   run = _prefetched(step, count, meta, layer_of, remat, dtypes)
   return run(init, stacked, wholes, tuple(consts), sinks)
+
+
+def _check_layer_axis(layers: Any) -> None:
+  """Raises ValueError, before the loop is traced, where a leaf of `layers` is split along its
+  leading (layer) axis: by ZeRO (a ShardedLeaf) or by its own layout (an array's sharding)."""
+  flat = jax.tree_util.tree_flatten_with_path(layers, is_leaf=gather_lib.is_sharded_leaf)[0]
+  for path, x in flat:
+    if gather_lib.is_sharded_leaf(x):
+      if x.dim == 0 and x.ndim >= 1:
+        raise gather_lib.layer_axis_split(x.path, x.axes, 0)
+      continue
+    spec = plan_lib.spec_of(x)
+    if spec is not None and len(spec) and spec[0] is not None:
+      raise gather_lib.layer_axis_split(f'layers{jax.tree_util.keystr(path)}', spec[0], 0)
 
 
 def _layer_of(meta: tuple, dtype: Any):

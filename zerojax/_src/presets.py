@@ -359,14 +359,6 @@ def _layer_loop(block, x, layers, gather_fn: GatherFn | None, remat: str):
       'minimal': jax.checkpoint_policies.save_only_these_names(KEPT),
     }.get(remat, jax.checkpoint_policies.nothing_saveable)
     body = jax.checkpoint(body, policy=policy)
-  # A stacked leaf split on its layer dimension (a norm scale whose width's shards would not
-  # fill TPU lanes, where the layers divide the devices) cannot be scanned over as shards:
-  # it is gathered whole before the loop (these are the small leaves).
-  layers = jax.tree.map(
-    lambda v: v.gather() if gather.is_sharded_leaf(v) and v.dim == 0 else v,
-    layers,
-    is_leaf=gather.is_sharded_leaf,
-  )
   x, _ = jax.lax.scan(body, x, layers)
   return x
 
@@ -479,6 +471,8 @@ class ModelSpec:
       (axis name, axis size) -> PartitionSpecs of the parameters over it (a
       prefix tree, as `zerojax.Options.param_specs`), raising ValueError where
       the size does not divide the model.
+    stacked: which parameters are stacked layers (`zerojax.Options.stacked`, a
+      prefix tree of bools), or None to leave it to the default rule.
 
   >>> import jax, jax.numpy as jnp, zerojax
   >>> spec = zerojax.inspect.ModelSpec(
@@ -495,6 +489,12 @@ class ModelSpec:
   loss_fn: Callable[[Any, Any, plan_lib.ZeroPlan], jax.Array]
   batch: Callable[[int], jax.ShapeDtypeStruct]
   tensor_specs: Callable[[str, int], Any] | None = None
+  stacked: Any = None
+
+
+# The decoder's parameters: its layer loop walks the leading axis of every leaf of 'layers',
+# and the others have no layer axis (any dimension may carry ZeRO's, the TPU lanes decide).
+STACKED = {'embed': False, 'layers': True, 'final_norm': False, 'head': False}
 
 
 def decoder_spec(
@@ -536,4 +536,5 @@ def decoder_spec(
     loss_fn=lambda params, tokens, plan: loss(params, tokens, plan=plan),
     batch=lambda global_batch: jax.ShapeDtypeStruct((global_batch, seq + 1), jnp.int32),
     tensor_specs=lambda axis, size: (cfg.check_tensor(size), cfg.param_specs(axis))[1],
+    stacked=STACKED,
   )

@@ -4,6 +4,8 @@ One rule serves every leaf, parameter or optimizer state: keep whatever the leaf
 is already sharded over (tensor parallelism), and put the ZeRO axes on the
 largest *free* dimension that divides by their size. A leaf with no such
 dimension is replicated when small, and otherwise handled by the user's policy.
+The leading dimension of a stacked leaf is the axis a layer loop walks, and is
+never split (`zerojax.Options.stacked`).
 """
 
 from __future__ import annotations
@@ -116,6 +118,25 @@ def _breaks_lanes(shape: tuple[int, ...], i: int, n: int) -> bool:
   )
 
 
+def _choose(shape: tuple[int, ...], dims: list[int], n: int, stacked: bool | None) -> int:
+  """Which of the divisible dimensions `dims` carries the ZeRO axes.
+
+  Largest first, ties to the earliest; the minor dimension comes last when its shards would
+  not be whole MINOR_SHARDs (TPU tiles it across 128 lanes, bf16 two to a lane, pads a
+  narrower shard and lowers its reduce-scatter to an all-reduce and a slice). The leading
+  dimension of a leaf of two or more dimensions may be the layer axis a loop walks
+  (`stacked`): True never splits it, None splits it only where it is the largest (lane
+  alignment never promotes it), False treats it like any other dimension.
+  """
+  key = lambda i: (not _breaks_lanes(shape, i, n), shape[i], -i)
+  if len(shape) < 2 or stacked is False:
+    return max(dims, key=key)
+  rest = [i for i in dims if i != 0]
+  if stacked is None and 0 in dims and all(shape[0] >= shape[i] for i in rest):
+    return 0
+  return max(rest, key=key)
+
+
 def leaf_rule(
   shape: Sequence[int],
   dtype,
@@ -125,11 +146,15 @@ def leaf_rule(
   axes: tuple[str, ...],
   replicate_below_bytes: int,
   pad: bool = False,
+  stacked: bool | None = None,
 ) -> LeafRule:
   """Decides the layout of one leaf; see the module docstring.
 
   With `pad`, a large leaf that no free dimension divides is split along its
   largest free dimension after padding it to a multiple of the axis size.
+  `stacked` says whether the leaf's leading dimension is a stack of layers that a
+  layer loop walks (`zerojax.Options.stacked`): True keeps it whole, None (not known)
+  splits it only where no larger dimension divides.
   """
   shape = tuple(int(d) for d in shape)
   dtype = as_dtype(dtype)
@@ -140,17 +165,15 @@ def leaf_rule(
     return LeafRule(shape, dtype, base, base, None, 'PRNG key (kept whole)', False)
   n = math.prod(mesh.shape[a] for a in axes)
   zero_entry = axes[0] if len(axes) == 1 else axes
+  # A layer axis is never split: scanning over it would hand each device other layers.
+  walked = stacked is True and len(shape) >= 2
 
-  free = [i for i, entry in enumerate(base) if entry is None]
+  free = [i for i, entry in enumerate(base) if entry is None and not (walked and i == 0)]
   divisible = [i for i in free if shape[i] % n == 0 and shape[i] >= n]
   if n == 1 and free:
     divisible = free
   if divisible:
-    # Largest dimension first; ties go to the earliest dimension. The minor
-    # dimension comes last when its shards would not be whole MINOR_SHARDs:
-    # TPU tiles it across 128 lanes (bf16 two to a lane), pads a narrower
-    # shard, and lowers its reduce-scatter to an all-reduce and a slice.
-    dim = max(divisible, key=lambda i: (not _breaks_lanes(shape, i, n), shape[i], -i))
+    dim = _choose(shape, divisible, n, stacked)
     entries = list(base)
     entries[dim] = zero_entry
     return LeafRule(shape, dtype, base, PartitionSpec(*entries), dim, None, False)
@@ -161,6 +184,7 @@ def leaf_rule(
     i
     for i, entry in enumerate(base)
     if entry is not None
+    and not (walked and i == 0)
     and shape[i] % (n * math.prod(mesh.shape[a] for a in spec_axes(entry))) == 0
   ]
   if taken and n > 1:
@@ -173,9 +197,13 @@ def leaf_rule(
   if not shape:
     reason = 'scalar'
   elif not free:
-    reason = 'every dimension is already sharded over other axes'
+    reason = 'every dimension is already sharded over other axes' + (
+      ' or is the layer axis' if walked else ''
+    )
   else:
     reason = f'no free dimension of {shape} divides by {n}'
+    if walked:
+      reason += ' (its leading dimension is a layer axis, never split)'
   indivisible = nbytes >= replicate_below_bytes and bool(shape)
   if indivisible and pad and free:
     dim = max(free, key=lambda i: (shape[i], -i))

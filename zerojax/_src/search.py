@@ -267,7 +267,9 @@ def _mesh(target: Target, c: Candidate):
   return mesh, names
 
 
-def _spec(target: Target, c: Candidate):
+def model_spec(target: Target, c: Candidate):
+  """The `ModelSpec` a candidate compiles: the target's model with the candidate's remat and
+  prefetch."""
   from zerojax._src import presets
 
   if callable(target.model):
@@ -283,8 +285,9 @@ def _spec(target: Target, c: Candidate):
   )
 
 
-def zero_options(c: Candidate, names: tuple[str, ...]) -> Options:
-  """The `zerojax.Options` of a candidate, for a mesh with axes `names`."""
+def zero_options(c: Candidate, names: tuple[str, ...], stacked: Any = None) -> Options:
+  """The `zerojax.Options` of a candidate, for a mesh with axes `names` and a model whose
+  stacked layers are `stacked` (`ModelSpec.stacked`)."""
   from zerojax._src import quantize as quantize_lib
 
   q = QUANTIZE[c.quantize]
@@ -295,6 +298,7 @@ def zero_options(c: Candidate, names: tuple[str, ...]) -> Options:
     update_on=c.update_on if c.offload is not None else 'device',
     quantize=None if q is None else quantize_lib.Quantize(**q, min_size=1 << 16),
     replica_axis='slice' if c.slices > 1 else None,
+    stacked=stacked,
   )
 
 
@@ -306,8 +310,8 @@ def lower_candidate(target: Target, c: Candidate):
   from zerojax._src import precision, train_state, transform
 
   mesh, names = _mesh(target, c)
-  spec = _spec(target, c)
-  options = zero_options(c, names)
+  spec = model_spec(target, c)
+  options = zero_options(c, names, spec.stacked)
   inner = target.optimizer()
   if target.mixed_precision:
     inner = precision.mixed_precision(inner)

@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from zerojax._src.roofline import GiB
-from zerojax._src.search import QUANTIZE, SearchReport, phase_totals, zero_options
+from zerojax._src.search import QUANTIZE, SearchReport, model_spec, phase_totals, zero_options
 
 
 def winner_code(report: SearchReport) -> str:
@@ -27,7 +27,7 @@ def winner_code(report: SearchReport) -> str:
     # mesh_utils.create_hybrid_device_mesh; the axis across slices is found from the devices).
     shape = (len(t.devices),) if c.layout == 'flat' else tuple(t.grid)
     mesh = f'mesh = jax.make_mesh({(c.slices, *shape)}, {("slice", *names)})'
-  options = zero_options(c, names)
+  options = zero_options(c, names, model_spec(t, c).stacked)
   args = [f'stage={c.stage}', 'mesh=mesh', f'axis={options.axis!r}']
   if options.replica_axis is not None:
     args.append(f'replica_axis={options.replica_axis!r}')
@@ -35,6 +35,8 @@ def winner_code(report: SearchReport) -> str:
     args.append(f'param_axis={options.param_axis!r}')
   if options.offload is not None:
     args += [f'offload={options.offload!r}', f'update_on={options.update_on!r}']
+  if options.stacked is not None:
+    args.append(f'stacked={options.stacked!r}')
   if options.quantize is not None:
     q = QUANTIZE[c.quantize]
     args.append(f'quantize=zerojax.Quantize(weights={q["weights"]!r}, grads={q["grads"]!r})')

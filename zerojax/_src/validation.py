@@ -89,6 +89,55 @@ def check_like_params(tree: Any, params: Any, name: str) -> None:
     )
 
 
+def stacked_leaves(marks: Any, tree: Any) -> list[bool | None]:
+  """`Options.stacked` per leaf of `tree`, in `jax.tree.leaves` order.
+
+  `marks` is True, False, None, or a dict (nested) keyed like `tree`'s dicts; a key it
+  does not name is None. Each leaf takes the mark of the longest prefix of its path.
+
+  Raises:
+    ValueError: a mark that is not a bool, None or a dict, or a key no leaf's path has.
+  """
+  used: set[tuple] = set()
+
+  def mark_of(path: tuple) -> bool | None:
+    node, walked = marks, ()
+    for key in path:
+      if not isinstance(node, dict):
+        break
+      name = getattr(key, 'key', getattr(key, 'name', getattr(key, 'idx', key)))
+      if name not in node:
+        return None
+      node, walked = node[name], walked + (name,)
+      used.add(walked)
+    if node is not None and not isinstance(node, bool):
+      raise ValueError(
+        f'`stacked` must be True, False, None or a dict of them keyed like the parameters'
+        f" (e.g. {{'layers': True, 'head': False}}); at {list(walked)} it holds {node!r}."
+      )
+    return node
+
+  out = [mark_of(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  unknown = sorted(str(list(k)) for k in _key_paths(marks) if k not in used)
+  if unknown:
+    raise ValueError(
+      f'`stacked` names {", ".join(unknown)}, which no parameter path has: spell the keys as'
+      ' the parameter tree does.'
+    )
+  return out
+
+
+def _key_paths(marks: Any, prefix: tuple = ()) -> list[tuple]:
+  """The key paths a nested dict of marks names."""
+  if not isinstance(marks, dict):
+    return []
+  out = []
+  for k, v in marks.items():
+    out.append(prefix + (k,))
+    out += _key_paths(v, prefix + (k,))
+  return out
+
+
 def broadcast_prefix(prefix: Any, tree: Any, name: str) -> Any:
   """Broadcasts a prefix tree of PartitionSpecs (or None) to the leaves of `tree`."""
   is_spec = lambda s: s is None or isinstance(s, PartitionSpec)

@@ -1,0 +1,111 @@
+"""Writes the tiny Hugging Face checkpoints the tests load, with Hugging Face's own outputs.
+
+    python tools/make_hf_fixtures.py tests/data
+
+Run once, in an environment with torch and transformers (not the project's: neither is a
+dependency): `pip install torch==2.13.0 transformers tokenizers`. It builds a randomly
+initialised BertForSequenceClassification and GPT2LMHeadModel of a few layers with
+transformers' own classes, saves each with `save_pretrained` (safetensors, Hugging Face's
+names and layouts), writes a WordPiece vocabulary for BERT and a byte-level BPE for GPT-2
+(trained with `tokenizers` on a few sentences), and records the logits transformers computes
+on fixed inputs in `expected.npz`: what zerojax's Flax models must reproduce from those files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
+from transformers import (
+  BertConfig,
+  BertForSequenceClassification,
+  GPT2Config,
+  GPT2LMHeadModel,
+)
+
+TEXT = [
+  'The company said its shares rose by 5 percent on Monday.',
+  'Shares of the company increased 5 percent on Monday, it stated.',
+  'The court ruled against the minister in March.',
+  'Analysts expect the team to win the final next year.',
+  'Police acquired a rival firm last year, the report said.',
+] * 20
+
+
+def bert(out: str) -> None:
+  os.makedirs(out, exist_ok=True)
+  wordpiece = BertWordPieceTokenizer(lowercase=True)
+  wordpiece.train_from_iterator(TEXT, vocab_size=120, min_frequency=1)
+  wordpiece.save_model(out)  # vocab.txt
+  # tokenizer.json (the tokenizers library's own file) and tokenizer_config.json, as a
+  # published folder has them.
+  BertWordPieceTokenizer(os.path.join(out, 'vocab.txt'), lowercase=True).save(
+    os.path.join(out, 'tokenizer.json')  # with BERT's [CLS] a [SEP] b [SEP] post-processor
+  )
+  _json(out, 'tokenizer_config.json', {'do_lower_case': True, 'tokenizer_class': 'BertTokenizer'})
+  vocab = sum(1 for _ in open(os.path.join(out, 'vocab.txt')))
+  torch.manual_seed(0)
+  config = BertConfig(
+    vocab_size=vocab,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    num_labels=2,
+  )
+  model = BertForSequenceClassification(config).eval()
+  model.save_pretrained(out, safe_serialization=True)
+  tokenizer = BertWordPieceTokenizer(os.path.join(out, 'vocab.txt'), lowercase=True)
+  tokenizer.enable_truncation(max_length=48)
+  tokenizer.enable_padding(length=48)
+  encoded = tokenizer.encode_batch([(TEXT[0], TEXT[1]), (TEXT[2], TEXT[3])])
+  ids = torch.tensor([e.ids for e in encoded])
+  segments = torch.tensor([e.type_ids for e in encoded])
+  mask = torch.tensor([e.attention_mask for e in encoded])
+  with torch.no_grad():
+    logits = model(input_ids=ids, token_type_ids=segments, attention_mask=mask).logits
+  _expected(out, tokens=ids, segments=segments, mask=mask, logits=logits)
+
+
+def gpt2(out: str) -> None:
+  os.makedirs(out, exist_ok=True)
+  bpe = ByteLevelBPETokenizer()
+  bpe.train_from_iterator(TEXT, vocab_size=300, min_frequency=1)
+  bpe.save_model(out)  # vocab.json, merges.txt
+  bpe.save(os.path.join(out, 'tokenizer.json'))
+  torch.manual_seed(0)
+  config = GPT2Config(
+    vocab_size=bpe.get_vocab_size(),
+    n_positions=64,
+    n_embd=32,
+    n_layer=3,
+    n_head=4,
+    bos_token_id=0,
+    eos_token_id=0,
+  )
+  model = GPT2LMHeadModel(config).eval()
+  model.save_pretrained(out, safe_serialization=True)
+  tokens = torch.tensor([bpe.encode(TEXT[0]).ids[:12], bpe.encode(TEXT[2]).ids[:12]])
+  with torch.no_grad():
+    logits = model(input_ids=tokens).logits
+  _expected(out, tokens=tokens, logits=logits)
+
+
+def _json(out: str, name: str, value: dict) -> None:
+  with open(os.path.join(out, name), 'w') as f:
+    json.dump(value, f, indent=2)
+
+
+def _expected(out: str, **arrays) -> None:
+  np.savez(os.path.join(out, 'expected.npz'), **{k: np.asarray(v) for k, v in arrays.items()})
+
+
+if __name__ == '__main__':
+  root = sys.argv[1] if len(sys.argv) > 1 else 'tests/data'
+  bert(os.path.join(root, 'hf-tiny-bert'))
+  gpt2(os.path.join(root, 'hf-tiny-gpt2'))
