@@ -386,12 +386,6 @@ def _progress(leaves: list[_Source]) -> Iterator[_Source]:
     )
 
 
-def _by_file(matched: Matched, entries) -> list[_Source]:
-  """The leaves in the order of the first file each reads (each file opened about once)."""
-  first = lambda leaf: entries[leaf.tensor.names(leaf.shape[0] if leaf.tensor.stacked else 0)[0]]
-  return sorted(matched.sources.values(), key=lambda leaf: first(leaf).file)
-
-
 def load_safetensors(
   path: str | os.PathLike,
   init_fn: Callable[..., optax.Params],
@@ -448,7 +442,7 @@ def load_safetensors(
   matched = match(abstract, entries, names, skip=skip, init=init)
   plan = config.plan(abstract)
   shardings = {leaf_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(plan.params)[0]}
-  leaves = _progress(_by_file(matched, entries))
+  leaves = _progress(list(matched.sources.values()))
   loaded = {leaf.path: _place(entries, leaf, shardings[leaf.path]) for leaf in leaves}
   if matched.at_init:
     loaded.update(_initial(init_fn, init_args, matched.at_init, shardings))
