@@ -1,5 +1,6 @@
 """zero_stage over optax optimizers: equality with plain optax, and layouts."""
 
+import dataclasses
 import functools
 
 import jax
@@ -178,3 +179,20 @@ def test_weight_decay_does_not_drag_parameters_sharded(stage, mesh):
     p, state = step(p, state)
   assert jax.tree.map(lambda a: a.sharding, p) == plan.params
   assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(p))
+
+
+def test_the_config_is_data_on_the_transformation_not_an_attribute_of_a_function(explicit_mesh):
+  inner = zerojax.mixed_precision(optax.adam(1e-3))
+  assert callable(inner.update.master_step)
+  assert isinstance(inner, optax.GradientTransformationExtraArgs)
+  tx = zerojax.zero_stage(inner, 2, mesh=explicit_mesh)
+  assert isinstance(tx, optax.GradientTransformationExtraArgs)
+  assert dataclasses.is_dataclass(tx.update) and tx.update.config is zerojax.config_of(tx)
+  assert zerojax.config_of(tx).stage == 2 and zerojax.config_of(tx).inner is inner
+  # Rebuilt from its two fields, as flax and optax rebuild NamedTuples, it keeps its config.
+  again = type(tx)(*tx)
+  assert zerojax.config_of(again) is zerojax.config_of(tx)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    tx.update.config = None
+  # A chain around it is another transformation, with no ZeRO config.
+  assert zerojax.config_of(optax.chain(tx, optax.scale(1.0))) is None

@@ -16,6 +16,7 @@ halves the scale; after `growth_interval` good steps the scale doubles.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import chex
@@ -64,6 +65,24 @@ def _check_float(dtype: Any, name: str) -> jnp.dtype:
   if not jnp.issubdtype(dtype, jnp.floating):
     raise TypeError(f'`{name}` must be a floating dtype, got {dtype}.')
   return dtype
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MixedPrecisionUpdate:
+  """The `update` of `zerojax.mixed_precision`: a callable with its data.
+
+  Attributes:
+    master_step: the update up to the rounded new parameters, `(grads, state, dtypes,
+      **extra_args) -> (rounded, new_state)`, which `Options(update_on='stream')` runs on
+      the host.
+    fn: `(grads, state, params, **extra_args) -> (updates, state)`.
+  """
+
+  master_step: Callable[..., Any]
+  fn: Callable[..., Any]
+
+  def __call__(self, grads, state, params=None, **extra_args):
+    return self.fn(grads, state, params, **extra_args)
 
 
 def mixed_precision(
@@ -182,8 +201,7 @@ def mixed_precision(
     rounded, new_state = step(grads, state, dtypes, **extra_args)
     return transform.updates_to(rounded, params), new_state
 
-  update.master_step = step
-  return optax.GradientTransformationExtraArgs(init, update)
+  return optax.GradientTransformationExtraArgs(init, MixedPrecisionUpdate(step, update))
 
 
 def _next_scale(state: LossScaleState, finite, cfg: DynamicLossScale) -> LossScaleState:

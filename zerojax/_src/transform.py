@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,8 +18,6 @@ from zerojax._src import compat, rules, streaming, validation
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import options as options_lib
 from zerojax._src import plan as plan_lib
-
-_CONFIG_ATTR = '_zerojax_config'
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -339,10 +338,30 @@ def as_transformation(tx: Any, name: str) -> optax.GradientTransformation:
   )
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ZeroUpdate:
+  """The `update` of a transformation made by `zero_stage`: a callable with its data.
+
+  `zero_stage` returns `optax.GradientTransformationExtraArgs(init, ZeroUpdate(...))`, so
+  optax and flax take it as any transformation (and rebuild it keeping this object), and the
+  `ZeroConfig` it was built from is a field here, not an attribute set on a function.
+
+  Attributes:
+    config: the `ZeroConfig`.
+    fn: `(updates, state, params=None, **extra_args) -> (updates, state)`.
+  """
+
+  config: ZeroConfig
+  fn: Callable[..., tuple[optax.Updates, optax.OptState]]
+
+  def __call__(self, updates, state, params=None, **extra_args):
+    return self.fn(updates, state, params, **extra_args)
+
+
 def config_of(tx: Any) -> ZeroConfig | None:
   """The `ZeroConfig` of a transformation made by `zero_stage`, else None."""
   update = getattr(tx, 'update', None)
-  return getattr(update, _CONFIG_ATTR, None)
+  return update.config if isinstance(update, ZeroUpdate) else None
 
 
 def require_config(tx: Any) -> ZeroConfig:
@@ -446,6 +465,7 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
   tx, stage, mesh = config.inner, config.stage, config.mesh
   inner = optax.with_extra_args_support(tx)
   # mixed_precision's update up to the rounded new parameters, for update_on='stream'.
+  # (a field of its update, `precision.MixedPrecisionUpdate`).
   master_step = getattr(getattr(tx, 'update', None), 'master_step', None)
 
   def init(params: optax.Params) -> optax.OptState:
@@ -539,8 +559,7 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     body = mesh_lib.run_in_layout(body, mesh, (plan.params, plan.opt_state))
     return body(updates, state, params, arrays, noted)
 
-  setattr(update, _CONFIG_ATTR, config)
-  return optax.GradientTransformationExtraArgs(init, update)
+  return optax.GradientTransformationExtraArgs(init, ZeroUpdate(config, update))
 
 
 def _visible_spec(x: Any, mesh: Mesh) -> PartitionSpec | None:
