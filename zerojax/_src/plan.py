@@ -279,27 +279,23 @@ def _param_rules(params, config: PlanOptions, rule_for) -> tuple[_Leaves, list]:
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
   entries = _paths(abstract)
   stacked = validation.stacked_leaves(config.options.stacked, params)
-  _check_layer_axes(entries, spec_leaves, stacked, config)
   leaf_rules = [
     rule_for(x.shape, x.dtype, s, k) for (_, x), s, k in zip(entries, spec_leaves, stacked)
   ]
+  _check_layer_axes(entries, leaf_rules, stacked)
   opt_shapes = [r.padded_shape or r.shape for r in leaf_rules]
   return _Leaves(entries, leaf_rules, jax.tree.structure(abstract)), opt_shapes
 
 
-def _check_layer_axes(entries, spec_leaves, stacked, config: PlanOptions) -> None:
+def _check_layer_axes(entries, leaf_rules, stacked) -> None:
   """Raises ValueError where `param_specs` (or a leaf's own layout) splits the layer axis of a
   leaf marked stacked: a layer loop would hand each device other layers' parameters."""
-  offending = []
-  for (path, x), spec, walked in zip(entries, spec_leaves, stacked):
-    if not walked or x.ndim < 2:
-      continue
-    base = rules.normalize_spec(spec, x.ndim, config.mesh, drop=config.axes)
-    if base[0] is not None:
-      offending.append(
-        f'  params{jax.tree_util.keystr(path)}: shape {tuple(x.shape)}, layout {base}:'
-        f' dimension 0 split over {base[0]!r}'
-      )
+  offending = [
+    f'  params{jax.tree_util.keystr(path)}: shape {rule.shape}, layout {rule.base}:'
+    f' dimension 0 split over {rule.base[0]!r}'
+    for (path, _), rule, walked in zip(entries, leaf_rules, stacked)
+    if walked and len(rule.shape) >= 2 and rule.base[0] is not None
+  ]
   if offending:
     raise ValueError(
       f'{validation.count(len(offending), "stacked leaf", "stacked leaves")} would be split'

@@ -125,7 +125,7 @@ def _check_layer_axis(layers: Any) -> None:
   flat = jax.tree_util.tree_flatten_with_path(layers, is_leaf=gather_lib.is_sharded_leaf)[0]
   for path, x in flat:
     if gather_lib.is_sharded_leaf(x):
-      if x.dim == 0 and x.ndim >= 1:
+      if x.dim == 0:
         raise gather_lib.layer_axis_split(x.path, x.axes, 0)
       continue
     spec = plan_lib.spec_of(x)

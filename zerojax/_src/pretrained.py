@@ -537,35 +537,37 @@ def save_safetensors(
       pass
     return []
   os.makedirs(directory, exist_ok=True)
-  shards: list[dict[str, np.ndarray]] = [{}]
-  size = 0
+  current: dict[str, np.ndarray] = {}
+  written_names: list[list[str]] = []  # the tensors of each shard written so far
+  size = total = 0
   for name, value in tensors:
     if size and size + value.nbytes > max_shard_bytes:
-      _write(shards[-1], directory, f'model-{len(shards):05d}.safetensors')
-      shards.append({})
-      size = 0
-    shards[-1][name] = value
+      written_names.append(list(current))
+      _write(current, directory, f'model-{len(written_names):05d}.safetensors')
+      current, size = {}, 0
+    current[name] = value
     size += value.nbytes
-  if len(shards) == 1:
-    return [_write(shards[0], directory, SINGLE)]
-  files = [f'model-{i + 1:05d}-of-{len(shards):05d}.safetensors' for i in range(len(shards))]
-  written = _rename_shards(directory, len(shards), files)
-  written.append(_write(shards[-1], directory, files[-1]))
-  _write_index(directory, shards, files)
+    total += value.nbytes
+  if not written_names:
+    return [_write(current, directory, SINGLE)]
+  written_names.append(list(current))
+  count = len(written_names)
+  files = [f'model-{i + 1:05d}-of-{count:05d}.safetensors' for i in range(count)]
+  written = _rename_shards(directory, count, files)
+  written.append(_write(current, directory, files[-1]))
+  weight_map = {n: file for names, file in zip(written_names, files) for n in names}
+  _write_index(directory, weight_map, total)
   return written
 
 
 def _write(tensors: dict[str, np.ndarray], directory: str, name: str) -> str:
-  """One safetensors file, written under a temporary name and renamed once complete; the
-  tensors are dropped from `tensors` once written."""
+  """One safetensors file, written under a temporary name and renamed once complete."""
   target = os.path.join(directory, name)
   _safetensors()  # names the extra to install when it is missing
   from safetensors.numpy import save_file
 
   save_file(tensors, target + '.partial', metadata={'format': 'pt'})
   os.replace(target + '.partial', target)
-  for key in list(tensors):
-    tensors[key] = tensors[key][:0]  # keep the name and dtype for the index, free the values
   return target
 
 
@@ -580,12 +582,7 @@ def _rename_shards(directory: str, count: int, files: list[str]) -> list[str]:
   return out
 
 
-def _write_index(directory: str, shards: list[dict], files: list[str]) -> None:
-  weight_map = {name: file for shard, file in zip(shards, files) for name in shard}
-  total = 0
-  for file in files:
-    for entry in read_headers(os.path.join(directory, file)).values():
-      total += math.prod(entry.shape) * entry.dtype.itemsize
+def _write_index(directory: str, weight_map: dict[str, str], total: int) -> None:
   target = os.path.join(directory, INDEX)
   with open(target + '.partial', 'w') as f:
     json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)
