@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import optax
 
-from zerojax._src import transform
+from zerojax._src import transform, validation
 
 LOG = logging.getLogger('zerojax')
 LAYER = '{layer}'
@@ -66,15 +66,7 @@ NameMap = Mapping[str, Tensor | str] | Callable[[str], Tensor | str | None]
 
 def leaf_name(path: tuple) -> str:
   """A leaf's key path as the name maps spell it: keys joined by '/', e.g. 'encoder/query/kernel'."""
-  parts = []
-  for k in path:
-    for attr in ('key', 'name', 'idx'):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return '/'.join(parts)
+  return '/'.join(str(validation.key_name(k)) for k in path)
 
 
 # ---------------------------------------------------------------------------------------------

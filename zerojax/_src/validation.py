@@ -89,6 +89,14 @@ def check_like_params(tree: Any, params: Any, name: str) -> None:
     )
 
 
+def key_name(key: Any) -> Any:
+  """What a key-path entry names: a dict key, an attribute name or a sequence index."""
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  return key
+
+
 def stacked_leaves(marks: Any, tree: Any) -> list[bool | None]:
   """`Options.stacked` per leaf of `tree`, in `jax.tree.leaves` order.
 
@@ -105,7 +113,7 @@ def stacked_leaves(marks: Any, tree: Any) -> list[bool | None]:
     for key in path:
       if not isinstance(node, dict):
         break
-      name = getattr(key, 'key', getattr(key, 'name', getattr(key, 'idx', key)))
+      name = key_name(key)
       if name not in node:
         return None
       node, walked = node[name], walked + (name,)
