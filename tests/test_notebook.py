@@ -1,6 +1,7 @@
 """The quickstart notebook executes top to bottom (on the faked CPU mesh)."""
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,50 @@ def test_quickstart_notebook_executes(tmp_path):
     if c.cell_type == 'code'
     for o in c.outputs
   )
+
+
+def _install_cell() -> str:
+  """The notebook's first code cell: how it installs zerojax where the runtime lacks it."""
+  import json
+
+  cells = json.loads(NOTEBOOK.read_text())['cells']
+  return ''.join(next(c for c in cells if c['cell_type'] == 'code')['source'])
+
+
+@pytest.mark.parametrize('given', ['wheel', 'checkout', 'env', 'nothing'])
+def test_the_notebook_installs_zerojax_from_its_own_source(given, tmp_path, monkeypatch):
+  """Without zerojax, the first cell installs it from this project's source (an uploaded wheel,
+  the checkout the notebook sits in, or ZEROJAX_SOURCE), never by name from the package index;
+  with none of them it stops, saying how to build the wheel."""
+  import importlib.util
+  import subprocess
+
+  work = tmp_path / 'notebooks'
+  work.mkdir()
+  monkeypatch.chdir(work)
+  monkeypatch.delenv('ZEROJAX_SOURCE', raising=False)
+  if given == 'wheel':
+    (work / 'zerojax-0.3.0-py3-none-any.whl').touch()
+  elif given == 'checkout':
+    (tmp_path / 'zerojax').mkdir()
+    (tmp_path / 'zerojax' / '__init__.py').touch()
+  elif given == 'env':
+    monkeypatch.setenv('ZEROJAX_SOURCE', 'git+https://example.org/zerojax.git')
+  ran = []
+  monkeypatch.setattr(importlib.util, 'find_spec', lambda name: None)
+  monkeypatch.setattr(subprocess, 'run', lambda cmd, check: ran.append(cmd))
+  if given == 'nothing':
+    with pytest.raises(RuntimeError, match=r'python -m pip wheel --no-deps -w dist \.'):
+      exec(_install_cell(), {})
+    assert ran == []
+    return
+  exec(_install_cell(), {})
+  want = {
+    'wheel': 'zerojax-0.3.0-py3-none-any.whl',
+    'checkout': '..',
+    'env': 'git+https://example.org/zerojax.git',
+  }[given]
+  assert ran == [[sys.executable, '-m', 'pip', 'install', '--quiet', want]]
 
 
 # --- Finding a TPU VM before jax starts (what the notebook's first cell asks)

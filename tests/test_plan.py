@@ -151,7 +151,8 @@ def test_tensor_parallel_training_matches_optax():
   }
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), tp)
   params = jax.device_put(mlp_params(), shardings)
-  tx = zerojax.zero_stage(optax.adam(1e-2), 3, mesh=mesh)
+  # Traced on Auto axes the arrays carry no layout: the optimizer is told it.
+  tx = zerojax.zero_stage(optax.adam(1e-2), 3, mesh=mesh, param_specs=tp)
   state = tx.init(params)
   plan = zerojax.plan_for(tx, params)
   params = jax.device_put(params, plan.params)
@@ -267,6 +268,65 @@ def test_plan_follows_the_tensor_parallel_layout_of_the_leaves():
   tp = {'w': jax.device_put(params['w'], NamedSharding(mesh, P(None, 'model')))}
   assert zerojax.plan_for(tx, params).params['w'].spec == P('data', None)
   assert zerojax.plan_for(tx, tp).params['w'].spec == P('data', 'model')
+
+
+TP_LAYOUTS = {'rows': P('model', None), 'cols': P(None, 'model')}
+
+
+def _traced_plans(mesh, order):
+  """The parameter layouts each traced step of a train state gets, for states of one structure
+  placed in each tensor-parallel layout of `order`, stepped in that order."""
+  from flax.training import train_state
+
+  seen = {}
+  for name in order:
+    params = jax.device_put({'w': jnp.ones((64, 32))}, NamedSharding(mesh, TP_LAYOUTS[name]))
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    state = zerojax.zero_stage(state, 3, mesh=mesh)
+
+    @jax.jit
+    def step(state, name=name):
+      seen[name] = zerojax.plan_for(state.tx, state.params).params['w'].spec
+      return state.apply_gradients(grads=state.params)
+
+    state = step(state)
+    assert state.params['w'].sharding.spec == seen[name]
+  return seen
+
+
+@pytest.mark.parametrize('kind', [AxisType.Explicit, AxisType.Auto])
+def test_a_traced_plan_does_not_depend_on_what_was_traced_before(kind):
+  """Two layouts of one tree: each traced step gets its own state's plan, in either order."""
+  mesh = tp_mesh(kind)
+  first = _traced_plans(mesh, ['rows', 'cols'])
+  second = _traced_plans(mesh, ['cols', 'rows'])
+  assert first == second == {'rows': P('model', 'data'), 'cols': P('data', 'model')}
+
+
+def test_traced_parameters_whose_layout_cannot_be_read_are_refused():
+  """On Auto axes a traced array carries no layout: with a tensor-parallel axis in the mesh
+  and no param_specs, the plan is not guessed (nor taken from what was placed before)."""
+  mesh = tp_mesh(AxisType.Auto)
+  tx = zerojax.zero_stage(optax.sgd(0.1), 3, mesh=mesh)
+  params = jax.device_put({'w': jnp.ones((64, 32))}, NamedSharding(mesh, TP_LAYOUTS['cols']))
+  state = tx.init(params)
+  assert zerojax.plan_for(tx, params).params['w'].spec == P('data', 'model')
+  with pytest.raises(ValueError) as e:
+    jax.jit(tx.update)(params, state, params)
+  assert str(e.value) == (
+    'zerojax: these parameters are traced on Auto mesh axes, where arrays carry no layout, and'
+    " the mesh splits them over ['model'] too (tensor parallelism), so where each is split"
+    ' cannot be read. Give the layouts to the optimizer: zero_stage(...,'
+    ' param_specs=jax.tree.map(lambda x: x.sharding.spec, params)) on the placed parameters'
+    ' (param_specs=jax.P() for none), build the state with zerojax.create_train_state or'
+    ' zero_stage(train_state, ...), which record them in state.tx, or use a mesh with Explicit'
+    ' axes.'
+  )
+  told = zerojax.zero_stage(
+    optax.sgd(0.1), 3, mesh=mesh, param_specs=jax.tree.map(lambda x: x.sharding.spec, params)
+  )
+  updates, _ = jax.jit(told.update)(params, told.init(params), params)
+  assert updates['w'].sharding.spec == P('data', 'model')
 
 
 def test_plan_cache_is_bounded(explicit_mesh):

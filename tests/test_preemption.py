@@ -184,7 +184,7 @@ def test_a_newer_zerojax_checkpoint_is_refused(tmp_path, monkeypatch):
   assert str(e.value) == (
     f'checkpoint step 3 in {tmp_path} was written by zerojax 9.1.0, newer than this zerojax'
     f' {zerojax.__version__}; its layout may hold what this version cannot read. Upgrade'
-    ' zerojax to 9.1.0 or later (pip install -U zerojax) to restore it.'
+    ' zerojax to 9.1.0 or later (pip install -U . in a checkout of it) to restore it.'
   )
 
 

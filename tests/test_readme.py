@@ -1,8 +1,10 @@
-"""Every Python block of README.md runs as written, in order, in one namespace.
+"""Every Python block of README.md and of the guides in docs/ runs as written, in order, in
+one namespace.
 
 The README's first block is the prelude the others assume (a model, its loss, a
-batch); later blocks may use what earlier ones defined, as a reader running them
-in order would. They run in a temporary folder (checkpoints are written there).
+batch); later blocks, and the guides' (`GUIDES`, read in that order), may use what
+earlier ones defined, as a reader running them in order would. They run in a
+temporary folder (checkpoints are written there).
 """
 
 import os
@@ -15,6 +17,16 @@ from pathlib import Path
 import pytest
 
 README = Path(__file__).resolve().parent.parent / 'README.md'
+# The README, then the guides it links to, in the order their blocks run.
+GUIDES = [README] + [
+  README.parent / 'docs' / f'{name}.md'
+  for name in ('training', 'checkpoints', 'multi-host', 'planner')
+]
+
+
+def guides_text() -> str:
+  """The README and the guides, one after the other."""
+  return '\n'.join(path.read_text() for path in GUIDES)
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -25,26 +37,28 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
   return blocks
 
 
-def test_readme_has_python_blocks():
-  assert len(python_blocks(README.read_text())) >= 8
+def test_readme_and_guides_have_python_blocks():
+  assert len(python_blocks(README.read_text())) >= 4
+  for path in GUIDES[1:]:
+    assert python_blocks(path.read_text()), path
 
 
 @pytest.mark.slow
 def test_every_python_block_runs_as_written(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   namespace = {'__name__': '__readme__'}
-  for line, code in python_blocks(README.read_text()):
-    try:
-      exec(compile(code, f'README.md:{line}', 'exec'), namespace)
-    except Exception as e:
-      raise AssertionError(
-        f'the README block at line {line} failed: {type(e).__name__}: {e}'
-      ) from e
+  for path in GUIDES:
+    name = path.relative_to(README.parent)
+    for line, code in python_blocks(path.read_text()):
+      try:
+        exec(compile(code, f'{name}:{line}', 'exec'), namespace)
+      except Exception as e:
+        raise AssertionError(f'the block at {name}:{line} failed: {type(e).__name__}: {e}') from e
   assert os.listdir(tmp_path) is not None
 
 
 def zerojax_commands(text: str) -> list[str]:
-  """The `python -m zerojax ...` lines of the README's shell blocks."""
+  """The `python -m zerojax ...` lines of the shell blocks of `text`."""
   commands = []
   for m in re.finditer(r'^```bash\n(.*?)^```', text, flags=re.S | re.M):
     for line in m.group(1).splitlines():
@@ -78,7 +92,7 @@ def test_readme_planner_commands_reproduce_the_committed_results():
   `benchmarks/results/plan_llama2-70b_v5e-16x16_chunked.libtpu-VERSION.txt` (quoted by the README)
   says, at 10.5 GiB or less and at the ZeRO floor."""
   pytest.importorskip('libtpu', reason='needs the tpu extra')
-  commands = [c for c in zerojax_commands(README.read_text()) if ' inspect ' not in c]
+  commands = [c for c in zerojax_commands(guides_text()) if ' inspect ' not in c]
   assert [c.split()[3] for c in commands] == ['plan', 'estimate', 'plan', 'plan']
   assert '--slices 2' in commands[0] and '--search' in commands[3]
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
@@ -119,7 +133,7 @@ def test_readme_planner_commands_reproduce_the_committed_results():
 def test_the_committed_plans_are_those_of_both_supported_compilers():
   """One committed report of the README's 70B plan per supported end's TPU compiler, each
   made by the README's command, and the README quotes their figures."""
-  readme = README.read_text()
+  readme = guides_text()
   for version in ('0.0.42', '0.0.50'):
     path = RESULTS / f'{README_PLAN}.libtpu-{version}.txt'
     text = path.read_text()
@@ -157,7 +171,7 @@ def test_the_two_slice_check_is_committed_for_both_compilers():
   and the README's table the committed one."""
   import json
 
-  readme = README.read_text()
+  readme = guides_text()
   for version in ('0.0.42', '0.0.50'):
     run = json.loads((RESULTS / f'maxtext_v5p_slices.libtpu-{version}.json').read_text())
     rows = {r['row']: r for r in run['rows']}
@@ -181,7 +195,7 @@ def test_the_v5e_check_is_committed_for_both_compilers_with_maxtexts_settings():
   slices; and the README's tables the committed ones."""
   import json
 
-  readme = README.read_text()
+  readme = guides_text()
   for version in ('0.0.42', '0.0.50'):
     run = json.loads((RESULTS / f'maxtext_v5e.libtpu-{version}.json').read_text())
     assert run['versions']['libtpu'].startswith(version)
@@ -218,6 +232,6 @@ def test_readme_maxtext_table_is_the_committed_benchmark():
   committed = (README.parent / 'benchmarks/results/maxtext_v5p.md').read_text()
   rows = [line for line in committed.splitlines() if line.startswith('|')]
   assert len(rows) >= 2 + 4, committed  # header, rule and the single-slice rows planned
-  readme = README.read_text()
+  readme = guides_text()
   for row in rows:
     assert row in readme, row

@@ -225,3 +225,24 @@ def test_an_fsdp_state_is_not_made_whole_without_a_word(stage, mesh):
   assert state3.params['dense1']['kernel'].sharding.spec == PartitionSpec(None, 'data')
   whole_state = state.replace(params=jax.device_put(params, NamedSharding(mesh, PartitionSpec())))
   assert zerojax.zero_stage(whole_state, stage, mesh=mesh).params['dense2']['bias'].shape == (8,)
+
+
+def test_init_fn_is_traced_once_for_the_layout_and_once_to_run(explicit_mesh):
+  """The parameters' shapes are read once (the plan and the state's layout come from them), and
+  `create_train_state` traces `init_fn` once more to run it; `abstract_train_state` does not."""
+
+  def counted(traces):
+    def init_fn(key):
+      traces.append(key)
+      return {'w': jax.random.normal(key, (64, 8))}
+
+    return init_fn
+
+  tx = zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=explicit_mesh)
+  traces = []
+  state = zerojax.create_train_state(counted(traces), jax.random.key(0), tx=tx)
+  assert len(traces) == 2
+  assert state.params['w'].sharding.spec == jax.P('data', None)
+  traces = []
+  zerojax.inspect.abstract_train_state(counted(traces), jax.random.key(0), tx=tx)
+  assert len(traces) == 1

@@ -25,247 +25,35 @@ reads as terminated by SIGTERM).
 from __future__ import annotations
 
 import base64
-import contextlib
 import glob
 import json
 import os
-import re
 import shutil
-import signal
 import sys
-import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
 
-from zerojax._src import distributed, runtime, transform
+from zerojax._src import codec, distributed, integrity, preemption, runtime, transform
 from zerojax._src import mesh as mesh_lib
-from zerojax._src import plan as plan_lib
 from zerojax._src import train_state as train_state_lib
-
-_KEY_PREFIX = 'prng_key:'
-
 
 _TMP_SUFFIX = '.orbax-checkpoint-tmp'
 
-# What a preempted process exits with: 128 + SIGTERM, as if the signal had ended it.
-PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
-
-
-class Preempted(SystemExit):
-  """Raised by `Checkpointer.save` once the checkpoint of a preemption notice is committed.
-
-  A `SystemExit` with code 143 (`PREEMPTED_EXIT_CODE`): uncaught, the process
-  ends with that code after `finally` blocks and `with` exits have run. Catch
-  it to exit with another code, or to do more before exiting.
-
-  Attributes:
-    step: the step saved.
-    directory: the checkpoint folder.
-  """
-
-  def __init__(self, step: int, directory: str):
-    super().__init__(PREEMPTED_EXIT_CODE)
-    self.step = step
-    self.directory = directory
-
-  def __str__(self) -> str:
-    return (
-      f'preempted: checkpoint step {self.step} is committed in {self.directory}; exiting'
-      f' with code {PREEMPTED_EXIT_CODE}'
-    )
+PREEMPTED_EXIT_CODE = preemption.PREEMPTED_EXIT_CODE
+Preempted = preemption.Preempted
+_version_tuple = integrity.version_tuple  # read by the tests of the version check
 
 
 def _version() -> str:
-  from zerojax._src import version
-
-  return version.__version__
-
-
-def _as_array(x: Any) -> Any:
-  """Python scalars (a fresh TrainState's `step=0`) as arrays; arrays as they are."""
-  if isinstance(x, (int, float, bool, np.number)) and not isinstance(x, jax.Array):
-    return jnp.asarray(x)
-  return x
-
-
-def _state_tree(state: Any) -> dict:
-  """The arrays to save: a train state's step, params and opt_state, or any pytree."""
-  if train_state_lib.is_train_state(state):
-    return {
-      'step': _as_array(state.step),
-      'params': state.params,
-      'opt_state': state.opt_state,
-    }
-  return {'tree': jax.tree.map(_as_array, state)}
-
-
-def _plan_of(state: Any) -> plan_lib.ZeroPlan | None:
-  """The plan of a zero-wrapped train state, if `state` is one."""
-  config = transform.config_of(getattr(state, 'tx', None))
-  if config is None or not train_state_lib.is_train_state(state):
-    return None
-  return config.plan(state.params)
-
-
-def _state_padding(state: Any, plan: plan_lib.ZeroPlan | None) -> list:
-  """Per opt_state leaf: None or (dim, logical size) when it is padded in `state`."""
-  leaves = jax.tree.leaves(state.opt_state) if plan is not None else []
-  if plan is None or len(plan.state_padding) != len(leaves):
-    return [None] * len(leaves)
-  out = []
-  for x, pad in zip(leaves, plan.state_padding):
-    out.append(pad if pad is not None and x.shape[pad[0]] != pad[1] else None)
-  return out
-
-
-def _unpad_leaf(x: Any, pad: tuple[int, int] | None) -> Any:
-  if pad is None:
-    return x
-  dim, size = pad
-  return jax.lax.slice_in_dim(x, 0, size, axis=dim)
-
-
-# --- Checksums: two 32-bit sums over an array's bytes (plain, and weighted by
-# odd position-dependent factors, so any one changed word changes it), exact
-# in any reduction order, computed where the array lives.
-
-
-def _words(x: jax.Array) -> jax.Array:
-  """The array's bytes as uint32 values (one per element or per 4 bytes), same leading shape."""
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32)
-  size = x.dtype.itemsize
-  if size == 4:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)
-  if size in (1, 2):
-    small = jnp.uint8 if size == 1 else jnp.uint16
-    return jax.lax.bitcast_convert_type(x, small).astype(jnp.uint32)
-  if size == 8:
-    return jax.lax.bitcast_convert_type(x, jnp.uint32)  # a trailing dimension of 2
-  raise TypeError(f'no checksum for dtype {x.dtype}')
-
-
-@jax.jit
-def _checksum(x: jax.Array) -> jax.Array:
-  words = _words(x)
-  index = jnp.zeros(words.shape, jnp.uint32)
-  stride = 1
-  for dim in reversed(range(words.ndim)):
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, words.shape, dim) * jnp.uint32(stride)
-    stride = (stride * words.shape[dim]) % (1 << 32)
-  weights = index * jnp.uint32(2654435761) | jnp.uint32(1)
-  return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * weights, dtype=jnp.uint32)])
-
-
-def _checksums(tree: Any) -> dict[str, list[int]]:
-  """keystr path -> checksum of each array leaf (every process computes the same)."""
-  out = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    value = _checksum(x)
-    local = value.addressable_shards[0].data if isinstance(value, jax.Array) else value
-    out[jax.tree_util.keystr(path)] = [int(v) for v in np.asarray(local)]
-  return out
-
-
-def _encode_keys(tree: Any) -> tuple[Any, dict[str, str]]:
-  """Typed PRNG keys become their raw data (orbax saves plain arrays)."""
-  impls = {}
-
-  def encode(path, x):
-    if hasattr(x, 'dtype') and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      impls[jax.tree_util.keystr(path)] = str(jax.random.key_impl(x))
-      return jax.random.key_data(x)
-    return x
-
-  return jax.tree_util.tree_map_with_path(encode, tree), impls
-
-
-def _abstract(tree: Any) -> Any:
-  """ShapeDtypeStructs (with shardings) for a tree of arrays or ShapeDtypeStructs."""
-
-  def one(x):
-    x = _as_array(x)
-    sharding = getattr(x, 'sharding', None)
-    if hasattr(x, 'dtype') and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x = jax.eval_shape(jax.random.key_data, x)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-  return jax.tree.map(one, tree)
-
-
-def _leaf_table(tree: Any) -> dict[str, dict]:
-  return {
-    jax.tree_util.keystr(path): {'shape': list(np.shape(x)), 'dtype': str(x.dtype)}
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-  }
-
-
-class _SigtermNotice:
-  """One process's preemption notice: SIGTERM noted by a handler instead of ending the process.
-
-  The previous handler comes back on `uninstall`; a notice no save acted on is
-  then delivered to it, so the process still ends as it was asked to.
-  """
-
-  def __init__(self, directory: str):
-    if threading.current_thread() is not threading.main_thread():
-      raise ValueError(
-        'Checkpointer(save_on_preemption=True) installs a SIGTERM handler, which Python allows'
-        ' only in the main thread: create the Checkpointer there.'
-      )
-    self.directory = directory
-    self.received: float | None = None  # time.monotonic() of the first SIGTERM
-    self.repeats = 0
-    self.acted = False
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-  def _handle(self, signum: int, frame: Any) -> None:
-    del signum, frame
-    if self.received is not None:
-      self.repeats += 1  # a second notice changes nothing: the save is already due
-      return
-    self.received = time.monotonic()
-    print(
-      f'zerojax: SIGTERM received; the next Checkpointer.save saves that step in'
-      f' {self.directory}, then the process exits with code {PREEMPTED_EXIT_CODE}',
-      file=sys.stderr,
-      flush=True,
-    )
-
-  def uninstall(self) -> None:
-    if signal.getsignal(signal.SIGTERM) == self._handle:
-      signal.signal(signal.SIGTERM, self._previous)
-    if self.received is not None and not self.acted:
-      print(
-        'zerojax: SIGTERM arrived but no Checkpointer.save came after it; passing it on',
-        file=sys.stderr,
-        flush=True,
-      )
-      os.kill(os.getpid(), signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def _interrupts_held():
-  """Holds Ctrl-C (SIGINT) while a preemption save commits (the process exits after it)."""
-  if threading.current_thread() is not threading.main_thread():
-    yield []
-    return
-  held: list[int] = []
-  previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-  try:
-    yield held
-  finally:
-    signal.signal(signal.SIGINT, previous)
+  """The version a save records (`integrity.version`)."""
+  return integrity.version()
 
 
 class Checkpointer:
@@ -323,7 +111,7 @@ class Checkpointer:
           ' zerojax.distributed.initialize.'
         )
     elif save_on_preemption:
-      self._notice = _SigtermNotice(self.directory)
+      self._notice = preemption.SigtermNotice(self.directory)
     self.save_on_preemption = bool(save_on_preemption)
     options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep,
@@ -409,7 +197,7 @@ class Checkpointer:
   ) -> None:
     """Saves `step` and waits for it (a second signal changes nothing); raises Preempted."""
     t0 = time.monotonic()
-    with _interrupts_held() as held:
+    with preemption.interrupts_held() as held:
       if self._notice is not None:
         self._notice.acted = True
       if step not in self.all_steps():
@@ -475,19 +263,17 @@ class Checkpointer:
     if data_iterator is not None:
       data_states = _gather_process_states(_iterator_state(data_iterator))
     extra = extra or {}
-    structure = _structure(extra, "['extra']")
-    state_tree = _state_tree(state)
+    structure = codec.structure(extra, "['extra']")
+    state_tree = codec.state_tree(state)
     if 'opt_state' in state_tree:
       # The layout on disk is logical: leaves padded for the optimizer
       # (policy='pad') are saved at their true size.
-      pads = _state_padding(state, _plan_of(state))
+      pads = codec.state_padding(state, codec.plan_of(state))
       leaves, treedef = jax.tree.flatten(state_tree['opt_state'])
-      state_tree['opt_state'] = jax.tree.unflatten(
-        treedef, [_unpad_leaf(x, pad) for x, pad in zip(leaves, pads)]
-      )
-    tree = {'state': state_tree, 'extra': jax.tree.map(_as_array, extra)}
-    tree, key_impls = _encode_keys(tree)
-    tree = _global_leaves(tree, _replicated_on_target(state))
+      state_tree['opt_state'] = treedef.unflatten(codec.to_logical(leaves, pads))
+    tree = {'state': state_tree, 'extra': jax.tree.map(codec.as_array, extra)}
+    tree, key_impls = codec.encode_keys(tree)
+    tree = codec.global_leaves(tree, codec.replicated_on_target(state))
     config = transform.config_of(getattr(state, 'tx', None))
     meta = {
       'zerojax_version': _version(),
@@ -498,9 +284,9 @@ class Checkpointer:
       'replica_axes': None if config is None else list(config.replica_axes),
       'kind': 'train_state' if 'step' in tree['state'] else 'pytree',
       'prng_keys': key_impls,
-      'leaves': _leaf_table(tree),
+      'leaves': codec.leaf_table(tree),
       'extra_structure': structure,
-      'checksums': _checksums(tree),
+      'checksums': integrity.checksums(tree),
       'run': run,
       'reason': reason,
       'data_iterator': data_states,
@@ -622,52 +408,43 @@ class Checkpointer:
     """
     step = self._step_or_latest(step)
     meta = self.metadata(step)
-    _check_version(meta, self.directory, step)
+    integrity.check_version(meta, self.directory, step)
     if global_batch is not None:
-      _check_global_batch(meta, global_batch, self.directory, step)
+      integrity.check_global_batch(meta, global_batch, self.directory, step)
     data_state = None
     if data_iterator is not None:
       data_state = _saved_iterator_state(meta, data_iterator, self.directory, step)
-    state_tree = _state_tree(target)
-    rep = _replicated_on_target(target)
+    state_tree = codec.state_tree(target)
+    rep = codec.replicated_on_target(target)
     if extra is None:
-      extra_target = _saved_extra(meta, rep)
+      extra_target = codec.saved_extra(meta, rep)
     else:
-      extra_target = _abstract(_encode_keys(extra)[0])
-    abstract_state = _abstract(state_tree)
+      extra_target = codec.abstract(codec.encode_keys(extra)[0])
+    abstract_state = codec.abstract(state_tree)
     pads = []
     if 'opt_state' in abstract_state:
       # Leaves the target pads for the optimizer are read at their logical size
       # (replicated), then padded into the target's layout below.
-      pads = _state_padding(target, _plan_of(target))
+      pads = codec.state_padding(target, codec.plan_of(target))
       leaves, treedef = jax.tree.flatten(abstract_state['opt_state'])
-      abstract_state['opt_state'] = jax.tree.unflatten(
-        treedef,
-        [x if pad is None else _logical_struct(x, pad, rep) for x, pad in zip(leaves, pads)],
-      )
+      abstract_state['opt_state'] = treedef.unflatten(codec.to_logical(leaves, pads, rep))
     wanted = {'state': abstract_state, 'extra': extra_target}
-    wanted = jax.tree.map(lambda x: _with_default_sharding(x, rep), wanted)
-    _check_against(meta, wanted, self.directory, step)
+    wanted = jax.tree.map(lambda x: codec.with_default_sharding(x, rep), wanted)
+    integrity.check_against(meta, wanted, self.directory, step)
     try:
       out = self._manager.restore(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardRestore(wanted)),
       )['state']
     except Exception as e:  # TensorStore: truncated, missing or undecodable data files
-      raise _unreadable(self.directory, step, wanted, self.all_steps()) from e
-    _verify(meta, out, self.directory, step)
-    out = _decode_keys(out, meta['prng_keys'])
+      raise integrity.unreadable(self.directory, step, wanted, self.all_steps()) from e
+    integrity.verify(meta, out, self.directory, step)
+    out = codec.decode_keys(out, meta['prng_keys'])
     restored = out['state']
     if 'opt_state' in restored and any(p is not None for p in pads):
-      target_leaves = jax.tree.leaves(_abstract(state_tree['opt_state']))
+      targets = jax.tree.leaves(codec.abstract(state_tree['opt_state']))
       leaves, treedef = jax.tree.flatten(restored['opt_state'])
-      restored['opt_state'] = jax.tree.unflatten(
-        treedef,
-        [
-          x if pad is None else _pad_into(x, pad, t)
-          for x, pad, t in zip(leaves, pads, target_leaves)
-        ],
-      )
+      restored['opt_state'] = treedef.unflatten(codec.from_logical(leaves, pads, targets))
     if 'step' in restored:
       state = target.replace(
         step=restored['step'], params=restored['params'], opt_state=restored['opt_state']
@@ -743,255 +520,13 @@ def _saved_iterator_state(meta: dict, iterator: Any, directory: str, step: int) 
   return base64.b64decode(saved['bytes']) if 'bytes' in saved else saved['json']
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-  """'0.2.0' -> (0, 2, 0); the release's numbers, local and pre-release parts dropped."""
-  match = re.match(r'\d+(\.\d+)*', version)
-  return tuple(int(x) for x in match.group(0).split('.')) if match else ()
-
-
-def _check_version(meta: dict, directory: str, step: int) -> None:
-  saved = str(meta.get('zerojax_version', ''))
-  if _version_tuple(saved) > _version_tuple(_version()):
-    raise ValueError(
-      f'checkpoint step {step} in {directory} was written by zerojax {saved}, newer than'
-      f' this zerojax {_version()}; its layout may hold what this version cannot read.'
-      f' Upgrade zerojax to {saved} or later (pip install -U zerojax) to restore it.'
-    )
-
-
-def _check_global_batch(meta: dict, global_batch: int, directory: str, step: int) -> None:
-  run = meta.get('run') or {}
-  saved = run.get('global_batch')
-  if saved is None:
-    warnings.warn(
-      f'checkpoint step {step} in {directory} records no global batch (it was saved without'
-      ' Checkpointer.save(global_batch=...)); the global batch of this run was not checked.',
-      stacklevel=3,
-    )
-    return
-  if int(global_batch) != saved:
-    raise ValueError(
-      f'checkpoint step {step} in {directory} was trained with a global batch of {saved} rows'
-      f' per step; this run has {global_batch}. A resumed run keeps the global batch (the'
-      f' device count may change): resume with a global batch of {saved}, or start a new run'
-      ' in another folder.'
-    )
-
-
-def _finish(manager: Any, notice: _SigtermNotice | None = None) -> None:
+def _finish(manager: Any, notice: preemption.SigtermNotice | None = None) -> None:
   try:
     manager.wait_until_finished()
     manager.close()
   finally:
     if notice is not None:
       notice.uninstall()
-
-
-def _logical_struct(x: jax.ShapeDtypeStruct, pad: tuple[int, int], rep: Any):
-  shape = list(x.shape)
-  shape[pad[0]] = pad[1]
-  return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=rep)
-
-
-def _pad_into(x: jax.Array, pad: tuple[int, int], target: jax.ShapeDtypeStruct) -> jax.Array:
-  """A logical leaf zero-padded to the target's padded shape, in the target's layout."""
-  dim = pad[0]
-  widths = [(0, 0)] * x.ndim
-  widths[dim] = (0, target.shape[dim] - x.shape[dim])
-  return jax.jit(lambda v: jnp.pad(v, widths), out_shardings=target.sharding)(x)
-
-
-def _with_default_sharding(x: jax.ShapeDtypeStruct, rep: Any) -> jax.ShapeDtypeStruct:
-  """Leaves that carry no sharding (Python scalars, numpy) are read replicated."""
-  if x.sharding is not None:
-    return x
-  sharding = rep or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-def _unreadable(directory: str, step: int, wanted: Any, committed: list[int]) -> ValueError:
-  """The error for a step orbax could not read: which array, found by reading each alone.
-
-  Only on this failure path: every array is restored on its own (orbax's partial
-  restore) until one fails, so the message names it rather than TensorStore's
-  array index. The caller chains TensorStore's error as the cause.
-  """
-  where = os.path.join(directory, str(step), 'state')
-  checkpointer = ocp.PyTreeCheckpointer()
-  damaged = None
-  for path, leaf in jax.tree_util.tree_flatten_with_path(wanted)[0]:
-    one = _single_leaf(path, leaf)
-    try:
-      checkpointer.restore(
-        where,
-        args=ocp.args.PyTreeRestore(
-          item=one,
-          restore_args=ocp.checkpoint_utils.construct_restore_args(one),
-          partial_restore=True,
-        ),
-      )
-    except Exception:  # noqa: BLE001 - any failure to read this array names it
-      damaged = jax.tree_util.keystr(path)
-      break
-  what = (
-    f'{damaged} cannot be read'
-    if damaged is not None
-    else 'its arrays cannot be read together, though each reads alone'
-  )
-  return ValueError(
-    f'checkpoint step {step} in {directory}: {what} from {where} (its files are damaged or'
-    " truncated, or it was not written by this model and optimizer; TensorStore's error is"
-    f' the cause above). Restore another step (committed: {committed}) or save it again.'
-  )
-
-
-def _single_leaf(path: tuple, leaf: Any) -> dict:
-  """The nested dicts of `path` (dict keys only, as orbax saves them) around `leaf`."""
-  out = leaf
-  for key in reversed(path):
-    out = {getattr(key, 'key', getattr(key, 'idx', getattr(key, 'name', None))): out}
-  return out
-
-
-def _verify(meta: dict, restored: Any, directory: str, step: int) -> None:
-  """Compares each restored array with the checksum recorded at save."""
-  recorded = meta.get('checksums')
-  if recorded is None:  # written by zerojax before checksums were recorded
-    return
-  got = _checksums(restored)
-  for path, value in got.items():
-    want = recorded.get(path)
-    if want is not None and list(want) != value:
-      raise ValueError(
-        f'checkpoint step {step} in {directory}: {path} does not match the checksum recorded'
-        f' when it was saved (its bytes changed on disk afterwards); it is stored in'
-        f' {os.path.join(directory, str(step), "state")}. Restore another step (committed:'
-        f' {sorted(int(d) for d in os.listdir(directory) if d.isdigit())}) or save it again.'
-      )
-
-
-def _structure(tree: Any, where: str) -> Any:
-  """A JSON description of `extra`'s containers, to rebuild it at restore.
-
-  Raises:
-    TypeError: a node that is not a dict, list, tuple, None or array.
-  """
-  if isinstance(tree, dict):
-    bad = [k for k in tree if not isinstance(k, str)]
-    if bad:
-      raise TypeError(f'`extra`{where[9:]} has a key {bad[0]!r} that is not a string.')
-    return {'dict': {k: _structure(v, f'{where}[{k!r}]') for k, v in tree.items()}}
-  if isinstance(tree, (list, tuple)):
-    kind = 'list' if isinstance(tree, list) else 'tuple'
-    return {kind: [_structure(v, f'{where}[{i}]') for i, v in enumerate(tree)]}
-  if tree is None:
-    return {'none': None}
-  if hasattr(tree, 'shape') and hasattr(tree, 'dtype') or isinstance(tree, (int, float, bool)):
-    return {'leaf': where}
-  raise TypeError(
-    f'`extra`{where[9:]} is a {type(tree).__name__}; extra holds arrays (or Python numbers)'
-    ' in dicts, lists and tuples.'
-  )
-
-
-def _replicated_on_target(target: Any) -> Any:
-  """A replicated sharding on the target's mesh, so extras sit beside the state."""
-  config = transform.config_of(getattr(target, 'tx', None))
-  if config is not None:
-    return mesh_lib.replicated(config.mesh)
-  for x in jax.tree.leaves(target):
-    sharding = getattr(x, 'sharding', None)
-    if isinstance(sharding, NamedSharding):
-      return mesh_lib.replicated(sharding.mesh)
-  return None
-
-
-def _global_leaves(tree: Any, sharding: Any) -> Any:
-  """With several processes, host-local leaves (a step counter, extras) become global.
-
-  Every process saves together, so each leaf must be one global array; a value
-  that lives on one local device (or in numpy) is placed replicated on the
-  state's mesh. It must be the same in every process.
-  """
-  if jax.process_count() == 1 or sharding is None:
-    return tree
-
-  def one(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return x
-    return jax.device_put(np.asarray(jax.device_get(x)), sharding)
-
-  return jax.tree.map(one, tree)
-
-
-def _saved_extra(meta: dict, sharding: Any) -> Any:
-  """ShapeDtypeStructs for the saved `extra`, in its saved structure, rebuilt from the metadata."""
-  leaves = meta['leaves']
-
-  def build(node):
-    kind, value = next(iter(node.items()))
-    if kind == 'dict':
-      return {k: build(v) for k, v in value.items()}
-    if kind in ('list', 'tuple'):
-      items = [build(v) for v in value]
-      return items if kind == 'list' else tuple(items)
-    if kind == 'none':
-      return None
-    leaf = leaves[value]
-    return jax.ShapeDtypeStruct(tuple(leaf['shape']), np.dtype(leaf['dtype']), sharding=sharding)
-
-  structure = meta.get('extra_structure')
-  if structure is not None:
-    return build(structure)
-  # Checkpoints written before the structure was recorded: flat dicts.
-  out = {}
-  for path, leaf in leaves.items():
-    if path.startswith("['extra']"):
-      out[path[len("['extra']['") : -2]] = jax.ShapeDtypeStruct(
-        tuple(leaf['shape']), np.dtype(leaf['dtype']), sharding=sharding
-      )
-  return out
-
-
-def _decode_keys(tree: Any, impls: dict) -> Any:
-  """Raw key data back into typed PRNG keys, wherever they were in the saved tree."""
-
-  def decode(path, x):
-    impl = impls.get(jax.tree_util.keystr(path))
-    return jax.random.wrap_key_data(x, impl=impl) if impl else x
-
-  return jax.tree_util.tree_map_with_path(decode, tree)
-
-
-def _check_against(meta: dict, wanted: Any, directory: str, step: int) -> None:
-  saved = meta['leaves']
-  target = _leaf_table(wanted)
-  # Parameters first: their paths say most about which model differs.
-  for path, leaf in sorted(target.items(), key=lambda item: "['params']" not in item[0]):
-    if path not in saved:
-      raise ValueError(
-        f'checkpoint step {step} in {directory} has no leaf {path} (the target has shape'
-        f' {tuple(leaf["shape"])}); the model or optimizer differs from the one saved.'
-        f' Saved leaves include: {", ".join(list(saved)[:5])}'
-      )
-    if list(leaf['shape']) != list(saved[path]['shape']):
-      raise ValueError(
-        f'checkpoint step {step} in {directory}: {path} has shape {tuple(saved[path]["shape"])}'
-        f' in the checkpoint but {tuple(leaf["shape"])} in the target; restore into the model'
-        ' that was saved.'
-      )
-    if leaf['dtype'] != saved[path]['dtype']:
-      raise ValueError(
-        f'checkpoint step {step} in {directory}: {path} is {saved[path]["dtype"]} in the'
-        f' checkpoint but {leaf["dtype"]} in the target. Restore into a target of the saved'
-        ' dtype (e.g. build it with the same param_dtype) and cast afterwards.'
-      )
-  missing = [p for p in saved if p not in target and not p.startswith("['extra']")]
-  if missing:
-    raise ValueError(
-      f'checkpoint step {step} in {directory} has leaves the target lacks, first {missing[0]}'
-      f' with shape {tuple(saved[missing[0]]["shape"])}; the model or optimizer differs.'
-    )
 
 
 def restore_train_state(

@@ -199,12 +199,14 @@ def _none_or(choices):
 
 # `plan` flags that only a --search reads, and those only a single plan reads: given to the
 # other, each is an error, not ignored.
-SEARCH_ONLY = (
-  'stages', 'layouts', 'micro_batches', 'remats', 'prefetch_options', 'offloads', 'update_ons',
-  'quantizes', 'batches_per_chip', 'hbm_gib', 'max_candidates', 'out', 'slice_counts',
-)  # fmt: skip
-SINGLE_ONLY = ('stage', 'batch_per_chip', 'no_remat', 'remat', 'gather_all', 'mesh', 'grad', 'prefetch', 'json',
-               'offload', 'update_on', 'slices')  # fmt: skip
+SEARCH_ONLY = tuple(
+  'stages layouts micro_batches remats prefetch_options offloads update_ons quantizes'
+  ' batches_per_chip hbm_gib max_candidates out slice_counts'.split()
+)
+SINGLE_ONLY = tuple(
+  'stage batch_per_chip no_remat remat gather_all mesh grad prefetch json offload update_on'
+  ' slices'.split()
+)
 
 
 def _check_plan_flags(parser: argparse.ArgumentParser, p: argparse.ArgumentParser, args) -> None:
@@ -254,6 +256,46 @@ def cmd_search(args) -> int:
   from zerojax._src import search, search_report
 
   devices, _ = _devices(args.topology)
+  target, candidates, invalid = _search_space(args, devices)
+  if not candidates:
+    raise SystemExit(
+      f'error: these options leave no valid candidate: {search.why_none_valid(invalid)}.'
+    )
+  if len(candidates) > args.max_candidates:
+    raise SystemExit(
+      f'error: {len(candidates)} candidates exceed --max-candidates {args.max_candidates};'
+      ' narrow the space (e.g. --stages 3 --remats gathers) or raise the limit'
+    )
+  hbm = int(args.hbm_gib * 2**30) if args.hbm_gib else None
+  print(
+    f'{len(candidates)} candidates ({len(invalid)} combinations not valid); compiling'
+    f' for {args.topology} ({len(devices)} chips)',
+    flush=True,
+  )
+  report = search.run_search(
+    target,
+    candidates,
+    invalid=invalid,
+    hbm_bytes=hbm,
+    measure=args.topology.startswith('cpu:'),
+    cache_dir=_cache_dir(args),
+    compiler_options=dict(args.compiler_options),
+  )
+  text = f'command: {args.command_line}\n' + search_report.format_search(report)
+  print('\n' + text)
+  if args.out:
+    _write_search(args, report, text)
+  if report.winner is None:
+    print('\n' + search_report.nothing_fits(report), file=sys.stderr)
+    return 3
+  return 0
+
+
+def _search_space(args, devices) -> tuple[Any, list, list]:
+  """(target, candidates, invalid combinations) of `plan --search`'s flags."""
+  from zerojax._src import search
+
+  model = args.model
   if ':' in args.model:
     spec = _load_model(args)
     model = lambda remat, prefetch: spec  # a custom model's layer loop is its own
@@ -264,8 +306,6 @@ def cmd_search(args) -> int:
         file=sys.stderr,
       )
     args.remats, args.prefetch_options = args.remats[:1], (False,)
-  else:
-    model = args.model
   try:
     target = search.make_target(
       model,
@@ -294,42 +334,26 @@ def cmd_search(args) -> int:
     )
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
-  if not candidates:
-    raise SystemExit(
-      f'error: these options leave no valid candidate: {search.why_none_valid(invalid)}.'
-    )
-  if len(candidates) > args.max_candidates:
-    raise SystemExit(
-      f'error: {len(candidates)} candidates exceed --max-candidates {args.max_candidates};'
-      ' narrow the space (e.g. --stages 3 --remats gathers) or raise the limit'
-    )
-  hbm = int(args.hbm_gib * 2**30) if args.hbm_gib else None
-  print(f'{len(candidates)} candidates ({len(invalid)} combinations not valid); compiling'
-        f' for {args.topology} ({len(devices)} chips)', flush=True)  # fmt: skip
-  report = search.run_search(
-    target, candidates, invalid=invalid, hbm_bytes=hbm, measure=args.topology.startswith('cpu:'),
-    cache_dir=_cache_dir(args), compiler_options=dict(args.compiler_options),
-  )  # fmt: skip
-  text = f'command: {args.command_line}\n' + search_report.format_search(report)
-  print('\n' + text)
-  if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(
-      args.out, f'search_{args.model.replace(":", "_")}_{args.topology.replace(":", "-")}'
-    )
-    with open(stem + '.txt', 'w') as f:
-      f.write(text + '\n')
-    with open(stem + '.json', 'w') as f:
-      json.dump({'command': args.command_line} | search_report.search_json(report), f, indent=2)
-    try:
-      search_report.plot_search(report, stem + '.png')
-      print(f'wrote {stem}.txt, .json and .png')
-    except ImportError:
-      print(f'wrote {stem}.txt and .json (no plot: pip install matplotlib, or zerojax[examples])')
-  if report.winner is None:
-    print('\n' + search_report.nothing_fits(report), file=sys.stderr)
-    return 3
-  return 0
+  return target, candidates, invalid
+
+
+def _write_search(args, report, text: str) -> None:
+  """`--out`: the search's table (.txt), its figures (.json) and its plot (.png)."""
+  from zerojax._src import search_report
+
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(
+    args.out, f'search_{args.model.replace(":", "_")}_{args.topology.replace(":", "-")}'
+  )
+  with open(stem + '.txt', 'w') as f:
+    f.write(text + '\n')
+  with open(stem + '.json', 'w') as f:
+    json.dump({'command': args.command_line} | search_report.search_json(report), f, indent=2)
+  try:
+    search_report.plot_search(report, stem + '.png')
+    print(f'wrote {stem}.txt, .json and .png')
+  except ImportError:
+    print(f'wrote {stem}.txt and .json (no plot: pip install matplotlib, or zerojax[examples])')
 
 
 def _check_compiler_options(args) -> None:
@@ -414,12 +438,48 @@ def _build_step(args, start: float) -> dict:
   """The plan's mesh, model, abstract state and lowered step (every phase timed)."""
   import jax
   import numpy as np
-  from jax.sharding import AxisType, Mesh
-
-  from zerojax._src import precision, zero_stage
 
   phases: dict[str, float] = {}
   t = time.perf_counter()
+  built = _plan_mesh(args, start)
+  spec = _load_model(args)
+  param_specs = _tensor_specs(args, spec, built['mesh'])
+  phases['topology'] = time.perf_counter() - t
+  t = time.perf_counter()
+  names, zero_axes = built['names'], built['zero_axes']
+  axis = zero_axes[0] if len(zero_axes) == 1 else zero_axes
+  tx = _plan_optimizer(args, built['mesh'], axis, names, param_specs, spec.stacked)
+  state, plan, batch, batch_sds, grad_fn = _abstract_step(
+    args, spec, tx, built['mesh'], axis, built['explicit'], built['n']
+  )
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  _log(start, f'model {spec.name}: {num_params:,} parameters; stage {args.stage} plan built')
+  phases['plan'] = time.perf_counter() - t
+
+  def train_step(state, batch):
+    loss, grads = grad_fn(state.params, batch)
+    return state.apply_gradients(grads=grads), loss
+
+  t = time.perf_counter()
+  lowered = jax.jit(train_step, donate_argnums=0).trace(state, batch).lower()
+  phases['trace and lower'] = time.perf_counter() - t
+  built.pop('mesh')
+  return built | dict(
+    spec=spec,
+    state=state,
+    plan=plan,
+    num_params=num_params,
+    batch_sds=batch_sds,
+    lowered=lowered,
+    phases=phases,
+  )
+
+
+def _plan_mesh(args, start: float) -> dict:
+  """The devices of `--topology` (and `--slices`) and the mesh over them, logged."""
+  import numpy as np
+  from jax.sharding import AxisType, Mesh
+
   devices, hbm_gib = _devices(args.topology, args.slices)
   n = len(devices)
   _log(
@@ -444,39 +504,39 @@ def _build_step(args, start: float) -> dict:
       f'zerojax.value_and_grad(per_layer={args.stage >= 2})' if explicit else 'jax.value_and_grad'
     ),
   )
-  spec = _load_model(args)
-  param_specs = _tensor_specs(args, spec, mesh)
-  phases['topology'] = time.perf_counter() - t
-  t = time.perf_counter()
-  axis = zero_axes[0] if len(zero_axes) == 1 else zero_axes
+  return dict(
+    devices=devices,
+    hbm_gib=hbm_gib,
+    n=n,
+    names=names,
+    shape=shape,
+    zero_axes=zero_axes,
+    explicit=explicit,
+    mesh=mesh,
+  )
+
+
+def _plan_optimizer(args, mesh, axis, names, param_specs, stacked):
+  """The plan's optimizer wrapped for its stage; a bad option ends the command with its error."""
+  from zerojax._src import precision, zero_stage
+
   inner = _optimizer(args.optimizer)
   if args.mixed_precision:
     inner = precision.mixed_precision(inner)
   try:
-    tx = zero_stage.zero_stage(
-      inner, args.stage, mesh=mesh, axis=axis, offload=args.offload, update_on=args.update_on,
-      param_specs=param_specs, replica_axis=(SLICE,) if SLICE in names else None,
-      stacked=spec.stacked,
-    )  # fmt: skip
+    return zero_stage.zero_stage(
+      inner,
+      args.stage,
+      mesh=mesh,
+      axis=axis,
+      offload=args.offload,
+      update_on=args.update_on,
+      param_specs=param_specs,
+      replica_axis=(SLICE,) if SLICE in names else None,
+      stacked=stacked,
+    )
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
-  state, plan, batch, batch_sds, grad_fn = _abstract_step(args, spec, tx, mesh, axis, explicit, n)
-  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-  _log(start, f'model {spec.name}: {num_params:,} parameters; stage {args.stage} plan built')
-  phases['plan'] = time.perf_counter() - t
-
-  def train_step(state, batch):
-    loss, grads = grad_fn(state.params, batch)
-    return state.apply_gradients(grads=grads), loss
-
-  t = time.perf_counter()
-  lowered = jax.jit(train_step, donate_argnums=0).trace(state, batch).lower()
-  phases['trace and lower'] = time.perf_counter() - t
-  return dict(
-    devices=devices, hbm_gib=hbm_gib, n=n, names=names, shape=shape, zero_axes=zero_axes,
-    explicit=explicit, spec=spec, state=state, plan=plan, num_params=num_params,
-    batch_sds=batch_sds, lowered=lowered, phases=phases,
-  )  # fmt: skip
 
 
 def _gradients(args, names: tuple[str, ...]) -> bool:
@@ -589,32 +649,53 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
     f'matmul FLOPs per chip per step (counted in the compiled program): {work.matmul_flops:.4g}'
   )
   predicted = _print_prediction(args.topology, chip, candidate, report, work, traffic)
+  figures = dict(sizes=sizes, chip=chip, traffic=traffic, predicted=predicted, work=work)
+  return _plan_json(args, built, report, figures | {'largest': largest, 'fits': fits})
+
+
+def _plan_json(args, built: dict, report: Any, figures: dict) -> dict:
+  """What `plan --json` writes: the command, the plan and the compiled program's figures."""
+  chip, work = figures['chip'], figures['work']
+  c = report.collectives
   return {
-    'command': args.command_line, 'model': spec.name, 'num_params': built['num_params'],
-    'stage': args.stage, 'mixed_precision': args.mixed_precision, 'offload': args.offload,
-    'update_on': args.update_on, 'plan_bytes_per_chip': sizes,
+    'command': args.command_line,
+    'model': built['spec'].name,
+    'num_params': built['num_params'],
+    'stage': args.stage,
+    'mixed_precision': args.mixed_precision,
+    'offload': args.offload,
+    'update_on': args.update_on,
+    'plan_bytes_per_chip': figures['sizes'],
     'host_limit_bytes': chip.host_bytes_per_chip if chip is not None else None,
-    'host_traffic': traffic, 'predicted_seconds': predicted,
-    'matmul_flops_per_chip': work.matmul_flops, 'kernel_seconds': work.kernel_seconds,
-    'kernels': dataclasses.asdict(work), 'largest_arrays': largest,
+    'host_traffic': figures['traffic'],
+    'predicted_seconds': figures['predicted'],
+    'matmul_flops_per_chip': work.matmul_flops,
+    'kernel_seconds': work.kernel_seconds,
+    'kernels': dataclasses.asdict(work),
+    'largest_arrays': figures['largest'],
     'roofline': None if chip is None else dataclasses.asdict(chip) | {'clock_hz': chip.clock_hz},
-    'topology': args.topology, 'num_devices': n, 'batch_per_chip': args.batch_per_chip,
+    'topology': args.topology,
+    'num_devices': built['n'],
+    'batch_per_chip': args.batch_per_chip,
     'mesh': dict(zip(built['names'], built['shape'])),
     'gradients': 'zerojax.value_and_grad' if built['explicit'] else 'jax.value_and_grad',
     'memory': dataclasses.asdict(report.memory)
     | {'peak': report.memory.peak, 'peak_source': report.memory.source},
-    'hbm_bytes': None if built['hbm_gib'] is None else built['hbm_gib'] * 2**30, 'fits': fits,
+    'hbm_bytes': None if built['hbm_gib'] is None else built['hbm_gib'] * 2**30,
+    'fits': figures['fits'],
     'collectives': {
-      'counts': report.collectives.counts, 'result_bytes': report.collectives.result_bytes,
-      'ring_bytes': report.collectives.ring_bytes,
-      'overlapped_ring_bytes': report.collectives.overlapped_ring_bytes,
-      'dcn_ring_bytes': report.collectives.dcn_ring_bytes,
-      'dcn_overlapped_ring_bytes': report.collectives.dcn_overlapped_ring_bytes,
-      'dcn_gathers': list(report.collectives.dcn_gathers),
+      'counts': c.counts,
+      'result_bytes': c.result_bytes,
+      'ring_bytes': c.ring_bytes,
+      'overlapped_ring_bytes': c.overlapped_ring_bytes,
+      'dcn_ring_bytes': c.dcn_ring_bytes,
+      'dcn_overlapped_ring_bytes': c.dcn_overlapped_ring_bytes,
+      'dcn_gathers': list(c.dcn_gathers),
     },
-    'zero_floor_bytes': report.floor_bytes, 'slices': args.slices,
+    'zero_floor_bytes': report.floor_bytes,
+    'slices': args.slices,
     'dcn_floor_bytes': report.dcn_floor_bytes,
-  }  # fmt: skip
+  }
 
 
 def _print_prediction(
@@ -637,12 +718,17 @@ def _print_prediction(
     return None
   c = report.collectives
   costed = search.Result(
-    candidate, 'fits', ring_bytes=c.total_ring_bytes,
-    overlapped_bytes=sum(c.overlapped_ring_bytes.values()), dcn_bytes=c.total_dcn_bytes,
+    candidate,
+    'fits',
+    ring_bytes=c.total_ring_bytes,
+    overlapped_bytes=sum(c.overlapped_ring_bytes.values()),
+    dcn_bytes=c.total_dcn_bytes,
     dcn_overlapped_bytes=sum(c.dcn_overlapped_ring_bytes.values()),
-    collective_count=sum(c.counts.values()), flops=work.matmul_flops,
-    kernel_seconds=work.kernel_seconds, dcn_windows=work.dcn_windows,
-  )  # fmt: skip
+    collective_count=sum(c.counts.values()),
+    flops=work.matmul_flops,
+    kernel_seconds=work.kernel_seconds,
+    dcn_windows=work.dcn_windows,
+  )
   try:
     predicted = search.predict(
       chip, costed, traffic['to_host'] + traffic['to_device'], traffic['overlapped']
@@ -850,6 +936,13 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
   p.add_argument(
     '--gather-all', action='store_true', help='gather all parameters up front (not per layer)'
   )
+  _layout_arguments(p)
+  _precision_and_offload_arguments(p)
+  return p
+
+
+def _layout_arguments(p: argparse.ArgumentParser) -> None:
+  """`plan`'s flags for the mesh, the gradients, the prefetch and the attention."""
   p.add_argument(
     '--mesh',
     default='data',
@@ -887,8 +980,6 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     help="presets: 'xla' (plain JAX, --attention-chunk applies) or 'flash' (fused Pallas kernels"
     ' on TPU, as MaxText runs: causal blocks skipped, scores never in HBM)',
   )
-  _precision_and_offload_arguments(p)
-  return p
 
 
 def _slices_argument(p: argparse.ArgumentParser) -> None:
@@ -962,20 +1053,44 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
   )
   s.add_argument('--search', action='store_true', help='search the space below instead of one plan')
   s.add_argument('--stages', type=_csv(int), default=(1, 2, 3), help='ZeRO stages')
-  s.add_argument('--layouts', type=_csv(str), default=('flat', 'torus'),
-                 help='flat (one ZeRO axis), torus (one per torus dimension), hpz (torus, stage-3'
-                 ' parameters split within the last axis)')  # fmt: skip
+  s.add_argument(
+    '--layouts',
+    type=_csv(str),
+    default=('flat', 'torus'),
+    help='flat (one ZeRO axis), torus (one per torus dimension), hpz (torus, stage-3'
+    ' parameters split within the last axis)',
+  )
   s.add_argument('--micro-batches', type=_csv(int), default=(1,), help='micro-batches per step')
-  s.add_argument('--remats', type=_csv(str), default=('gathers', 'full'),
-                 help='gathers (recompute_gathers), full (jax.checkpoint), none')  # fmt: skip
-  s.add_argument('--prefetch-options', type=_csv(_on_off), default=(False, True),
-                 help='on, off: scan_layers prefetch of the next layer (stage 3)')  # fmt: skip
-  s.add_argument('--offloads', type=_csv(_none_or(('opt_state', 'opt_state+master'))), default=(None,),
-                 help='none, opt_state, opt_state+master (host memory)')  # fmt: skip
-  s.add_argument('--update-ons', type=_csv(str), default=('device',),
-                 help='device, host, stream (the update on the host, gradients sent down layer by layer)')  # fmt: skip
-  s.add_argument('--quantizes', type=_csv(_none_or(tuple(q for q in search.QUANTIZE if q))), default=(None,),
-                 help='ZeRO++: none, g8, g4 (gradients), w8g8, w8g4 (weights too, stage 3)')  # fmt: skip
+  s.add_argument(
+    '--remats',
+    type=_csv(str),
+    default=('gathers', 'full'),
+    help='gathers (recompute_gathers), full (jax.checkpoint), none',
+  )
+  s.add_argument(
+    '--prefetch-options',
+    type=_csv(_on_off),
+    default=(False, True),
+    help='on, off: scan_layers prefetch of the next layer (stage 3)',
+  )
+  s.add_argument(
+    '--offloads',
+    type=_csv(_none_or(('opt_state', 'opt_state+master'))),
+    default=(None,),
+    help='none, opt_state, opt_state+master (host memory)',
+  )
+  s.add_argument(
+    '--update-ons',
+    type=_csv(str),
+    default=('device',),
+    help='device, host, stream (the update on the host, gradients sent down layer by layer)',
+  )
+  s.add_argument(
+    '--quantizes',
+    type=_csv(_none_or(tuple(q for q in search.QUANTIZE if q))),
+    default=(None,),
+    help='ZeRO++: none, g8, g4 (gradients), w8g8, w8g4 (weights too, stage 3)',
+  )
   s.add_argument(
     '--batches-per-chip', type=_csv(_positive_int), default=(1,), help='sequences per chip'
   )

@@ -48,9 +48,21 @@ _DIMS = re.compile(r'\[([\d,]*)\]')
 _KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)",[^}]*"bytes_accessed":"(\d+)"')
 # Instructions that launch nothing of their own.
 _FREE = frozenset(
-  {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all', 'partition-id',
-   'replica-id', 'opt-barrier', 'add-dependency', 'send', 'recv'}
-)  # fmt: skip
+  {
+    'parameter',
+    'constant',
+    'get-tuple-element',
+    'tuple',
+    'bitcast',
+    'after-all',
+    'partition-id',
+    'replica-id',
+    'opt-barrier',
+    'add-dependency',
+    'send',
+    'recv',
+  }
+)
 _CONTROL = frozenset({'while', 'conditional', 'call'})
 
 
@@ -132,10 +144,14 @@ def _matmul_flops(op: str, operands: list[str], line: str, types: dict[str, str]
     pick = lambda key, default, k=k: int(fields[key].split('x')[k]) if key in fields else default
     pad = [int(v) for v in fields['pad'].split('x')[k].split('_')] if 'pad' in fields else [0, 0]
     share *= _real_taps(
-      n=lhs[in_labels.index(dim)], m=out_shape[out_labels.index(dim)], size=pick('size', 1),
-      stride=pick('stride', 1), low=pad[0], lhs_dilate=pick('lhs_dilate', 1),
+      n=lhs[in_labels.index(dim)],
+      m=out_shape[out_labels.index(dim)],
+      size=pick('size', 1),
+      stride=pick('stride', 1),
+      low=pad[0],
+      lhs_dilate=pick('lhs_dilate', 1),
       rhs_dilate=pick('rhs_dilate', 1),
-    )  # fmt: skip
+    )
   return 2.0 * out * rhs[labels.group(2).index('i')] * share
 
 
@@ -278,10 +294,13 @@ class _Walk:
       if found is None:
         continue
       done = next(
-        (j for j in range(k + 1, len(items)) if items[j][1][0] == 'send-done'
-         and instr in items[j][1][1]),
+        (
+          j
+          for j in range(k + 1, len(items))
+          if items[j][1][0] == 'send-done' and instr in items[j][1][1]
+        ),
         len(items),
-      )  # fmt: skip
+      )
       window = sum(cost_of(j) for j in range(k + 1, done))
       out.append((hlo._type_bytes(found[1]), window, mult))
     # Sends inside loops and calls, times how often those run.

@@ -9,6 +9,7 @@ that give each process its rows of the global batch.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -104,8 +105,27 @@ def initialize(
       listening at `coordinator_address` within `timeout_s`.
   """
   explicit = coordinator_address is not None
-  if explicit:
-    host, port = _parse_address(coordinator_address)
+  _check_arguments(coordinator_address, num_processes, process_id, timeout_s)
+  _set_up_backend(local_device_count)
+  who = f'process {process_id} of {num_processes}' if explicit else 'this process'
+  deadline = time.monotonic() + timeout_s
+  if explicit and process_id != 0:
+    _wait_or_fail(coordinator_address, deadline, who, timeout_s)
+  done = threading.Event()
+  where = f' at {coordinator_address}' if explicit else ''
+  watchdog = functools.partial(_watchdog, done, deadline, who, where, num_processes, timeout_s)
+  threading.Thread(target=watchdog, name='zerojax-init-watchdog', daemon=True).start()
+  try:
+    _join(coordinator_address, num_processes, process_id, timeout_s)
+  finally:
+    done.set()
+  _check_device_counts()
+
+
+def _check_arguments(coordinator_address, num_processes, process_id, timeout_s) -> None:
+  """Raises ValueError on a bad launch, RuntimeError where jax's backend already started."""
+  if coordinator_address is not None:
+    _parse_address(coordinator_address)
     if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
       raise ValueError(
         f'`num_processes` must be a positive int when `coordinator_address` is given,'
@@ -128,6 +148,10 @@ def initialize(
       ' other processes. Call zerojax.distributed.initialize(...) before any other jax'
       ' call (jax.devices(), creating arrays, jit).'
     )
+
+
+def _set_up_backend(local_device_count: int | None) -> None:
+  """On CPU: gloo collectives, and `local_device_count` faked devices."""
   platforms = os.environ.get('JAX_PLATFORMS', '') or str(jax.config.jax_platforms or '')
   on_cpu = platforms.split(',')[0] == 'cpu'
   if local_device_count is not None:
@@ -140,30 +164,34 @@ def initialize(
   if on_cpu:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
 
-  who = f'process {process_id} of {num_processes}' if explicit else 'this process'
-  deadline = time.monotonic() + timeout_s
-  if explicit and process_id != 0 and not _wait_for_coordinator(host, port, deadline):
+
+def _wait_or_fail(coordinator_address: str, deadline: float, who: str, timeout_s: int) -> None:
+  """Waits for the coordinator to listen, or raises RuntimeError at the deadline."""
+  host, port = _parse_address(coordinator_address)
+  if not _wait_for_coordinator(host, port, deadline):
     raise RuntimeError(
       f'{who}: no coordinator is listening at {coordinator_address} after'
       f' {timeout_s} s. Start process 0 with the same coordinator address (it'
       ' hosts the coordinator), and check the host and port are reachable from here.'
     )
 
-  done = threading.Event()
 
-  def watchdog():
-    if done.wait(max(deadline - time.monotonic(), 0.0)):
-      return
-    where = f' at {coordinator_address}' if explicit else ''
-    runtime.exit_from_watchdog(  # the main thread is blocked inside JAX's runtime
-      f'zerojax: {who}: not all processes joined the coordinator{where} within'
-      f' {timeout_s} s. Check that {num_processes or "all"} processes were launched,'
-      ' each with the same num_processes and coordinator address and its own'
-      ' process_id, and that none of them failed at start-up.\n',
-      TIMEOUT_EXIT_CODE,
-    )
+def _watchdog(done, deadline, who, where, num_processes, timeout_s) -> None:
+  """Ends the process (the main thread is blocked inside JAX's runtime) where the processes
+  have not all joined by the deadline."""
+  if done.wait(max(deadline - time.monotonic(), 0.0)):
+    return
+  runtime.exit_from_watchdog(
+    f'zerojax: {who}: not all processes joined the coordinator{where} within'
+    f' {timeout_s} s. Check that {num_processes or "all"} processes were launched,'
+    ' each with the same num_processes and coordinator address and its own'
+    ' process_id, and that none of them failed at start-up.\n',
+    TIMEOUT_EXIT_CODE,
+  )
 
-  threading.Thread(target=watchdog, name='zerojax-init-watchdog', daemon=True).start()
+
+def _join(coordinator_address, num_processes, process_id, timeout_s) -> None:
+  """`jax.distributed.initialize`; without a launch to detect, the error says what to pass."""
   try:
     jax.distributed.initialize(
       coordinator_address,
@@ -174,7 +202,7 @@ def initialize(
       shutdown_timeout_seconds=min(timeout_s, 300),
     )
   except ValueError as e:
-    if not explicit:
+    if coordinator_address is None:
       # JAX found no TPU pod, SLURM or Open MPI environment to read the launch from.
       e.add_note(
         'zerojax.distributed.initialize() was called without a launch: JAX detects TPU pods,'
@@ -184,8 +212,9 @@ def initialize(
         ' process_id=i). For one process, do not call it.'
       )
     raise
-  finally:
-    done.set()
+
+
+def _check_device_counts() -> None:
   counts = np.bincount([d.process_index for d in jax.devices()], minlength=jax.process_count())
   if len(set(counts.tolist())) != 1:
     raise ValueError(

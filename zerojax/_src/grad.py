@@ -147,10 +147,17 @@ def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any
     model_split = (gather if stage == 3 else scatter) if per_layer else None
     routes.append(
       LeafRoute(
-        f'params{jax.tree_util.keystr(path)}', rest_spec, grad_spec, gather, scatter,
-        model_split, q, tuple(acc_shape), reduce_dtype or x.dtype,
+        f'params{jax.tree_util.keystr(path)}',
+        rest_spec,
+        grad_spec,
+        gather,
+        scatter,
+        model_split,
+        q,
+        tuple(acc_shape),
+        reduce_dtype or x.dtype,
       )
-    )  # fmt: skip
+    )
   return tuple(routes), plan
 
 
@@ -190,7 +197,7 @@ def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], l
           # With one micro-batch the gather's backward also sums the shard over the replica
           # axes, in the dtype it was reduce-scattered in (the compute dtype, at stage 3).
           replicas=r.replica_axes if r.micro_batches == 1 else (),
-        )  # fmt: skip
+        )
       )
     elif route.gather is not None:
       leaf = gather_lib.ShardedLeaf(x, *route.gather, x.ndim, route.path, quantize=route.quantize)
@@ -236,7 +243,9 @@ def _host_stand_in(shape: tuple[int, ...], dtype: Any) -> jax.Array:
   return compat.compute_on_host(zeros, out_memory_spaces=jax.memory.Space.Host)()
 
 
-def _host_finish(parts: list, weight: jax.Array, dtype: Any, weighted: bool) -> jax.Array:
+def _host_finish(
+  noted: streaming.Noted, parts: list, weight: jax.Array, dtype: Any, weighted: bool
+) -> jax.Array:
   """A streamed gradient's micro-batch parts summed and divided by `weight` in host memory, by
   the host, in the arithmetic of the device's accumulator (`dtype`).
 
@@ -250,7 +259,7 @@ def _host_finish(parts: list, weight: jax.Array, dtype: Any, weighted: bool) -> 
   run = compat.compute_on_host(
     functools.partial(streaming.finish, how), out_memory_spaces=host, typed_as_device=False
   )
-  return streaming.note(run(how.parts, how.weight), how)
+  return noted.note(run(how.parts, how.weight), how)
 
 
 def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
@@ -619,8 +628,7 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
       f' before they could be summed over the replica axes {replica}; use'
       " update_on='host' on a mesh with replica axes (e.g. several TPU slices)."
     )
-  if stream:
-    streaming.start()
+  noted = streaming.start() if stream else None
   r = Routes(routes, mesh, config.stage, axes, row_axes, m, options['has_aux'], stream, replica)
   rows = PartitionSpec(_axis_arg(row_axes))
   scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
@@ -644,7 +652,7 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
     batch = jax.tree.map(lambda x: jax.sharding.reshard(x, NamedSharding(mesh, rows)), batch)
   loss, aux, grads, weight = mapped(leaves, batch, args, scale)
   grads = [
-    _host_finish(list(g), weight, route.acc_dtype, meta['weighted']) if s else g
+    _host_finish(noted, list(g), weight, route.acc_dtype, meta['weighted']) if s else g
     for g, route, s in zip(grads, routes, streamed)
   ]
   grads = jax.tree.unflatten(treedef, grads)

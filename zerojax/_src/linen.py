@@ -49,12 +49,16 @@ def gathered(module_cls: type[nn.Module], zero: Any, *, dtype: Any = None) -> ty
   def trans_in(variables):
     return gather_lib.gather(variables, zero, dtype=dtype)
 
-  cls = nn.transforms.lift_transform(
+  lifted = nn.transforms.lift_transform(
     _gather_params, module_cls, trans_in, methods=_public_methods(module_cls)
   )
-  cls.__name__, cls.__qualname__ = module_cls.__name__, module_cls.__qualname__
-  cls._zerojax_gathers = True  # its own parameters arrive split; it gathers them
-  return cls
+  names = {'__module__': module_cls.__module__, '__qualname__': module_cls.__qualname__}
+  return type(module_cls.__name__, (lifted, GathersItsParams), names)
+
+
+class GathersItsParams:
+  """The mark of the classes `gathered` makes: their own 'params' arrive split and they
+  gather them, so `guard_split_params` lets them run on split parameters."""
 
 
 def _gather_params(fn: Any, trans_in: Any) -> Any:
@@ -89,16 +93,27 @@ def guard_split_params(apply_fn: Callable[..., Any] | None, axes: tuple[str, ...
   gather their own parameters and are not checked; their submodules see the
   gathered values. On Auto axes no split is in the types, and nothing is refused.
   """
-  if apply_fn is None or getattr(apply_fn, '_zerojax_guards', None) == tuple(axes):
+  if apply_fn is None or (isinstance(apply_fn, GuardedApply) and apply_fn.axes == tuple(axes)):
     return apply_fn
+  return GuardedApply(apply_fn, tuple(axes))
 
-  @functools.wraps(apply_fn)
-  def apply(*args, **kwargs):
-    with nn.intercept_methods(functools.partial(_refuse_split, tuple(axes))):
-      return apply_fn(*args, **kwargs)
 
-  apply._zerojax_guards = tuple(axes)
-  return apply
+@dataclasses.dataclass(frozen=True, eq=False)
+class GuardedApply:
+  """An `apply_fn` run under `guard_split_params`'s interceptor (compared by identity, as the
+  function it stands for).
+
+  Attributes:
+    fn: the train state's `apply_fn`.
+    axes: the ZeRO axes over which a module's own parameters must not be split.
+  """
+
+  fn: Callable[..., Any]
+  axes: tuple[str, ...]
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    with nn.intercept_methods(functools.partial(_refuse_split, self.axes)):
+      return self.fn(*args, **kwargs)
 
 
 def _refuse_split(axes: tuple[str, ...], next_fun, args, kwargs, context):
@@ -107,7 +122,7 @@ def _refuse_split(axes: tuple[str, ...], next_fun, args, kwargs, context):
   scope = module.scope
   if (
     scope is None
-    or getattr(type(module), '_zerojax_gathers', False)
+    or isinstance(module, GathersItsParams)
     or scope.is_mutable_collection('params')  # init: the parameters are being created
   ):
     return next_fun(*args, **kwargs)

@@ -136,36 +136,12 @@ def _spec_str(spec: PartitionSpec) -> str:
 
 def format_plan(plan: ZeroPlan) -> str:
   """The per-leaf table that `str(plan)` prints."""
-  mesh = plan.mesh
   axes = plan.axes[0] if len(plan.axes) == 1 else plan.axes
   lines = [
     f'ZeroPlan: stage {plan.stage} over mesh axis {axes!r} ({plan.num_shards} shards)'
-    f' of mesh {dict(mesh.shape)}'
+    f' of mesh {dict(plan.mesh.shape)}',
+    *_leaf_table(plan),
   ]
-  header = ('group', 'path', 'shape', 'dtype', 'spec at rest', 'grads spec', 'bytes/device')
-  table = []
-  for r in plan.rows:
-    nbytes = rules.bytes_per_device(r.shape, r.dtype, r.at_rest, mesh)
-    table.append(
-      (
-        r.group,
-        r.path or '(root)',
-        str(r.shape),
-        r.dtype.name,
-        _spec_str(r.at_rest),
-        _spec_str(r.grads) if r.grads is not None else '',
-        f'{nbytes:,}',
-      )
-    )
-  widths = [
-    max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)
-  ]
-  fmt = lambda row: '  '.join(
-    c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-  )
-  lines.append(fmt(header))
-  lines.append('  '.join('-' * w for w in widths))
-  lines.extend(fmt(row) for row in table)
   totals = plan.bytes_per_device()
   host = totals.pop('host')
   total = sum(totals.values())
@@ -181,6 +157,32 @@ def format_plan(plan: ZeroPlan) -> str:
     lines.extend(f'  {g}{p}: {why}' for g, p, why in reps)
   else:
     lines.append(f'replicated over {axes!r} ({plan.num_shards} devices): no leaves')
+  return '\n'.join(lines + _quantized_and_padded(plan))
+
+
+def _leaf_table(plan: ZeroPlan) -> list[str]:
+  """The table's lines: a header, a rule, and a row per leaf."""
+  header = ('group', 'path', 'shape', 'dtype', 'spec at rest', 'grads spec', 'bytes/device')
+  table = []
+  for r in plan.rows:
+    nbytes = rules.bytes_per_device(r.shape, r.dtype, r.at_rest, plan.mesh)
+    grads = _spec_str(r.grads) if r.grads is not None else ''
+    table.append(
+      (r.group, r.path or '(root)', str(r.shape), r.dtype.name, _spec_str(r.at_rest), grads)
+      + (f'{nbytes:,}',)
+    )
+  widths = [
+    max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)
+  ]
+  fmt = lambda row: '  '.join(
+    c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+  )
+  return [fmt(header), '  '.join('-' * w for w in widths), *(fmt(row) for row in table)]
+
+
+def _quantized_and_padded(plan: ZeroPlan) -> list[str]:
+  """The lines on ZeRO++ quantized collectives and on padded leaves, where the plan has them."""
+  lines = []
   param_rows = [r for r in plan.rows if r.group == 'params']
   if plan.quantize is not None:
     q = plan.quantize
@@ -198,7 +200,7 @@ def format_plan(plan: ZeroPlan) -> str:
       shape = list(r.shape)
       shape[dim] = size
       lines.append(f'  params{r.path}: {r.shape} -> {tuple(shape)} along dimension {dim}')
-  return '\n'.join(lines)
+  return lines
 
 
 def spec_of(x: Any) -> PartitionSpec | None:

@@ -16,6 +16,7 @@ halves the scale; after `growth_interval` good steps the scale doubles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -137,16 +138,7 @@ def mixed_precision(
   dtype(bfloat16)
   """
   master_dtype = _check_float(master_dtype, 'master_dtype')
-  if loss_scale == 'dynamic':
-    loss_scale = DynamicLossScale()
-  if isinstance(loss_scale, str) or (
-    loss_scale is not None and not isinstance(loss_scale, (int, float, DynamicLossScale))
-  ):
-    raise ValueError(
-      f'`loss_scale` must be None, a number, "dynamic" or a DynamicLossScale, got {loss_scale!r}.'
-    )
-  if isinstance(loss_scale, (int, float)) and not loss_scale > 0:
-    raise ValueError(f'`loss_scale` must be positive, got {loss_scale!r}.')
+  loss_scale = _check_loss_scale(loss_scale)
   if transform.config_of(tx) is not None:
     raise ValueError(
       '`tx` is already wrapped by zero_stage, so the fp32 master copy that'
@@ -155,41 +147,17 @@ def mixed_precision(
       ' zerojax.zero_stage(zerojax.mixed_precision(tx), stage, mesh=mesh).'
     )
   inner = optax.with_extra_args_support(tx)
-  dynamic = isinstance(loss_scale, DynamicLossScale)
 
   def init(params: optax.Params) -> MixedPrecisionState:
     master = jax.tree.map(lambda p: jnp.asarray(p, master_dtype), params)
     scale = None
     if loss_scale is not None:
+      dynamic = isinstance(loss_scale, DynamicLossScale)
       initial = loss_scale.initial if dynamic else float(loss_scale)
       scale = LossScaleState(jnp.asarray(initial, jnp.float32), jnp.zeros((), jnp.int32))
     return MixedPrecisionState(master, inner.init(master), scale)
 
-  def step(grads, state: MixedPrecisionState, dtypes, **extra_args):
-    """The update up to the new parameters: (their master rounded to `dtypes`, new state).
-
-    It never reads the compute-dtype parameters, so it can run where the
-    state lives (host memory, `update_on='stream'`) and send back only the
-    new parameters in their compute dtype.
-    """
-    grads = jax.tree.map(lambda g: g.astype(master_dtype), grads)
-    scale = state.loss_scale
-    if scale is not None:
-      grads = jax.tree.map(lambda g: g / scale.scale.astype(master_dtype), grads)
-    new_updates, new_inner = inner.update(grads, state.inner, state.master, **extra_args)
-    new_master = optax.apply_updates(state.master, new_updates)
-    new_state = MixedPrecisionState(new_master, new_inner, scale)
-    if dynamic:
-      # One global answer, however the gradients are sharded.
-      finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-      new_state = jax.tree.map(
-        lambda new, old: jnp.where(finite, new, old),
-        new_state._replace(loss_scale=None),
-        state._replace(loss_scale=None),
-      )
-      new_state = new_state._replace(loss_scale=_next_scale(scale, finite, loss_scale))
-    rounded = jax.tree.map(lambda m, d: m.astype(d), new_state.master, dtypes)
-    return rounded, new_state
+  step = functools.partial(_master_step, inner, master_dtype, loss_scale)
 
   def update(grads, state: MixedPrecisionState, params=None, **extra_args):
     if params is None:
@@ -202,6 +170,58 @@ def mixed_precision(
     return transform.updates_to(rounded, params), new_state
 
   return optax.GradientTransformationExtraArgs(init, MixedPrecisionUpdate(step, update))
+
+
+def _check_loss_scale(loss_scale: Any) -> None | float | DynamicLossScale:
+  """`loss_scale` checked, 'dynamic' as a `DynamicLossScale`.
+
+  Raises:
+    ValueError: not None, a positive number, 'dynamic' or a `DynamicLossScale`.
+  """
+  if loss_scale == 'dynamic':
+    loss_scale = DynamicLossScale()
+  if isinstance(loss_scale, str) or (
+    loss_scale is not None and not isinstance(loss_scale, (int, float, DynamicLossScale))
+  ):
+    raise ValueError(
+      f'`loss_scale` must be None, a number, "dynamic" or a DynamicLossScale, got {loss_scale!r}.'
+    )
+  if isinstance(loss_scale, (int, float)) and not loss_scale > 0:
+    raise ValueError(f'`loss_scale` must be positive, got {loss_scale!r}.')
+  return loss_scale
+
+
+def _master_step(inner, master_dtype, loss_scale, grads, state, dtypes, **extra_args):
+  """`mixed_precision`'s update up to the new parameters: (their master rounded to `dtypes`,
+  new state).
+
+  It never reads the compute-dtype parameters, so it can run where the state lives (host
+  memory, `update_on='stream'`) and send back only the new parameters in their compute dtype.
+  """
+  grads = jax.tree.map(lambda g: g.astype(master_dtype), grads)
+  scale = state.loss_scale
+  if scale is not None:
+    grads = jax.tree.map(lambda g: g / scale.scale.astype(master_dtype), grads)
+  new_updates, new_inner = inner.update(grads, state.inner, state.master, **extra_args)
+  new_master = optax.apply_updates(state.master, new_updates)
+  new_state = MixedPrecisionState(new_master, new_inner, scale)
+  if isinstance(loss_scale, DynamicLossScale):
+    new_state = _if_finite(grads, new_state, state, loss_scale)
+  rounded = jax.tree.map(lambda m, d: m.astype(d), new_state.master, dtypes)
+  return rounded, new_state
+
+
+def _if_finite(grads, new_state, state, loss_scale: DynamicLossScale) -> MixedPrecisionState:
+  """Dynamic loss scaling, in the manner of `optax.apply_if_finite`: `new_state` where every
+  gradient is finite (one global answer, however they are sharded), else `state` kept; the
+  scale moves either way."""
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+  kept = jax.tree.map(
+    lambda new, old: jnp.where(finite, new, old),
+    new_state._replace(loss_scale=None),
+    state._replace(loss_scale=None),
+  )
+  return kept._replace(loss_scale=_next_scale(state.loss_scale, finite, loss_scale))
 
 
 def _next_scale(state: LossScaleState, finite, cfg: DynamicLossScale) -> LossScaleState:

@@ -199,119 +199,131 @@ class _Residuals:
 
 
 def _prefetched(step, count: int, meta: tuple, layer_of, remat: str, sink_dtypes: tuple):
-  """The loop with its own gradient; see the module docstring.
-
-  With `update_on='stream'` (a dtype in `sink_dtypes` for a leaf), the leaf's
-  gradient is taken with respect to its sink: each layer's reduce-scattered
-  gradient goes to host memory from inside the backward loop, and the layers
-  the loop does not run (the first and the last) join the stack there.
-  """
-  residuals = _Residuals(step, remat)
-  host = jax.memory.Space.Host
-
-  def forward(init, stacked, wholes, consts, keep: bool):
-    # Layers 0..count-2 run in the loop, each issuing its successor's gather
-    # first; the last runs after it, on the parameters the loop carried out.
-    def layer(x, w):
-      if keep:
-        return residuals.split(x, w, consts)
-      return step(x, w, *consts), []
-
-    def one(c, i):
-      x, w = c
-      following = layer_of(stacked, wholes, i + 1)
-      y, kept = layer(x, w)
-      return (y, following), kept
-
-    first = layer_of(stacked, wholes, 0)
-    (x, w), kept = jax.lax.scan(one, (init, first), jnp.arange(count - 1))
-    y, last = layer(x, w)
-    return y, (kept, last)
+  """The loop with its own gradient; see the module docstring and `_Loop`."""
+  loop = _Loop(step, count, meta, layer_of, _Residuals(step, remat), sink_dtypes)
 
   @jax.custom_vjp
   def run(init, stacked, wholes, consts, sinks):
-    return forward(init, stacked, wholes, consts, keep=False)[0]
+    return loop.forward(init, stacked, wholes, consts, keep=False)[0]
 
-  def fwd(init, stacked, wholes, consts, sinks):
-    out, (kept, last) = forward(init, stacked, wholes, consts, keep=True)
+  run.defvjp(loop.fwd, loop.bwd)
+  return run
+
+
+class _Loop:
+  """The prefetching layer loop's forward pass and its backward pass.
+
+  With `update_on='stream'` (a dtype in `sink_dtypes` for a leaf), the leaf's
+  gradient is taken with respect to its sink: each layer's reduce-scattered
+  gradient goes to host memory from inside the backward loop, and every layer
+  runs in that loop (see `bwd`).
+  """
+
+  def __init__(self, step, count: int, meta: tuple, layer_of, residuals, sink_dtypes: tuple):
+    self.step, self.count, self.meta, self.layer_of = step, count, meta, layer_of
+    self.residuals, self.sink_dtypes = residuals, sink_dtypes
+
+  def forward(self, init, stacked, wholes, consts, keep: bool):
+    """Layers 0..count-2 run in the loop, each issuing its successor's gather first; the
+    last runs after it, on the parameters the loop carried out."""
+
+    def layer(x, w):
+      if keep:
+        return self.residuals.split(x, w, consts)
+      return self.step(x, w, *consts), []
+
+    def one(c, i):
+      x, w = c
+      following = self.layer_of(stacked, wholes, i + 1)
+      y, kept = layer(x, w)
+      return (y, following), kept
+
+    first = self.layer_of(stacked, wholes, 0)
+    (x, w), kept = jax.lax.scan(one, (init, first), jnp.arange(self.count - 1))
+    y, last = layer(x, w)
+    return y, (kept, last)
+
+  def fwd(self, init, stacked, wholes, consts, sinks):
+    out, (kept, last) = self.forward(init, stacked, wholes, consts, keep=True)
     # Kept for the backward pass: each layer's residuals that depend on its
     # input (activations), and the shards; not the gathered parameters.
     return out, (kept, last, init, stacked, wholes, consts)
 
-  def bwd(res, g):
+  def bwd(self, res, g):
+    """The gradients of the loop's inputs. Layers run backward in one loop, the gather of layer
+    i-1 issued before layer i's gradient. Without sinks the last and first layers run outside
+    it (no gather issued past layer 0), and the stacks are assembled after it; with sinks
+    every layer runs in it (each gradient written into its host stack by the loop), its last
+    iteration issuing layer 0's gather again."""
     kept, last_kept, like_x, stacked, wholes, consts = res
-
-    def grad_of(kept_i, w, g, g_consts):
-      g_x, g_w, *g_c = residuals.pullback(kept_i, w, consts, like_x)(g)
-      return g_x, g_w, jax.tree.map(jnp.add, g_consts, tuple(g_c))
-
-    def scatter(g_w, i):
-      out = []
-      for gw, m, s, dtype in zip(g_w, meta, stacked, sink_dtypes):
-        gw = _scatter(gw, m, jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False))
-        out.append(gw if dtype is None else jax.device_put(gw.astype(dtype), host))
-      return out
-
-    def finish(grads):
-      """The stacked gradients: those of `stacked`, and those of the sinks (in host memory)."""
-      on_device = [None if d is not None else x for x, d in zip(grads, sink_dtypes)]
-      to_sinks = [x if d is not None else None for x, d in zip(grads, sink_dtypes)]
-      return on_device, to_sinks
-
+    ctx = (stacked, wholes, consts, like_x)
     g_consts = jax.tree.map(jnp.zeros_like, consts)
-    if any(d is not None for d in sink_dtypes):
-      return streamed(kept, last_kept, stacked, wholes, g, g_consts, finish, grad_of, scatter)
+    if any(d is not None for d in self.sink_dtypes):
+      kept_at = self._streamed_residuals(kept, last_kept)
+      start = (g, self.layer_of(stacked, wholes, self.count - 1), g_consts)
+      indices = jnp.arange(self.count)
+      (g, _, g_consts), grads = self._backward(ctx, start, kept_at, indices, clamped=True)
+      return self._outputs(g, grads, g_consts)
     # The last layer, with layer count-2's gather issued first.
-    w = layer_of(stacked, wholes, count - 1)
-    previous = layer_of(stacked, wholes, count - 2) if count > 1 else None
-    g, g_w, g_consts = grad_of(last_kept, w, g, g_consts)
-    last = scatter(g_w, count - 1)
-    if count == 1:
-      on_device, to_sinks = finish([c[None] for c in last])
-      return g, on_device, None, g_consts, to_sinks
-
-    take = lambda i: [jax.lax.dynamic_index_in_dim(r, i, 0, keepdims=False) for r in kept]
-
-    def one(c, i):
-      # Layer i (count-2 down to 1), its parameters gathered by the previous
-      # iteration; layer i-1's gather is issued first.
-      g, w, g_consts = c
-      following = layer_of(stacked, wholes, i - 1)
-      g, g_w, g_consts = grad_of(take(i), w, g, g_consts)
-      return (g, following, g_consts), scatter(g_w, i)
-
-    (g, w, g_consts), middle = jax.lax.scan(
-      one, (g, previous, g_consts), jnp.arange(1, count - 1), reverse=True
-    )
-    g, g_w, g_consts = grad_of(take(0), w, g, g_consts)
-    first = scatter(g_w, 0)
+    w = self.layer_of(stacked, wholes, self.count - 1)
+    previous = self.layer_of(stacked, wholes, self.count - 2) if self.count > 1 else None
+    g, g_w, g_consts = self._grad_of(ctx, last_kept, w, g, g_consts)
+    last = self._scatter(stacked, g_w, self.count - 1)
+    if self.count == 1:
+      return self._outputs(g, [c[None] for c in last], g_consts)
+    kept_at = lambda i: [jax.lax.dynamic_index_in_dim(r, i, 0, keepdims=False) for r in kept]
+    start = (g, previous, g_consts)
+    indices = jnp.arange(1, self.count - 1)
+    (g, w, g_consts), middle = self._backward(ctx, start, kept_at, indices, clamped=False)
+    g, g_w, g_consts = self._grad_of(ctx, kept_at(0), w, g, g_consts)
+    first = self._scatter(stacked, g_w, 0)
     grads = [jnp.concatenate([a[None], b, c[None]], axis=0) for a, b, c in zip(first, middle, last)]
-    on_device, to_sinks = finish(grads)
-    return g, on_device, None, g_consts, to_sinks  # the stage-2 wholes are constants
+    return self._outputs(g, grads, g_consts)
 
-  def streamed(kept, last_kept, stacked, wholes, g, g_consts, finish, grad_of, scatter):
-    """The backward loop of `update_on='stream'`: every layer runs in one loop, so that each
-    layer's gradient is written into its stack in host memory by the loop itself (a stack
-    assembled after the loop would first be whole on the device). The last layer's residuals
-    are the ones the forward loop left outside its stack; the prefetch index is clamped at
-    layer 0, whose gather the last iteration issues again (one extra layer's gather)."""
+  def _backward(self, ctx, start, kept_at, indices, clamped: bool):
+    """The backward loop over `indices` (in reverse): layer i's gradient on parameters gathered
+    by the previous iteration, layer i-1's gather issued first (`clamped` at layer 0 where the
+    loop reaches it)."""
+    stacked, wholes = ctx[0], ctx[1]
 
     def one(c, i):
       g, w, g_consts = c
-      following = layer_of(stacked, wholes, jnp.maximum(i - 1, 0))
-      if count == 1:
-        kept_i = last_kept
-      else:
-        at = jnp.minimum(i, count - 2)
-        inner = [jax.lax.dynamic_index_in_dim(r, at, 0, keepdims=False) for r in kept]
-        kept_i = [jnp.where(i == count - 1, a, b) for a, b in zip(last_kept, inner)]
-      g, g_w, g_consts = grad_of(kept_i, w, g, g_consts)
-      return (g, following, g_consts), scatter(g_w, i)
+      following = self.layer_of(stacked, wholes, jnp.maximum(i - 1, 0) if clamped else i - 1)
+      g, g_w, g_consts = self._grad_of(ctx, kept_at(i), w, g, g_consts)
+      return (g, following, g_consts), self._scatter(stacked, g_w, i)
 
-    start = (g, layer_of(stacked, wholes, count - 1), g_consts)
-    (g, _, g_consts), grads = jax.lax.scan(one, start, jnp.arange(count), reverse=True)
-    on_device, to_sinks = finish(grads)
+    return jax.lax.scan(one, start, indices, reverse=True)
+
+  def _streamed_residuals(self, kept, last_kept):
+    """Layer i's residuals inside the one loop: the last layer's are those the forward loop
+    left outside its stack."""
+    if self.count == 1:
+      return lambda i: last_kept
+
+    def kept_at(i):
+      at = jnp.minimum(i, self.count - 2)
+      inner = [jax.lax.dynamic_index_in_dim(r, at, 0, keepdims=False) for r in kept]
+      return [jnp.where(i == self.count - 1, a, b) for a, b in zip(last_kept, inner)]
+
+    return kept_at
+
+  def _grad_of(self, ctx, kept_i, w, g, g_consts):
+    _, _, consts, like_x = ctx
+    g_x, g_w, *g_c = self.residuals.pullback(kept_i, w, consts, like_x)(g)
+    return g_x, g_w, jax.tree.map(jnp.add, g_consts, tuple(g_c))
+
+  def _scatter(self, stacked, g_w, i):
+    """Layer i's parameter gradients reduce-scattered into their shards (to host memory for
+    a streamed leaf)."""
+    out = []
+    for gw, m, s, dtype in zip(g_w, self.meta, stacked, self.sink_dtypes):
+      gw = _scatter(gw, m, jax.lax.dynamic_index_in_dim(s, i, 0, keepdims=False))
+      out.append(gw if dtype is None else jax.device_put(gw.astype(dtype), jax.memory.Space.Host))
+    return out
+
+  def _outputs(self, g, grads, g_consts):
+    """The cotangents of (init, stacked, wholes, consts, sinks): the stacked gradients go to
+    `stacked`, or to the sinks (in host memory); the stage-2 wholes are constants."""
+    on_device = [None if d is not None else x for x, d in zip(grads, self.sink_dtypes)]
+    to_sinks = [x if d is not None else None for x, d in zip(grads, self.sink_dtypes)]
     return g, on_device, None, g_consts, to_sinks
-
-  run.defvjp(fwd, bwd)
-  return run

@@ -65,8 +65,16 @@ class DecoderConfig:
     """
     P = jax.sharding.PartitionSpec
     cols, rows = P(None, None, tensor), P(None, tensor, None)
-    layers = {'attn_norm': P(), 'mlp_norm': P(), 'wq': cols, 'wk': cols, 'wv': cols, 'wo': rows,
-              'w_in': cols, 'w_out': rows}  # fmt: skip
+    layers = {
+      'attn_norm': P(),
+      'mlp_norm': P(),
+      'wq': cols,
+      'wk': cols,
+      'wv': cols,
+      'wo': rows,
+      'w_in': cols,
+      'w_out': rows,
+    }
     if self.gated:
       layers['w_gate'] = cols
     return {'embed': P(tensor, None), 'layers': layers, 'final_norm': P(), 'head': P(None, tensor)}
@@ -74,8 +82,12 @@ class DecoderConfig:
   def check_tensor(self, size: int) -> None:
     """Raises ValueError unless a tensor-parallel axis of `size` divides the heads, the
     key/value heads, the MLP width and the vocabulary (naming each that it does not)."""
-    dims = {'n_heads': self.n_heads, 'n_kv_heads': self.n_kv_heads, 'd_ff': self.d_ff,
-            'vocab': self.vocab}  # fmt: skip
+    dims = {
+      'n_heads': self.n_heads,
+      'n_kv_heads': self.n_kv_heads,
+      'd_ff': self.d_ff,
+      'vocab': self.vocab,
+    }
     bad = [f'{k}={v}' for k, v in dims.items() if v % size]
     if bad:
       raise ValueError(
@@ -232,9 +244,13 @@ def _flash_attention(plan: plan_lib.ZeroPlan | None):
   batch = tuple(a for a in free if a != tensor) or None
   spec = jax.sharding.PartitionSpec(batch, None, tensor, None)
   return jax.shard_map(
-    attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, axis_names=set(free),
+    attend,
+    mesh=mesh,
+    in_specs=(spec,) * 3,
+    out_specs=spec,
+    axis_names=set(free),
     check_vma=False,
-  )  # fmt: skip
+  )
 
 
 def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint):

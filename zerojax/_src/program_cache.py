@@ -159,11 +159,21 @@ def _write(path: Path, record: dict) -> None:
     raise
 
 
+class RecordedCompileError(jax.errors.JaxRuntimeError):
+  """The compiler's error for a program, read back from its record instead of compiled again.
+
+  Attributes:
+    source: where the record came from ('cache' or 'memo').
+  """
+
+  def __init__(self, message: str, source: str):
+    super().__init__(message)
+    self.source = source
+
+
 def _from_record(record: dict, source: str) -> Compiled:
   if 'error' in record:
-    error = jax.errors.JaxRuntimeError(record['error'])
-    error.zerojax_program_source = source  # read back, not compiled
-    raise error
+    raise RecordedCompileError(record['error'], source)
   program = CachedProgram(
     record['text'], record['memory'], record['cost'], record['compile_seconds'], record['platform']
   )

@@ -350,6 +350,28 @@ def _mib(n: float) -> str:
 
 def format_report(report: StepReport) -> str:
   """The printed form of a `StepReport`."""
+  lines = _memory_lines(report) + _collective_lines(report.collectives)
+  if report.floor_bytes is not None:
+    c = report.collectives
+    ici = c.total_ici_bytes if report.num_slices > 1 else c.total_ring_bytes
+    ratio = ici / report.floor_bytes if report.floor_bytes else float('nan')
+    factor = 3 if report.stage == 3 else 2
+    lines.append(
+      f'ZeRO floor (stage {report.stage}: {factor}Ψ(N-1)/N, Ψ={report.num_params:,},'
+      f' N={report.num_devices}): {report.floor_bytes:,.0f} bytes; measured/floor = {ratio:.3f}'
+      + (' (ICI, within a slice)' if report.num_slices > 1 else '')
+    )
+  if report.num_slices > 1:
+    lines += _network_lines(report)
+  if report.quantized is not None:
+    lines.append(
+      f'ZeRO++ quantized collectives ({report.quantized}): the floor counts full precision'
+    )
+  return '\n'.join(lines)
+
+
+def _memory_lines(report: StepReport) -> list[str]:
+  """The report's memory per device (and per process, where the mesh spans several)."""
   m = report.memory
   lines = [
     'memory per device:',
@@ -383,11 +405,15 @@ def format_report(report: StepReport) -> str:
       f' peak ~ {_mib(m.peak * max(sizes))}; whole mesh: arguments'
       f' {_mib(whole.argument)}, peak ~ {_mib(whole.peak)}'
     )
-  lines += [
+  return lines
+
+
+def _collective_lines(c: Any) -> list[str]:
+  """The table of collectives per step, what is not exact in it, and the overlapped share."""
+  lines = [
     'collectives per step (loop bodies times their trip counts):',
     f'  {"kind":<20} {"count":>7} {"result bytes":>16} {"ring bytes/device":>18}',
   ]
-  c = report.collectives
   for kind in COLLECTIVES:
     if c.counts.get(kind):
       lines.append(
@@ -402,19 +428,4 @@ def format_report(report: StepReport) -> str:
       f'  asynchronous, with compute scheduled before their done: {c.overlap_fraction:.0%}'
       ' of the ring bytes'
     )
-  if report.floor_bytes is not None:
-    ici = c.total_ici_bytes if report.num_slices > 1 else c.total_ring_bytes
-    ratio = ici / report.floor_bytes if report.floor_bytes else float('nan')
-    factor = 3 if report.stage == 3 else 2
-    lines.append(
-      f'ZeRO floor (stage {report.stage}: {factor}Ψ(N-1)/N, Ψ={report.num_params:,},'
-      f' N={report.num_devices}): {report.floor_bytes:,.0f} bytes; measured/floor = {ratio:.3f}'
-      + (' (ICI, within a slice)' if report.num_slices > 1 else '')
-    )
-  if report.num_slices > 1:
-    lines += _network_lines(report)
-  if report.quantized is not None:
-    lines.append(
-      f'ZeRO++ quantized collectives ({report.quantized}): the floor counts full precision'
-    )
-  return '\n'.join(lines)
+  return lines

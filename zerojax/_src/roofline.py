@@ -89,21 +89,57 @@ class Chip:
 # = 3.125 GB/s a chip; v5p 50 Gbps a chip (its page's "DCN bandwidth per chip"), 6.25 GB/s; v6e's
 # page gives none.
 CHIPS = {
-  'v5e': Chip('v5e', 197e12, 16 * GiB, 819e9, 400e9, 2, 512 * GiB // 8, 32e9,
-              'v5e page: 197 TFLOP/s bf16, 16 GB HBM at 819 GB/s, 400 GB/s ICI (4 ports, 2-D'
-              ' torus), 512 GiB DRAM per 8-chip host, 1 TensorCore x 4 MXUs (128x128); host link'
-              ' PCIe Gen4 x16 assumed; DCN 2 x 100 Gbps NICs per 8-chip host',
-              tensorcores=1, mxus=4, mxu_dim=128, dcn_bandwidth=25e9 / 8),
-  'v5p': Chip('v5p', 459e12, 95 * GiB, 2765e9, 1200e9, 3, 448 * 10**9 // 4, 32e9,
-              'v5p page: 459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, 1200 GB/s ICI (3-D torus),'
-              ' 448 GB RAM per 4-chip VM, 2 TensorCores x 4 MXUs (128x128 assumed, as v5e); host link'
-              ' PCIe Gen4 x16 assumed; DCN 50 Gbps per chip', tensorcores=2, mxus=4, mxu_dim=128,
-              dcn_bandwidth=50e9 / 8),
-  'v6e': Chip('v6e', 918e12, 32 * GiB, 1638e9, 800e9, 2, 1536 * GiB // 8, 64e9,
-              'v6e page: 918 TFLOP/s bf16, 32 GB HBM at 1638 GB/s, 800 GB/s ICI (4 ports, 2-D'
-              ' torus), 1536 GiB DRAM per 8-chip host, 1 TensorCore x 2 MXUs (256x256), PCIe Gen5'
-              ' (x16 assumed)', tensorcores=1, mxus=2, mxu_dim=256),
-}  # fmt: skip
+  'v5e': Chip(
+    'v5e',
+    197e12,
+    16 * GiB,
+    819e9,
+    400e9,
+    2,
+    512 * GiB // 8,
+    32e9,
+    'v5e page: 197 TFLOP/s bf16, 16 GB HBM at 819 GB/s, 400 GB/s ICI (4 ports, 2-D'
+    ' torus), 512 GiB DRAM per 8-chip host, 1 TensorCore x 4 MXUs (128x128); host link'
+    ' PCIe Gen4 x16 assumed; DCN 2 x 100 Gbps NICs per 8-chip host',
+    tensorcores=1,
+    mxus=4,
+    mxu_dim=128,
+    dcn_bandwidth=25e9 / 8,
+  ),
+  'v5p': Chip(
+    'v5p',
+    459e12,
+    95 * GiB,
+    2765e9,
+    1200e9,
+    3,
+    448 * 10**9 // 4,
+    32e9,
+    'v5p page: 459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, 1200 GB/s ICI (3-D torus),'
+    ' 448 GB RAM per 4-chip VM, 2 TensorCores x 4 MXUs (128x128 assumed, as v5e); host link'
+    ' PCIe Gen4 x16 assumed; DCN 50 Gbps per chip',
+    tensorcores=2,
+    mxus=4,
+    mxu_dim=128,
+    dcn_bandwidth=50e9 / 8,
+  ),
+  'v6e': Chip(
+    'v6e',
+    918e12,
+    32 * GiB,
+    1638e9,
+    800e9,
+    2,
+    1536 * GiB // 8,
+    64e9,
+    'v6e page: 918 TFLOP/s bf16, 32 GB HBM at 1638 GB/s, 800 GB/s ICI (4 ports, 2-D'
+    ' torus), 1536 GiB DRAM per 8-chip host, 1 TensorCore x 2 MXUs (256x256), PCIe Gen5'
+    ' (x16 assumed)',
+    tensorcores=1,
+    mxus=2,
+    mxu_dim=256,
+  ),
+}
 
 
 def predict(
@@ -192,15 +228,24 @@ def calibrate_cpu(num_devices: int, size: int = 1024, repeats: int = 5) -> Chip:
   # One small all-reduce over every device: what a collective costs beyond its bytes.
   mesh = jax.make_mesh((num_devices,), ('d',), devices=jax.devices()[:num_devices])
   one = jax.device_put(jnp.ones((num_devices,)), jax.sharding.NamedSharding(mesh, jax.P('d')))
-  psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, 'd'), mesh=mesh, in_specs=jax.P('d'),
-                               out_specs=jax.P('d')))  # fmt: skip
+  psum = jax.jit(
+    jax.shard_map(
+      lambda v: jax.lax.psum(v, 'd'), mesh=mesh, in_specs=jax.P('d'), out_specs=jax.P('d')
+    )
+  )
   latency = best(lambda _: psum(one))
   return Chip(
-    'cpu', flops / num_devices, 0, bandwidth / num_devices, bandwidth / num_devices, 1,
-    0, bandwidth / num_devices,
+    'cpu',
+    flops / num_devices,
+    0,
+    bandwidth / num_devices,
+    bandwidth / num_devices,
+    1,
+    0,
+    bandwidth / num_devices,
     f'measured here: {flops / 1e9:.1f} GFLOP/s (f32 matmul {size}^2), {bandwidth / 1e9:.1f} GB/s'
     f' (elementwise), {latency * 1e6:.0f} us per all-reduce; shared by {num_devices} faked devices',
     collective_latency=latency,
     # Slices stood in for on one machine: what crosses between them moves as any copy does.
     dcn_bandwidth=bandwidth / num_devices,
-  )  # fmt: skip
+  )

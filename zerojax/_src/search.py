@@ -99,18 +99,28 @@ class Candidate:
     rules = [
       (self.stage not in (1, 2, 3), 'stages 1-3 are searched'),
       (self.batch_per_chip % self.micro_batches, 'micro_batches does not divide batch_per_chip'),
-      (self.prefetch and (self.stage != 3 or self.remat == 'none'),
-       'prefetch is for stage 3 with remat'),
+      (
+        self.prefetch and (self.stage != 3 or self.remat == 'none'),
+        'prefetch is for stage 3 with remat',
+      ),
       (self.layout == 'hpz' and self.stage != 3, 'hpz splits stage-3 parameters'),
-      (self.layout == 'hpz' and (self.prefetch or self.quantize is not None),
-       'hpz runs without per-layer gathers'),
-      (self.update_on != 'device' and self.offload is None,
-       f'update_on={self.update_on!r} needs an offload'),
-      (self.quantize in ('w8g8', 'w8g4') and self.stage != 3,
-       'quantized weights are gathered at stage 3 only'),
-      (self.slices > 1 and self.update_on == 'stream',
-       "update_on='stream' sends gradient shards down before they are summed across slices"),
-    ]  # fmt: skip
+      (
+        self.layout == 'hpz' and (self.prefetch or self.quantize is not None),
+        'hpz runs without per-layer gathers',
+      ),
+      (
+        self.update_on != 'device' and self.offload is None,
+        f'update_on={self.update_on!r} needs an offload',
+      ),
+      (
+        self.quantize in ('w8g8', 'w8g4') and self.stage != 3,
+        'quantized weights are gathered at stage 3 only',
+      ),
+      (
+        self.slices > 1 and self.update_on == 'stream',
+        "update_on='stream' sends gradient shards down before they are summed across slices",
+      ),
+    ]
     return [why for broken, why in rules if broken]
 
   def invalid(self) -> str | None:
@@ -425,12 +435,14 @@ def evaluate(
   cache_dir: Any = None,
   memo: dict | None = None,
   compiler_options: dict[str, Any] | None = None,
+  measure: bool = False,
 ) -> Result:
   """Theory first (states at rest, host bytes), then the compiled program's own figures.
 
   `cache_dir` and `memo` (`program_cache.compile_program`) let a program lowered before,
   in an earlier run or by an earlier candidate, be read back instead of compiled again.
-  `compiler_options` go to the compiler with every candidate.
+  `compiler_options` go to the compiler with every candidate. With `measure`, a program
+  compiled here that fits is also run (`measured_seconds`; on cpu:N).
   """
   from zerojax._src import program_cache
 
@@ -469,7 +481,8 @@ def evaluate(
       raise
     result.phase_seconds['compile'] = time.perf_counter() - start
     result.compile_seconds = sum(result.phase_seconds.values())
-    result.program_source = getattr(e, 'zerojax_program_source', 'compiled')
+    recorded = isinstance(e, program_cache.RecordedCompileError)
+    result.program_source = e.source if recorded else 'compiled'
     result.status = 'over HBM: ' + runtime.out_of_memory_summary(str(e))
     return result
   result.phase_seconds['compile'] = done.seconds
@@ -478,9 +491,8 @@ def evaluate(
   start = time.perf_counter()
   _analyse(result, target, plan, unit, done.program, done.text, hbm_bytes)
   result.phase_seconds['analyse'] = time.perf_counter() - start
-  if done.source == 'compiled':
-    result._compiled = done.program  # kept for a measured run on cpu:N
-  result._state, result._batch = state, batch
+  if measure and result.fits and done.source == 'compiled':
+    result.measured_seconds = _measure_cpu(done.program, state, batch)
   return result
 
 
@@ -540,15 +552,14 @@ class SearchReport:
     return best[0] if best and best[0].fits else None
 
 
-def _measure_cpu(result: Result, steps: int = 5) -> float:
+def _measure_cpu(compiled: Any, state: Any, batch: Any, steps: int = 5) -> float:
   """Median seconds of the compiled step on the faked CPU devices, after one warm-up step."""
-  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), result._state)
-  batch = result._batch
+  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=s.sharding), state)
   tokens = jnp.zeros(batch.shape, batch.dtype, device=batch.sharding)
   times = []
   for i in range(steps + 1):
     start = time.perf_counter()
-    state, loss = result._compiled(state, tokens)
+    state, loss = compiled(state, tokens)
     loss.block_until_ready()
     if i:
       times.append(time.perf_counter() - start)
@@ -602,11 +613,8 @@ def run_search(
         cache_dir=None if measure else cache_dir,
         memo=memo,
         compiler_options=compiler_options,
+        measure=measure,
       )
-      if measure and r.fits:
-        r.measured_seconds = _measure_cpu(r)
-      for attr in ('_compiled', '_state', '_batch'):  # free the compiled program
-        r.__dict__.pop(attr, None)
       # jax keeps each candidate's traced and compiled step in its caches; a TPU compile of a
       # 70B step holds about half a GB there, so a long search would run out of host memory.
       jax.clear_caches()
@@ -697,10 +705,19 @@ def make_target(
       ' cannot be timed; search one slice, or a chip whose page gives it (v5e, v5p).'
     )
   return Target(
-    topology, tuple(devices), grid, chip, model, optimizer, mixed_precision, seq_len,
-    compute_dtype, attention_chunk, attention,
+    topology,
+    tuple(devices),
+    grid,
+    chip,
+    model,
+    optimizer,
+    mixed_precision,
+    seq_len,
+    compute_dtype,
+    attention_chunk,
+    attention,
     tuple((s, tuple(d)) for s, d in dict(slice_devices).items()),
-  )  # fmt: skip
+  )
 
 
 def search_plans(

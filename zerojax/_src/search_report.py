@@ -196,8 +196,14 @@ def plot_search(report: SearchReport, path: str) -> None:
     )
   win = report.winner
   if win is not None:
-    ax.scatter([win.peak_bytes / GiB], [win.step_seconds], s=200, facecolors='none',
-               edgecolors='black', label='winner')  # fmt: skip
+    ax.scatter(
+      [win.peak_bytes / GiB],
+      [win.step_seconds],
+      s=200,
+      facecolors='none',
+      edgecolors='black',
+      label='winner',
+    )
   if report.target.chip is not None and report.target.chip.hbm_bytes:
     ax.axvline(report.target.chip.hbm_bytes / GiB, color='grey', ls='--', label='HBM per chip')
   ax.set_xlabel('peak memory per chip, GiB (compiled program)')

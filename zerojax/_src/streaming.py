@@ -16,12 +16,13 @@ the device whole, between that computation and the update's. Instead:
   unused and the compiler drops it.
 
 Gradients changed between the two (a user's own clipping, say) are not the noted
-arrays: the update takes them as they are, and the separate finish runs. The table is
-module-level: traces of streamed steps built at once in several threads could mix entries.
+arrays: the update takes them as they are, and the separate finish runs. The record is
+per context (`contextvars`), so traces built at once in several threads do not mix.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -59,27 +60,37 @@ def finish(p: Parts, parts: tuple[jax.Array, ...], weight: jax.Array) -> jax.Arr
   return (acc / (weight if p.weighted else weight.astype(p.dtype))).astype(p.dtype)
 
 
-# The gradients value_and_grad returned in the trace being built: id -> (array, parts).
-# The array is held so that its id stays its own; a new streamed value_and_grad
-# trace starts the table afresh, so it holds at most one step's arrays.
-_NOTED: dict[int, tuple[jax.Array, Parts]] = {}
+class Noted:
+  """The gradients one streamed `value_and_grad` trace returned, with the parts of each.
+
+  Matched by identity (`is`): a traced array has no value to compare, and another array
+  (a gradient the user changed) is not the one finished from these parts.
+  """
+
+  def __init__(self) -> None:
+    self._pairs: list[tuple[jax.Array, Parts]] = []
+
+  def note(self, grad: jax.Array, parts: Parts) -> jax.Array:
+    """Records that `grad` was finished from `parts`; returns `grad`."""
+    self._pairs.append((grad, parts))
+    return grad
+
+  def parts_of(self, grad: Any) -> Parts | None:
+    return next((p for g, p in self._pairs if g is grad), None)
 
 
-def start() -> None:
-  """Forgets what earlier traces noted (called when a streamed value_and_grad is traced)."""
-  _NOTED.clear()
+# The streamed value_and_grad trace being built in this context (a thread or task), if any.
+_CURRENT: contextvars.ContextVar[Noted | None] = contextvars.ContextVar('streamed', default=None)
 
 
-def note(grad: jax.Array, parts: Parts) -> jax.Array:
-  """Records that `grad` was finished from `parts`; returns `grad`."""
-  _NOTED[id(grad)] = (grad, parts)
-  return grad
+def start() -> Noted:
+  """A fresh record for a streamed value_and_grad trace, replacing an earlier trace's."""
+  noted = Noted()
+  _CURRENT.set(noted)
+  return noted
 
 
 def take(grads: list[Any]) -> list[Parts | None]:
   """For each of `grads`, the parts it was finished from, if value_and_grad noted it."""
-  out = []
-  for g in grads:
-    found = _NOTED.get(id(g))
-    out.append(found[1] if found is not None and found[0] is g else None)
-  return out
+  noted = _CURRENT.get()
+  return [None if noted is None else noted.parts_of(g) for g in grads]

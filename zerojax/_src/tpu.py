@@ -114,7 +114,9 @@ def topology_devices(topology: str, slices: int = 1) -> list:
       desc = topologies.get_topology_desc(topology_name=topology, platform='tpu', **extra)
   except Exception as e:  # libtpu missing or an unknown topology name
     if importlib.util.find_spec('libtpu') is None:
-      fix = 'the TPU compiler is not installed: `pip install zerojax[tpu]` (libtpu).'
+      fix = (
+        "the TPU compiler is not installed: `pip install 'jax[tpu]'` (libtpu; zerojax's tpu extra)."
+      )
     else:
       fix = (
         f'libtpu {importlib.metadata.version("libtpu")} cannot form that slice; name one it'

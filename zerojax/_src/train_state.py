@@ -52,7 +52,7 @@ def zero_train_state(state: State, tx: optax.GradientTransformation) -> State:
     )
   _refuse_regathering(state.params, plan)
   params, opt_state = jax.device_put((state.params, state.opt_state), (plan.params, plan.opt_state))
-  state = state.replace(tx=tx, params=params, opt_state=opt_state)
+  state = state.replace(tx=transform.with_layouts(tx, plan), params=params, opt_state=opt_state)
   return _guarded(state, plan.stage, plan.axes)
 
 
@@ -61,9 +61,16 @@ def _guarded(state: State, stage: int, axes: tuple[str, ...]) -> State:
   (`zerojax.linen` `guard_split_params`); `replace` sets it, as for any field."""
   if stage < 3 or getattr(state, 'apply_fn', None) is None:
     return state
+  return state.replace(apply_fn=_guarded_apply(state.apply_fn, stage, axes))
+
+
+def _guarded_apply(apply_fn: Any, stage: int, axes: tuple[str, ...]) -> Any:
+  """`apply_fn` as a stage-3 train state holds it: under `guard_split_params` (linen)."""
+  if stage < 3 or apply_fn is None:
+    return apply_fn
   from zerojax._src import linen  # flax linen only where a train state is made
 
-  return state.replace(apply_fn=linen.guard_split_params(state.apply_fn, axes))
+  return linen.guard_split_params(apply_fn, axes)
 
 
 def _refuse_regathering(params: Any, plan: Any) -> None:
@@ -136,23 +143,30 @@ def _layout(
     from flax.training import train_state as flax_train_state
 
     state_class = flax_train_state.TrainState
-  abstract_params = jax.eval_shape(init_fn, *init_args)
+  traced_params = jax.eval_shape(init_fn, *init_args)
+  abstract_params = traced_params
   if param_dtype is not None:  # the plan's accounting uses the dtype the state will hold
     abstract_params = precision.cast(abstract_params, param_dtype)
   plan = config.plan(abstract_params)
+  tx = transform.with_layouts(tx, plan)
+  # One object for every trace of the state, so that their pytree metadata are equal.
+  guarded_apply = _guarded_apply(apply_fn, config.stage, config.axes)
 
-  def build(*args):
-    params = init_fn(*args)
+  def finish(params):
+    """The state from its parameters, laid out: everything `build` does after `init_fn`."""
     params = mesh_lib.run_in_layout(
       lambda p: mesh_lib.constrain(p, plan.params, config.mesh), config.mesh, plan.params
     )(params)
-    state = state_class.create(apply_fn=apply_fn, params=params, tx=tx, **fields)
-    state = _guarded(state, config.stage, config.axes)
+    state = state_class.create(apply_fn=guarded_apply, params=params, tx=tx, **fields)
     if param_dtype is not None:  # mixed precision: tx.init saw the full-precision values
       state = state.replace(params=precision.cast(state.params, param_dtype))
     return state
 
-  abstract_state = jax.eval_shape(build, *init_args)
+  def build(*args):
+    return finish(init_fn(*args))
+
+  # Abstractly from the parameters' shapes: `init_fn` is traced once here, once by the caller.
+  abstract_state = jax.eval_shape(finish, traced_params)
   rep = mesh_lib.replicated(config.mesh)
   shardings = jax.tree.map(lambda _: rep, abstract_state).replace(
     params=plan.params, opt_state=plan.opt_state

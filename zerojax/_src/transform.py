@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -40,11 +41,10 @@ class ZeroConfig:
   options: options_lib.Options
   axes: tuple[str, ...]
   replica_axes: tuple[str, ...] = ()
-  # Plans already computed, keyed by everything that decides one: the tree and
-  # each leaf's shape, dtype and layout over the other mesh axes (the least
-  # recently used dropped past `_PLAN_CACHE_SIZE`).
+  # A memo of `plan`, a pure function of the parameters' signature (`_signature`): the
+  # least recently used entries are dropped past `_PLAN_CACHE_SIZE`.
   _plans: collections.OrderedDict = dataclasses.field(
-    default_factory=collections.OrderedDict, repr=False
+    default_factory=collections.OrderedDict, init=False, repr=False
   )
 
   def plan(
@@ -52,32 +52,29 @@ class ZeroConfig:
   ) -> plan_lib.ZeroPlan:
     """The `ZeroPlan` of this optimizer for `params`.
 
-    Traced on Auto axes, arrays carry no layout, so the tensor-parallel layout
-    of `params` cannot be read from them. It is then the one recorded when
-    parameters of the same tree, shapes and dtypes were last seen placed (by
-    `init`, `create_train_state` or `plan` on arrays). Where the mesh has no
-    other axes to split over, there is nothing to read.
+    A function of the parameters' tree, shapes, dtypes and layouts over the mesh's other
+    axes (tensor parallelism), read from `param_specs` or from the arrays.
 
     Raises:
-      ValueError: traced on Auto axes, and the same shapes were seen placed
-        in more than one layout: pass `Options(param_specs=...)`.
+      ValueError: `params` are traced on Auto mesh axes, where arrays carry no layout, the
+        mesh has other axes a layout could use, and no `param_specs` say it.
     """
+    if self._layouts_hidden(params):
+      others = self._other_axes()
+      raise ValueError(
+        'zerojax: these parameters are traced on Auto mesh axes, where arrays carry no'
+        f' layout, and the mesh splits them over {others} too (tensor parallelism), so'
+        ' where each is split cannot be read. Give the layouts to the optimizer:'
+        ' zero_stage(..., param_specs=jax.tree.map(lambda x: x.sharding.spec, params)) on'
+        ' the placed parameters (param_specs=jax.P() for none), build the state with'
+        ' zerojax.create_train_state or zero_stage(train_state, ...), which record them in'
+        ' state.tx, or use a mesh with Explicit axes.'
+      )
     key = self._signature(params)
     cached = self._plans.get(key)
     if cached is not None:
       self._plans.move_to_end(key)
       return cached
-    if self._layouts_hidden(params):
-      seen = {k[2]: p for k, p in self._plans.items() if k[:2] == key[:2]}
-      if len(seen) == 1:
-        return next(iter(seen.values()))
-      if len(seen) > 1:
-        raise ValueError(
-          'zerojax: these parameters are traced on Auto mesh axes, where arrays carry no'
-          f' layout, and parameters of the same shapes were placed in {len(seen)} different'
-          ' tensor-parallel layouts before, so which one these have cannot be told. Give the'
-          ' layout: zero_stage(..., param_specs=...), or use a mesh with Explicit axes.'
-        )
     plan = plan_lib.build_plan(params, self, opt_state)
     if not _has_tracers(params):
       self._plans[key] = plan
@@ -85,12 +82,28 @@ class ZeroConfig:
         self._plans.popitem(last=False)
     return plan
 
+  def _other_axes(self) -> list[str]:
+    """The mesh axes of size > 1 that are neither ZeRO nor data-parallel (replica) axes."""
+    skip = set(self.axes) | set(self.replica_axes)
+    return [a for a in self.mesh.axis_names if a not in skip and self.mesh.shape[a] > 1]
+
   def _layouts_hidden(self, params: Any) -> bool:
     """Whether layouts over other mesh axes may exist but cannot be seen on `params`."""
     if self.options.param_specs is not None or mesh_lib.any_explicit(self.mesh):
       return False
-    others = [a for a in self.mesh.axis_names if a not in self.axes and self.mesh.shape[a] > 1]
-    return bool(others) and _has_tracers(params)
+    return bool(self._other_axes()) and _has_tracers(params)
+
+  def with_layouts_of(self, plan: plan_lib.ZeroPlan) -> ZeroConfig:
+    """This config, with `plan`'s layouts over the other mesh axes as its `param_specs`
+    where traced parameters could not show them (Auto axes, no `param_specs`); else itself."""
+    if self.options.param_specs is not None or mesh_lib.any_explicit(self.mesh):
+      return self
+    if not self._other_axes():
+      return self
+    specs = jax.tree.map(
+      lambda s: rules.normalize_spec(s.spec, len(s.spec), self.mesh, drop=self.axes), plan.params
+    )
+    return dataclasses.replace(self, options=dataclasses.replace(self.options, param_specs=specs))
 
   def _signature(self, tree: Any) -> tuple:
     """(tree structure, (shape, dtype) per leaf, layout per leaf): what a plan depends on.
@@ -264,7 +277,7 @@ def updates_to(rounded: Any, params: Any) -> Any:
   return jax.tree.map(lambda r, p: (r - p).astype(p.dtype), rounded, params)
 
 
-def _warn_if_not_streamed(grads: Any, params: Any, master_step: Any) -> None:
+def _warn_if_not_streamed(grads: Any, params: Any, master_step: Any, stacklevel: int) -> None:
   """update_on='stream' given what cannot stream: says what runs instead, and the fix."""
   if master_step is None or params is None:
     warnings.warn(
@@ -273,7 +286,7 @@ def _warn_if_not_streamed(grads: Any, params: Any, master_step: Any) -> None:
       + (' (or update() was called without params)' if master_step is not None else '')
       + ". The update runs as with update_on='host': updates come back in full. Wrap the"
       ' optimizer as zero_stage(zerojax.mixed_precision(tx), ...) and pass params to update().',
-      stacklevel=3,
+      stacklevel=stacklevel,
     )
   elif not any(in_host_memory(g) for g in jax.tree.leaves(grads)):
     warnings.warn(
@@ -281,7 +294,7 @@ def _warn_if_not_streamed(grads: Any, params: Any, master_step: Any) -> None:
       " during the backward pass; they go to host memory at once, as with update_on='host'."
       ' Take them with zerojax.value_and_grad(loss_fn, tx, per_layer=True) at stage 2 or 3'
       ' to stream them layer by layer.',
-      stacklevel=3,
+      stacklevel=stacklevel,
     )
 
 
@@ -393,6 +406,15 @@ def plan_for(tx: optax.GradientTransformation, params: optax.Params) -> plan_lib
   return config.plan(params)
 
 
+def with_layouts(tx: optax.GradientTransformation, plan: plan_lib.ZeroPlan) -> Any:
+  """`tx`, holding `plan`'s tensor-parallel layouts as its `param_specs` where traced
+  parameters could not show them (`ZeroConfig.with_layouts_of`): what a train state keeps as
+  its `tx`, so that its traced steps get the plan that laid it out."""
+  config = require_config(tx)
+  bound = config.with_layouts_of(plan)
+  return tx if bound is config else zero_optimizer(bound)
+
+
 def make_config(tx: Any, stage: Any, mesh: Mesh | None, options: options_lib.Options) -> ZeroConfig:
   """The `ZeroConfig` of `tx` wrapped for `stage` on `mesh` (default: `jax.set_mesh`'s).
 
@@ -462,11 +484,16 @@ def _replica_axes(
 
 def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
   """Rewrites `config.inner` for its ZeRO stage; see `zerojax.zero_stage`."""
-  tx, stage, mesh = config.inner, config.stage, config.mesh
-  inner = optax.with_extra_args_support(tx)
-  # mixed_precision's update up to the rounded new parameters, for update_on='stream'.
+  inner = optax.with_extra_args_support(config.inner)
+  # mixed_precision's update up to the rounded new parameters, for update_on='stream'
   # (a field of its update, `precision.MixedPrecisionUpdate`).
-  master_step = getattr(getattr(tx, 'update', None), 'master_step', None)
+  master_step = getattr(getattr(config.inner, 'update', None), 'master_step', None)
+  # Where the update runs is chosen once: on the device, on the host, or on the host from
+  # gradients streamed during the backward pass.
+  strategy = {'device': _device_update, 'host': _host_update, 'stream': _streamed_update}[
+    config.options.update_on
+  ]
+  mesh = config.mesh
 
   def init(params: optax.Params) -> optax.OptState:
     validation.abstract_arrays(params, 'params')
@@ -493,73 +520,112 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
       validation.check_like_params(updates, params, 'grads')
     plan = config.plan(params if params is not None else updates, opt_state=state)
     _check_state_not_replicated(state, plan, mesh)
-
-    on_host = config.options.update_on in ('host', 'stream')
-    stream = config.options.update_on == 'stream'
-
     arrays, others = _split_extra_args(extra_args, plan, mesh)
-
-    def body(grads, state, params, arrays, noted):
-      extra_args = {**others, **arrays}
-      if not on_host:
-        # Offloaded state streams through the device for the update.
-        state = _to_memory(state, plan.opt_state, host=False)
-      # Reduce into the stage's gradient layout: from stage 2 the compiler
-      # emits a reduce-scatter here (XLA:CPU: all-reduce + dynamic-slice).
-      # Stage 1 goes straight to the shards its update reads: gradients that
-      # arrive reduce-scattered (zerojax.value_and_grad) stay so, and ones that
-      # arrive unreduced are reduced into shards, not first into whole copies.
-      like = grads
-      if stage != 1:
-        grads = _constrain_on_device(grads, plan.grads, mesh)
-      if stage >= 1:
-        # Each device updates only its shard of the parameters.
-        grads = _constrain_on_device(_pad(grads, plan), plan.param_shards, mesh)
-        # The optimizer gets a copy of the parameters pinned to their layout at
-        # rest: the constraint stops the sharded arithmetic of the update (e.g.
-        # weight decay) from propagating back onto the caller's parameters,
-        # which would make `params + updates` come out sharded at stage 1-2.
-        # The compiler slices what each shard's update needs from the copy.
-        if params is not None:
-          params = mesh_lib.constrain(params, plan.params, mesh)
-          if any(plan.padding):
-            params = mesh_lib.constrain(_pad(params, plan), plan.param_shards, mesh)
-      step = master_step if stream and params is not None else None
-      if step is not None:
-        # ZeRO-Offload's streamed update: the rounded new parameters come back
-        # in their shards, stages 1-2 all-gather them (in the compute dtype),
-        # and the updates are taken on the device.
-        rounded, new_state = _host_master_step(step, grads, state, params, arrays, others, noted)
-        rounded = mesh_lib.constrain(rounded, plan.param_shards, mesh)
-        rounded = mesh_lib.constrain(rounded, plan.params, mesh)
-        new_updates = updates_to(rounded, params)
-        return new_updates, _to_plan_memory(new_state, plan.opt_state)
-      if on_host:
-        # ZeRO-Offload's CPU update: gradient shards go to host memory, the
-        # optimizer runs there on the offloaded state, and only the updates
-        # come back; the state never occupies device memory.
-        new_updates, new_state = _update_on_host(inner, grads, state, params, extra_args)
-        # Pinned to the shards they were computed in: the all-gather of stages
-        # 1-2 then runs on the device, not inside the host computation.
-        new_updates = mesh_lib.constrain(new_updates, plan.param_shards, mesh)
-        new_updates = _unpad(new_updates, plan, like)
-        new_updates = mesh_lib.constrain(new_updates, plan.params, mesh)
-        return new_updates, _to_plan_memory(new_state, plan.opt_state)
-      new_updates, new_state = inner.update(grads, state, params, **extra_args)
-      new_updates = _unpad(new_updates, plan, like)
-      # Stages 1-2 all-gather the updated shards; stage 3 keeps them sharded.
-      new_updates = mesh_lib.constrain(new_updates, plan.params, mesh)
-      new_state = mesh_lib.constrain(new_state, _on_device(plan.opt_state), mesh)
-      return new_updates, _to_memory(new_state, plan.opt_state, host=True)
-
-    # Streamed gradients' micro-batch parts, finished inside the streamed update.
-    noted = streaming.take(jax.tree.leaves(updates)) if stream else None
-    if stream:
-      _warn_if_not_streamed(updates, params, master_step)
-    body = mesh_lib.run_in_layout(body, mesh, (plan.params, plan.opt_state))
+    step = _Step(config, inner, master_step, plan, others)
+    noted = step.streamed_parts(updates, params)
+    body = mesh_lib.run_in_layout(
+      functools.partial(strategy, step), mesh, (plan.params, plan.opt_state)
+    )
     return body(updates, state, params, arrays, noted)
 
   return optax.GradientTransformationExtraArgs(init, ZeroUpdate(config, update))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  """What one update of a zero-wrapped optimizer runs with (the strategies' first argument).
+
+  Attributes:
+    config: the optimizer's `ZeroConfig`.
+    inner: the wrapped optax transformation (with extra-args support).
+    master_step: `mixed_precision`'s master step, or None.
+    plan: the plan of these parameters.
+    others: the extra args that are not arrays (callables, numbers).
+  """
+
+  config: ZeroConfig
+  inner: optax.GradientTransformationExtraArgs
+  master_step: Any
+  plan: plan_lib.ZeroPlan
+  others: dict
+
+  def streamed_parts(self, grads: Any, params: Any) -> list | None:
+    """With update_on='stream': the parts each gradient was finished from (per leaf, None
+    where it was not streamed), after warning where nothing can stream."""
+    if self.config.options.update_on != 'stream':
+      return None
+    _warn_if_not_streamed(grads, params, self.master_step, stacklevel=5)
+    return streaming.take(jax.tree.leaves(grads))
+
+  def to_layout(self, grads: Any, params: Any) -> tuple[Any, Any]:
+    """Gradients reduced into the stage's layout, then into the shards each device updates;
+    parameters pinned to their layout at rest (padded where the plan pads)."""
+    plan, mesh, stage = self.plan, self.config.mesh, self.config.stage
+    # From stage 2 the compiler emits a reduce-scatter here (XLA:CPU: all-reduce +
+    # dynamic-slice). Stage 1 goes straight to the shards its update reads: gradients that
+    # arrive reduce-scattered (zerojax.value_and_grad) stay so, and ones that arrive
+    # unreduced are reduced into shards, not first into whole copies.
+    if stage != 1:
+      grads = _constrain_on_device(grads, plan.grads, mesh)
+    if stage >= 1:
+      grads = _constrain_on_device(_pad(grads, plan), plan.param_shards, mesh)
+      # The optimizer gets a copy of the parameters pinned to their layout at rest: the
+      # constraint stops the sharded arithmetic of the update (e.g. weight decay) from
+      # propagating back onto the caller's parameters, which would make `params + updates`
+      # come out sharded at stage 1-2. The compiler slices what each shard needs from it.
+      if params is not None:
+        params = mesh_lib.constrain(params, plan.params, mesh)
+        if any(plan.padding):
+          params = mesh_lib.constrain(_pad(params, plan), plan.param_shards, mesh)
+    return grads, params
+
+  def gathered(self, updates: Any, like: Any) -> Any:
+    """Updates from their shards to the parameters' layout: stages 1-2 all-gather them."""
+    mesh = self.config.mesh
+    updates = mesh_lib.constrain(updates, self.plan.param_shards, mesh)
+    return mesh_lib.constrain(_unpad(updates, self.plan, like), self.plan.params, mesh)
+
+
+def _device_update(step: _Step, grads, state, params, arrays, noted):
+  """The update on the device; offloaded state streams through device memory for it."""
+  plan, mesh = step.plan, step.config.mesh
+  state = _to_memory(state, plan.opt_state, host=False)
+  like = grads
+  grads, params = step.to_layout(grads, params)
+  updates, state = step.inner.update(grads, state, params, **step.others, **arrays)
+  # Stages 1-2 all-gather the updated shards; stage 3 keeps them sharded.
+  updates = mesh_lib.constrain(_unpad(updates, plan, like), plan.params, mesh)
+  state = mesh_lib.constrain(state, _on_device(plan.opt_state), mesh)
+  return updates, _to_memory(state, plan.opt_state, host=True)
+
+
+def _host_update(step: _Step, grads, state, params, arrays, noted):
+  """ZeRO-Offload's CPU update: gradient shards go to host memory, the optimizer runs there
+  on the offloaded state, and only the updates come back; the state never occupies device
+  memory. The updates are pinned to the shards they were computed in, so the all-gather of
+  stages 1-2 runs on the device, not inside the host computation."""
+  like = grads
+  grads, params = step.to_layout(grads, params)
+  extra_args = {**step.others, **arrays}
+  updates, state = _update_on_host(step.inner, grads, state, params, extra_args)
+  return step.gathered(updates, like), _to_plan_memory(state, step.plan.opt_state)
+
+
+def _streamed_update(step: _Step, grads, state, params, arrays, noted):
+  """ZeRO-Offload's streamed update: mixed_precision's master step on the host, from gradients
+  streamed during the backward pass; the rounded new parameters come back in their shards,
+  stages 1-2 all-gather them (in the compute dtype), and the updates are taken on the device.
+  Without a master step or `params` it runs as `_host_update` (`_Step.streamed_parts` says so)."""
+  if step.master_step is None or params is None:
+    return _host_update(step, grads, state, params, arrays, noted)
+  plan, mesh = step.plan, step.config.mesh
+  grads, params = step.to_layout(grads, params)
+  rounded, state = _host_master_step(
+    step.master_step, grads, state, params, arrays, step.others, noted
+  )
+  rounded = mesh_lib.constrain(rounded, plan.param_shards, mesh)
+  rounded = mesh_lib.constrain(rounded, plan.params, mesh)
+  return updates_to(rounded, params), _to_plan_memory(state, plan.opt_state)
 
 
 def _visible_spec(x: Any, mesh: Mesh) -> PartitionSpec | None:
