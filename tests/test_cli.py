@@ -276,3 +276,34 @@ def test_a_decoder_of_any_shape_plans_tensor_parallel_with_each_phase_timed(tmp_
   assert all(
     lines[at + 1 + i].lstrip().split('  ')[1].startswith(g['type']) for i, g in enumerate(largest)
   )
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_a_plan_and_a_search_candidate_read_their_program_once(monkeypatch, capsys):
+  """The optimized HLO of one compiled program is parsed once per plan and once per search
+  candidate: collectives, host transfers, largest arrays and kernel cost are analyses of one
+  `hlo.Program`."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  import optax
+
+  from zerojax._src import cli, hlo, search, tpu
+
+  parses = []
+  parse = hlo._parse_computations
+  monkeypatch.setattr(hlo, '_parse_computations', lambda text: parses.append(1) or parse(text))
+  argv = ['plan', '--model', 'tiny', '--topology', 'v5e:2x4', '--seq-len', '64', '--no-cache']
+  assert cli.main(argv) == 0
+  assert 'measured/floor' in capsys.readouterr().out
+  assert len(parses) == 1
+  parses.clear()
+  target = search.make_target(
+    'tiny',
+    'v5e:2x4',
+    devices=tpu.topology_devices('v5e:2x4'),
+    optimizer=lambda: optax.adamw(1e-4),
+    seq_len=64,
+  )
+  result = search.evaluate(target, search.Candidate(3), hbm_bytes=None)
+  assert result.fits and result.flops > 0 and result.ring_bytes > 0
+  assert len(parses) == 1

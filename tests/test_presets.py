@@ -76,6 +76,6 @@ def test_attention_chunk_is_refused_for_a_users_model():
   assert proc.returncode != 0
   assert proc.stderr.strip().endswith(
     'error: --attention-chunk is for the presets; --model _custom_model:spec computes its own'
-    ' attention (use zerojax._src.presets.chunked_attention or'
-    ' zerojax._src.flash.flash_attention there, or leave it out).'
+    ' attention (use zerojax.inspect.chunked_attention or'
+    ' zerojax.inspect.flash_attention there, or leave it out).'
   )

@@ -14,16 +14,20 @@ or for a TPU topology with no TPU:
 Choosing a configuration:
 - `search_plans(model, topology)`: every candidate compiled ahead of time and
   ranked (also `python -m zerojax plan --search`); `ModelSpec` describes a model
-  of your own; `local_tpu()` names the TPU this machine has, if any.
+  of your own; `local_tpu()` names the TPU this machine has, if any. The presets'
+  attention, for a `ModelSpec` of your own: `chunked_attention(q, k, v, chunk)` (a chunk of
+  queries at a time) and `flash_attention(q, k, v)` (fused Pallas kernels on TPU).
 """
 
 from zerojax._src.estimate import MemoryEstimate as MemoryEstimate
 from zerojax._src.estimate import estimate_memory as estimate_memory
 from zerojax._src.estimate import format_estimates as format_estimates
+from zerojax._src.flash import flash_attention as flash_attention
 from zerojax._src.hlo import CollectiveStats as CollectiveStats
 from zerojax._src.hlo import count_collectives as count_collectives
 from zerojax._src.hlo import count_host_transfers as count_host_transfers
 from zerojax._src.presets import ModelSpec as ModelSpec
+from zerojax._src.presets import chunked_attention as chunked_attention
 from zerojax._src.report import MemoryStats as MemoryStats
 from zerojax._src.report import StepReport as StepReport
 from zerojax._src.report import memory_stats as memory_stats
@@ -50,5 +54,7 @@ __all__ = [
   'search_plans',
   'SearchReport',
   'ModelSpec',
+  'chunked_attention',
+  'flash_attention',
   'local_tpu',
 ]

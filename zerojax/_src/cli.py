@@ -18,7 +18,6 @@ import time
 from typing import Any
 
 # HBM per chip, GiB, by the topology name's prefix.
-HBM_GIB = {'v2': 8, 'v3': 16, 'v4': 32, 'v5e': 16, 'v5litepod': 16, 'v5p': 95, 'v6e': 32}
 OPTIMIZERS = ('adam', 'adamw', 'sgd', 'lion', 'adafactor')
 
 
@@ -63,14 +62,14 @@ def _log(start: float, message: str) -> None:
 def _devices(topology: str, slices: int = 1):
   """Devices of `slices` slices of `topology` (in slice order) and the HBM of its chips in
   GiB (None for cpu:N)."""
-  from zerojax._src import tpu
+  from zerojax._src import roofline, tpu
 
   try:
     devices = tpu.topology_devices(topology, slices)
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
   chip = topology.split(':', 1)[0]
-  return devices, None if chip == 'cpu' else HBM_GIB.get(chip)
+  return devices, None if chip == 'cpu' else roofline.HBM_GIB.get(chip)
 
 
 # Names of the ZeRO axes of `--mesh AxB[xC]`, one per dimension of the chip grid.
@@ -139,8 +138,8 @@ def _load_model(args) -> Any:
       if given:
         raise SystemExit(
           f'error: {flag} is for the presets; --model {args.model} computes its own'
-          ' attention (use zerojax._src.presets.chunked_attention or'
-          ' zerojax._src.flash.flash_attention there, or leave it out).'
+          ' attention (use zerojax.inspect.chunked_attention or'
+          ' zerojax.inspect.flash_attention there, or leave it out).'
         )
     module_name, attr = args.model.split(':', 1)
     spec = getattr(importlib.import_module(module_name), attr)()
@@ -611,8 +610,8 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
   import jax
   import jax.numpy as jnp
 
+  from zerojax._src import hlo, search
   from zerojax._src import report as report_lib
-  from zerojax._src import search
 
   spec, state, plan, n = built['spec'], built['state'], built['plan'], built['n']
   # The floor's unit: at stage 3 parameters travel in the compute dtype (cast
@@ -623,7 +622,8 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
     unit = jnp.dtype(args.compute_dtype).itemsize
   else:
     unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
-  report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit, hlo_text=text)
+  program = hlo.Program.parse(text)  # read once; every figure below is an analysis of it
+  report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit, hlo_text=program)
   print(
     f'\n{spec.name} | {built["num_params"] / 1e9:.2f}B params | ZeRO stage {args.stage} |'
     f' {args.optimizer} | {args.topology}'
@@ -635,16 +635,16 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
   print('plan per chip: ' + ', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in sizes.items()))
   print(report)
   fits = _print_fit(args, built, report, sizes)
-  largest = _largest_arrays(text)
+  largest = _largest_arrays(program)
   print(_format_largest(largest))
   chip = search.CHIPS.get(args.topology.split(':')[0])
   candidate = search.Candidate(args.stage, offload=args.offload, update_on=args.update_on)
   traffic = search.host_traffic(
-    text, candidate, sizes.get('host', 0), search.updated_param_bytes(plan, args.stage)
+    program, candidate, sizes.get('host', 0), search.updated_param_bytes(plan, args.stage)
   )
   if traffic['source'] != 'none':
     print(_format_traffic(traffic, chip))
-  work = search.program_cost(chip, text)
+  work = search.program_cost(chip, program)
   print(
     f'matmul FLOPs per chip per step (counted in the compiled program): {work.matmul_flops:.4g}'
   )
@@ -703,7 +703,7 @@ def _print_prediction(
 ):
   """Prints the predicted step (the step-time model of docs/design.md) and returns it; None
   for faked CPU devices, and for a chip without published figures, which it says."""
-  from zerojax._src import search
+  from zerojax._src import roofline, search
 
   if chip is None:
     name = topology.split(':')[0]
@@ -717,18 +717,7 @@ def _print_prediction(
       )
     return None
   c = report.collectives
-  costed = search.Result(
-    candidate,
-    'fits',
-    ring_bytes=c.total_ring_bytes,
-    overlapped_bytes=sum(c.overlapped_ring_bytes.values()),
-    dcn_bytes=c.total_dcn_bytes,
-    dcn_overlapped_bytes=sum(c.dcn_overlapped_ring_bytes.values()),
-    collective_count=sum(c.counts.values()),
-    flops=work.matmul_flops,
-    kernel_seconds=work.kernel_seconds,
-    dcn_windows=work.dcn_windows,
-  )
+  costed = roofline.StepCost.of(c, work)
   try:
     predicted = search.predict(
       chip, costed, traffic['to_host'] + traffic['to_device'], traffic['overlapped']
@@ -795,13 +784,13 @@ def _print_fit(args, built: dict, report, sizes: dict) -> bool | None:
   return fits
 
 
-def _largest_arrays(text: str, count: int = 6) -> list[dict]:
+def _largest_arrays(program: Any, count: int = 6) -> list[dict]:
   """The largest arrays of the program, those of one type together (the entry's zeros and
   the loop's stacked updates of one buffer, or one value per layer), largest first."""
   from zerojax._src import hlo
 
   groups: dict[str, dict] = {}
-  for a in hlo.largest_arrays(text, count=None):
+  for a in hlo.largest_arrays(program, count=None):
     g = groups.setdefault(a.type, dict(type=a.type, bytes=a.nbytes, count=0, sources=[]))
     g['count'] += 1
     if a.stacked:
@@ -996,6 +985,7 @@ def _slices_argument(p: argparse.ArgumentParser) -> None:
 def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
   """`plan`'s flags for several slices, mixed precision, host offload and the JSON report."""
   from zerojax._src import search
+  from zerojax._src.options import OFFLOADS
 
   _slices_argument(p)
   p.add_argument(
@@ -1007,7 +997,7 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     '--offload',
     default=None,
-    choices=('opt_state', 'opt_state+master'),
+    choices=OFFLOADS[1:],
     help='host offload of the optimizer state (and the fp32 master), as zerojax.Options',
   )
   p.add_argument(
@@ -1046,6 +1036,7 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
 def _search_arguments(p: argparse.ArgumentParser) -> None:
   """`plan --search` and the space it searches."""
   from zerojax._src import search
+  from zerojax._src.options import OFFLOADS
 
   s = p.add_argument_group(
     'plan search (--search)',
@@ -1075,7 +1066,7 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
   )
   s.add_argument(
     '--offloads',
-    type=_csv(_none_or(('opt_state', 'opt_state+master'))),
+    type=_csv(_none_or(OFFLOADS[1:])),
     default=(None,),
     help='none, opt_state, opt_state+master (host memory)',
   )
@@ -1108,6 +1099,8 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _estimate_parser(sub) -> argparse.ArgumentParser:
+  from zerojax._src.options import OFFLOADS
+
   shown = argparse.ArgumentDefaultsHelpFormatter
   e = sub.add_parser(
     'estimate', help='per-device bytes of each stage, from theory', formatter_class=shown
@@ -1121,7 +1114,7 @@ def _estimate_parser(sub) -> argparse.ArgumentParser:
     action='store_true',
     help='bf16 params and grads, fp32 master copy in the optimizer state',
   )
-  e.add_argument('--offload', choices=('opt_state', 'opt_state+master'), help='host offload')
+  e.add_argument('--offload', choices=OFFLOADS[1:], help='host offload')
   return e
 
 

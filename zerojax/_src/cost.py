@@ -110,17 +110,14 @@ def _shape(type_str: str) -> tuple[int, ...]:
 
 def _types(lines: list[str]) -> dict[str, str]:
   """Instruction name -> its result type, for one computation."""
-  out = {}
-  for line in lines:
-    m = hlo._INSTR.match(line)
-    if m is not None:
-      out[m.group('name')] = hlo._split_type(m.group('rest'))[0]
-  return out
+  return {
+    hlo.instruction_name(line): hlo.result_type(line) for line in lines if hlo.result_type(line)
+  }
 
 
 def _matmul_flops(op: str, operands: list[str], line: str, types: dict[str, str]) -> float:
   """FLOPs of one dot or convolution: 2 x output elements x the contracted size."""
-  out = math.prod(_shape(hlo._split_type(hlo._INSTR.match(line).group('rest'))[0]))
+  out = math.prod(_shape(hlo.result_type(line)))
   if op == 'dot':
     lhs = _shape(types.get(operands[0], ''))
     dims = _LHS_CONTRACTING.search(line)
@@ -135,7 +132,7 @@ def _matmul_flops(op: str, operands: list[str], line: str, types: dict[str, str]
   if not lhs or not rhs or labels is None or 'i' not in labels.group(2):
     raise ValueError(f'cannot read the convolution on this HLO line: {line.strip()[:200]}')
   in_labels, out_labels = labels.group(1), labels.group(3)
-  out_shape = _shape(hlo._split_type(hlo._INSTR.match(line).group('rest'))[0])
+  out_shape = _shape(hlo.result_type(line))
   window = _WINDOW.search(line)
   fields = dict(f.split('=', 1) for f in window.group(1).split()) if window else {}
   spatial = sorted(c for c in in_labels if c.isdigit())
@@ -185,16 +182,17 @@ class _Walk:
   """One walk over a program: per-computation caches, the chip's constants, and what could
   not be determined."""
 
-  def __init__(self, text: str, clock_hz: float | None, peak_flops: float, hbm_bandwidth: float):
-    self.bodies, self.entry = hlo._parse_computations(text)
+  def __init__(
+    self, program: hlo.Program, clock_hz: float | None, peak_flops: float, hbm_bandwidth: float
+  ):
+    self.program, self.bodies, self.entry = program, program.bodies, program.entry
     self.clock_hz, self.peak_flops, self.hbm_bandwidth = clock_hz, peak_flops, hbm_bandwidth
-    self.parsed: dict = {}
     self.types: dict = {}
     self.flops_memo: dict = {}
     self.uncertain: list[str] = []
 
   def instrs(self, name: str) -> dict:
-    return hlo._parsed(self.bodies, name, self.parsed)
+    return self.program.instructions(name)
 
   def typed(self, name: str) -> dict[str, str]:
     if name not in self.types:
@@ -211,7 +209,7 @@ class _Walk:
     for op, operands, line in self.instrs(name).values():
       if op in ('dot', 'convolution'):
         total += _matmul_flops(op, operands, line, types)
-      for _, callee in hlo._CALLS.findall(line):
+      for callee in hlo.callees(line):
         total += self.flops_inside(callee, stack + (name,))
     self.flops_memo[name] = total
     return total
@@ -222,7 +220,7 @@ class _Walk:
     if op in ('dot', 'convolution'):
       flops = _matmul_flops(op, operands, line, types)
     elif op == 'fusion':
-      flops = sum(self.flops_inside(c) for _, c in hlo._CALLS.findall(line))
+      flops = sum(self.flops_inside(c) for c in hlo.callees(line))
     else:
       flops = 0.0
     cycles = _CYCLES.search(line)
@@ -239,8 +237,8 @@ class _Walk:
       tally.estimated += seconds
       tally.estimated_kernels += 1
     else:
-      moved = hlo._type_bytes(types.get(hlo._INSTR.match(line).group('name'), ''))
-      moved += sum(hlo._type_bytes(types.get(o, '')) for o in operands)
+      moved = hlo.type_bytes(types.get(hlo.instruction_name(line), ''))
+      moved += sum(hlo.type_bytes(types.get(o, '')) for o in operands)
       seconds = max(flops / self.peak_flops, moved / self.hbm_bandwidth)
       tally.roofline += seconds
     tally.flops += flops
@@ -258,14 +256,14 @@ class _Walk:
 
   def one(self, name, instr, op, operands, line, inner, tally: _Tally) -> None:
     """Adds what one instruction of computation `name` runs."""
-    if op in _FREE or hlo._collective(line) is not None or op.endswith(('-done', '-update')):
+    if op in _FREE or hlo.is_collective(line) or op.endswith(('-done', '-update')):
       return
     if op == 'while':
       self.loop(name, instr, line, inner, tally)
     elif op == 'conditional':
       self.branches(name, instr, line, inner, tally)
     elif op == 'call' or op.endswith('-start') and op != 'copy-start':
-      for _, callee in hlo._CALLS.findall(line):
+      for callee in hlo.callees(line):
         if not callee.startswith('async_collective_fusion'):
           self.visit(callee, inner, tally)
     else:
@@ -290,7 +288,7 @@ class _Walk:
 
     out = []
     for k, (instr, (_, _, line)) in enumerate(items):
-      found = hlo._megascale(line)
+      found = hlo.slice_send(line)
       if found is None:
         continue
       done = next(
@@ -302,24 +300,24 @@ class _Walk:
         len(items),
       )
       window = sum(cost_of(j) for j in range(k + 1, done))
-      out.append((hlo._type_bytes(found[1]), window, mult))
+      out.append((hlo.type_bytes(found[1]), window, mult))
     # Sends inside loops and calls, times how often those run.
     for _, (op, _, line) in items:
       if op == 'while':
-        body = hlo._BODY.search(line)
-        trip = hlo._trip_count(line, name, self.bodies, self.parsed) or 1
-        out += self.dcn_windows(body.group(1), inner, mult * trip) if body else []
+        body = hlo.loop_body(line)
+        trip = self.program.trip_count(line, name) or 1
+        out += self.dcn_windows(body, inner, mult * trip) if body else []
       elif op in ('call', 'conditional'):
-        for _, callee in hlo._CALLS.findall(line):
+        for callee in hlo.callees(line):
           out += self.dcn_windows(callee, inner, mult)
     return out
 
   def loop(self, name: str, instr: str, line: str, inner: tuple, tally: _Tally) -> None:
-    body = hlo._BODY.search(line)
-    trip = hlo._trip_count(line, name, self.bodies, self.parsed)
+    body = hlo.loop_body(line)
+    trip = self.program.trip_count(line, name)
     sub = _Tally()
     if body:
-      self.visit(body.group(1), inner, sub)
+      self.visit(body, inner, sub)
     if trip is None and sub.kernels:
       self.uncertain.append(
         f'while loop %{instr} in %{name} has no known trip count in the HLO; its kernels'
@@ -328,14 +326,8 @@ class _Walk:
     tally.add(sub, 1 if trip is None else trip)
 
   def branches(self, name: str, instr: str, line: str, inner: tuple, tally: _Tally) -> None:
-    found = hlo._BRANCHES.search(line)
-    names = (
-      [b.strip().lstrip('%') for b in found.group(1).split(',')]
-      if found
-      else hlo._TRUE_FALSE.findall(line)
-    )
     subs = []
-    for b in names:
+    for b in hlo.branches(line):
       subs.append(_Tally())
       self.visit(b, inner, subs[-1])
     if subs:
@@ -357,7 +349,7 @@ def program_cost(
   """Counts one chip's matmul FLOPs and kernel time in a compiled step.
 
   Args:
-    compiled_or_text: a `jax.stages.Compiled`, or its `as_text()`.
+    compiled_or_text: an `hlo.Program`, a `jax.stages.Compiled`, or its `as_text()`.
     clock_hz: the chip's clock, to turn the compiler's cycle estimates into
       seconds; None ignores them (every kernel then costs its roofline).
     peak_flops: the chip's dense FLOP/s, for kernels without an estimate.
@@ -378,8 +370,8 @@ def program_cost(
   >>> c.matmul_flops, c.kernels
   (1024.0, 1)
   """
-  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-  walk = _Walk(text, clock_hz, peak_flops, hbm_bandwidth)
+  program = hlo.as_program(compiled_or_text)
+  walk = _Walk(program, clock_hz, peak_flops, hbm_bandwidth)
   total = _Tally()
   walk.visit(walk.entry, (), total)
   for reason in walk.uncertain:
@@ -393,5 +385,5 @@ def program_cost(
     kernels=total.kernels,
     estimated_kernels=total.estimated_kernels,
     uncertain=tuple(walk.uncertain),
-    dcn_windows=tuple(walk.dcn_windows(walk.entry)) if hlo._MEGASCALE.search(text) else None,
+    dcn_windows=tuple(walk.dcn_windows(walk.entry)) if program.crosses_slices else None,
   )

@@ -492,6 +492,110 @@ def _parse_computations(text: str) -> tuple[dict[str, list[str]], str]:
   return bodies, entry
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+  """One compiled program's optimized HLO, read once: what every analysis of it walks.
+
+  `count_collectives`, `count_host_transfers`, `largest_arrays` and `cost.program_cost` each
+  take a `Program` (or, reading it then, a `jax.stages.Compiled` or its `as_text()`); a plan
+  parses its program once and hands the same object to all of them.
+
+  Attributes:
+    text: the HLO text.
+    bodies: computation name -> its instruction lines (comments dropped).
+    entry: the entry computation's name.
+  """
+
+  text: str
+  bodies: dict[str, list[str]]
+  entry: str
+  # Each computation's instructions, read from its lines the first time they are asked for.
+  _instructions: dict = dataclasses.field(default_factory=dict, repr=False)
+
+  @classmethod
+  def parse(cls, text: str) -> Program:
+    bodies, entry = _parse_computations(text)
+    return cls(text, bodies, entry)
+
+  def instructions(self, name: str) -> dict[str, tuple[str, list[str], str]]:
+    """Instruction name -> (opcode, operand names, its line) of computation `name`."""
+    return _parsed(self.bodies, name, self._instructions)
+
+  def trip_count(self, line: str, where: str) -> int | None:
+    """Iterations of the `while` on `line` (in computation `where`); None where the HLO does
+    not determine them."""
+    return _trip_count(line, where, self.bodies, self._instructions)
+
+  @property
+  def num_partitions(self) -> int:
+    """The program's partition count (1 where the module does not say)."""
+    found = _PARTITIONS.search(self.text)
+    return int(found.group(1)) if found else 1
+
+  @property
+  def crosses_slices(self) -> bool:
+    """Whether the program sends anything between TPU slices (megascale transfers)."""
+    return _MEGASCALE.search(self.text) is not None
+
+
+# What one HLO line says, for the analyses of a `Program` outside this module.
+
+
+def instruction_name(line: str) -> str:
+  """The name an instruction line defines ('' for a line that defines none)."""
+  m = _INSTR.match(line)
+  return m.group('name') if m else ''
+
+
+def result_type(line: str) -> str:
+  """The type an instruction line's result has ('' for a line that defines none)."""
+  m = _INSTR.match(line)
+  return _split_type(m.group('rest'))[0] if m else ''
+
+
+def callees(line: str) -> list[str]:
+  """The computations an instruction calls (`calls=`, `to_apply=`)."""
+  return [name for _, name in _CALLS.findall(line)]
+
+
+def loop_body(line: str) -> str | None:
+  """The body computation of a `while` line."""
+  m = _BODY.search(line)
+  return m.group(1) if m else None
+
+
+def branches(line: str) -> list[str]:
+  """The branch computations of a `conditional` line."""
+  found = _BRANCHES.search(line)
+  if found:
+    return [b.strip().lstrip('%') for b in found.group(1).split(',')]
+  return _TRUE_FALSE.findall(line)
+
+
+def is_collective(line: str) -> bool:
+  """Whether the line is a collective (`count_collectives` counts it)."""
+  return _collective(line) is not None
+
+
+def slice_send(line: str) -> tuple[str, str] | None:
+  """(collective kind, the type it sends) of a send between TPU slices, else None."""
+  return _megascale(line)
+
+
+def type_bytes(type_str: str) -> int:
+  """Bytes of an HLO type (a tuple's elements summed)."""
+  return _type_bytes(type_str)
+
+
+def as_program(compiled_or_text: Any) -> Program:
+  """A `Program`: as it is, or parsed from a `jax.stages.Compiled` or its HLO text."""
+  if isinstance(compiled_or_text, Program):
+    return compiled_or_text
+  if isinstance(compiled_or_text, str):
+    return Program.parse(compiled_or_text)
+  return Program.parse(compiled_or_text.as_text())
+
+
 def _collective(line: str) -> tuple[str, bool, str] | None:
   """(kind, is an async start, type) of a collective instruction, else None."""
   m = _INSTR.match(line)
@@ -540,7 +644,7 @@ def count_collectives(compiled_or_text: Any, slices: Any = None) -> CollectiveSt
   (an upper bound).
 
   Args:
-    compiled_or_text: a `jax.stages.Compiled`, or its `as_text()`.
+    compiled_or_text: a `Program`, a `jax.stages.Compiled`, or its `as_text()`.
     slices: for a program over several TPU slices, each partition's slice (indexed by the
       partition ids the replica groups name: the mesh's devices in order); the bytes that
       cross between slices are then counted apart (`dcn_ring_bytes`). A collective whose
@@ -558,8 +662,8 @@ def count_collectives(compiled_or_text: Any, slices: Any = None) -> CollectiveSt
   >>> stats['all-reduce'], stats.result_bytes['all-reduce'], stats.exact
   (1, 32, True)
   """
-  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-  walk = _CollectiveWalk(text, None if slices is None else np.asarray(slices).reshape(-1))
+  program = as_program(compiled_or_text)
+  walk = _CollectiveWalk(program, None if slices is None else np.asarray(slices).reshape(-1))
   total = _Tally()
   walk.visit(walk.entry, 1, (), total, False)
   for reason in walk.uncertain:
@@ -579,15 +683,14 @@ def count_collectives(compiled_or_text: Any, slices: Any = None) -> CollectiveSt
 class _CollectiveWalk:
   """`count_collectives`' walk over one program's computations, tallying as it goes."""
 
-  def __init__(self, text: str, slices: Any = None):
+  def __init__(self, program: Program, slices: Any = None):
     self.slices = slices
     self.num_slices = 0 if slices is None else len(set(slices.tolist()))
-    self.bodies, self.entry = _parse_computations(text)
+    self.bodies, self.entry = program.bodies, program.entry
     self.parsed: dict = {}  # computation -> its instructions, for trip counts
     self.uncertain: list[str] = []
     self.seen_channels: set[str] = set()  # of the fused reduce-scatters counted so far
-    partitions = _PARTITIONS.search(text)
-    self.default_group = int(partitions.group(1)) if partitions else 1
+    self.default_group = program.num_partitions
 
   def count_op(
     self, line: str, found, mult: int, tally: _Tally, fused: bool, overlapped: bool = False
@@ -940,13 +1043,13 @@ def count_host_transfers(compiled_or_text: Any) -> HostTransfers:
   memory spaces in its program: there this finds nothing.
 
   Args:
-    compiled_or_text: a `jax.stages.Compiled`, or its `as_text()`.
+    compiled_or_text: a `Program`, a `jax.stages.Compiled`, or its `as_text()`.
 
   Returns:
     A `HostTransfers`.
   """
-  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-  bodies, entry = _parse_computations(text)
+  program = as_program(compiled_or_text)
+  bodies, entry = program.bodies, program.entry
   parsed: dict = {}
   totals = {'to_host': 0, 'to_device': 0, 'in_loops': 0, 'overlapped': 0, 'host': 0}
   largest = {'to_host': 0, 'to_device': 0}
@@ -1062,8 +1165,8 @@ def largest_arrays(compiled_or_text: Any, count: int | None = 8) -> list[Program
   same memory, so they do not add up to the peak; they say which values are big
   and where they come from.
   """
-  text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-  bodies, entry = _parse_computations(text)
+  program = as_program(compiled_or_text)
+  bodies, entry = program.bodies, program.entry
   memo: dict = {}
   found: list[ProgramArray] = []
   visited: set[str] = set()

@@ -21,7 +21,6 @@ import orbax.checkpoint as ocp
 
 from zerojax._src import codec
 
-
 # --- Checksums: two 32-bit sums over an array's bytes (plain, and weighted by
 # odd position-dependent factors, so any one changed word changes it), exact
 # in any reduction order, computed where the array lives.

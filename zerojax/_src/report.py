@@ -253,7 +253,7 @@ def step_report(
     plan: the step's `ZeroPlan`, to compare traffic with the ZeRO floor.
     bytes_per_param: bytes per parameter in the floor (4 for fp32 gradients).
     hlo_text: the program's optimized HLO, where `compiled.as_text()` cannot
-      print it (`compile_with_text`).
+      print it (`compile_with_text`): its text, or the `hlo.Program` read from it.
 
   Returns:
     A `StepReport`; `print` it for a table.

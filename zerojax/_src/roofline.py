@@ -26,6 +26,9 @@ import jax
 import jax.numpy as jnp
 
 GiB = 2**30
+# HBM per chip, in GiB, of every TPU generation a topology can name (the roofline constants
+# below exist for v5e, v5p and v6e only).
+HBM_GIB = {'v2': 8, 'v3': 16, 'v4': 32, 'v5e': 16, 'v5litepod': 16, 'v5p': 95, 'v6e': 32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +95,7 @@ CHIPS = {
   'v5e': Chip(
     'v5e',
     197e12,
-    16 * GiB,
+    HBM_GIB['v5e'] * GiB,
     819e9,
     400e9,
     2,
@@ -109,7 +112,7 @@ CHIPS = {
   'v5p': Chip(
     'v5p',
     459e12,
-    95 * GiB,
+    HBM_GIB['v5p'] * GiB,
     2765e9,
     1200e9,
     3,
@@ -126,7 +129,7 @@ CHIPS = {
   'v6e': Chip(
     'v6e',
     918e12,
-    32 * GiB,
+    HBM_GIB['v6e'] * GiB,
     1638e9,
     800e9,
     2,
@@ -142,6 +145,46 @@ CHIPS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """What the step-time model reads of one compiled program (a search's `Result` carries the
+  same figures).
+
+  Attributes:
+    flops: matmul FLOPs per chip.
+    kernel_seconds: the program's kernels, one after another (`cost.program_cost`).
+    ring_bytes: ring-equivalent bytes per chip of every collective, ICI and DCN.
+    overlapped_bytes: of those, the bytes the compiler overlaps with compute.
+    dcn_bytes: of `ring_bytes`, those between slices.
+    dcn_overlapped_bytes: of those, the overlapped ones.
+    collective_count: collectives per step.
+    dcn_windows: per DCN transfer, (bytes, kernel seconds in flight, runs per step), or None.
+  """
+
+  flops: float
+  kernel_seconds: float
+  ring_bytes: float
+  overlapped_bytes: float
+  dcn_bytes: float = 0.0
+  dcn_overlapped_bytes: float = 0.0
+  collective_count: int = 0
+  dcn_windows: tuple | None = None
+
+  @classmethod
+  def of(cls, collectives: Any, work: Any) -> StepCost:
+    """From a program's `CollectiveStats` and its `cost.ProgramCost`."""
+    return cls(
+      flops=work.matmul_flops,
+      kernel_seconds=work.kernel_seconds,
+      ring_bytes=collectives.total_ring_bytes,
+      overlapped_bytes=sum(collectives.overlapped_ring_bytes.values()),
+      dcn_bytes=collectives.total_dcn_bytes,
+      dcn_overlapped_bytes=sum(collectives.dcn_overlapped_ring_bytes.values()),
+      collective_count=sum(collectives.counts.values()),
+      dcn_windows=work.dcn_windows,
+    )
+
+
 def predict(
   chip: Chip, r: Any, host_transfer_bytes: float, host_overlap: float = 0.0
 ) -> dict[str, float]:
@@ -154,7 +197,8 @@ def predict(
   overlapped share hides under compute; host = bytes moved over the host link /
   its bandwidth (assumed, see `Chip.source`), of which the share `host_overlap`
   (asynchronous transfers with compute scheduled before their end, as
-  `count_host_transfers` finds them) hides under compute likewise.
+  `count_host_transfers` finds them) hides under compute likewise. `r` is a `StepCost`, or a
+  search `Result` (which has its fields).
   """
   compute = getattr(r, 'kernel_seconds', 0.0) or r.flops / chip.peak_flops
   dcn_bytes = getattr(r, 'dcn_bytes', 0.0)

@@ -9,6 +9,7 @@ what to do.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import re
 import sys
@@ -55,15 +56,50 @@ def is_out_of_memory(error: BaseException) -> bool:
   return str(error).startswith('RESOURCE_EXHAUSTED')
 
 
+@dataclasses.dataclass(frozen=True)
+class OutOfMemory:
+  """The TPU compiler's own figures from its out-of-memory message.
+
+  Attributes:
+    needed: what it needed, as it writes it ('15.85G'); None where the message gives none.
+    available: what the chip has, as it writes it ('15.75G').
+    what: what needed it ('The 3 buffers ... '), where the message names it.
+    first_line: the message's first line.
+  """
+
+  needed: str | None
+  available: str | None
+  what: str
+  first_line: str
+
+  @classmethod
+  def parse(cls, message: str) -> OutOfMemory:
+    first = message.splitlines()[0][:120]
+    found = re.search(
+      r'required for ([^(]*)\(([\d.]+\w?)\) exceeds available HBM \(([\d.]+\w?)\)', message
+    )
+    if found:
+      return cls(found.group(2), found.group(3), found.group(1).strip(), first)
+    found = re.search(r'Used ([\d.]+\w?) of ([\d.]+\w?) hbm', message)
+    if found:
+      return cls(found.group(1), found.group(2), '', first)
+    return cls(None, None, '', first)
+
+  @property
+  def needed_gigabytes(self) -> float | None:
+    """`needed` in the compiler's G, where it writes it so."""
+    return float(self.needed[:-1]) if self.needed and self.needed.endswith('G') else None
+
+  def summary(self) -> str:
+    """E.g. 'needs 15.85G of 15.75G (compiler)', for a search table; the message's first line
+    where it gives no figures."""
+    if self.needed is None:
+      return self.first_line
+    if self.what:
+      return f'{self.what} need {self.needed} of {self.available} (compiler)'
+    return f'needs {self.needed} of {self.available} (compiler)'
+
+
 def out_of_memory_summary(message: str) -> str:
-  """The TPU compiler's own figures from its out-of-memory message, e.g. 'needs 15.85G of
-  15.75G (compiler)', for a search table; the message's first line where it gives none."""
-  found = re.search(
-    r'required for ([^(]*)\(([\d.]+\w?)\) exceeds available HBM \(([\d.]+\w?)\)', message
-  )
-  if found:
-    return f'{found.group(1).strip()} need {found.group(2)} of {found.group(3)} (compiler)'
-  found = re.search(r'Used ([\d.]+\w?) of ([\d.]+\w?) hbm', message)
-  if found:
-    return f'needs {found.group(1)} of {found.group(2)} (compiler)'
-  return message.splitlines()[0][:120]
+  """The TPU compiler's own figures from its out-of-memory message (`OutOfMemory.summary`)."""
+  return OutOfMemory.parse(message).summary()

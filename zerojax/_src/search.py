@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax._src import cost, runtime
-from zerojax._src.options import UPDATE_ON, Options
+from zerojax._src import cost, hlo, roofline, runtime
+from zerojax._src.options import OFFLOADS, UPDATE_ON, Options
 from zerojax._src.presets import REMAT
 from zerojax._src.roofline import (
   CHIPS,
@@ -49,7 +49,6 @@ QUANTIZE = {
   'w8g4': dict(weights='int8', grads='int4'),
 }
 LAYOUTS = ('flat', 'torus', 'hpz')
-OFFLOADS = (None, 'opt_state', 'opt_state+master')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +163,8 @@ class Result:
   # 'compiled'; 'cache' (read back from an earlier run); 'memo' (the same program as an
   # earlier candidate of this search); '' where nothing was compiled.
   program_source: str = ''
+  # What the compiler said a candidate it refused needs, in its G (None where it said none).
+  compiler_needs_gigabytes: float | None = None
 
   @property
   def fits(self) -> bool:
@@ -372,13 +373,13 @@ def _cost(compiled) -> tuple[float, float]:
   return float(flops), float(cost.get('bytes accessed', 0.0))
 
 
-def program_cost(chip: Chip | None, hlo_text: str) -> cost.ProgramCost:
+def program_cost(chip: Chip | None, program: Any) -> cost.ProgramCost:
   """One chip's matmul FLOPs and kernel time in a compiled step, with `chip`'s constants
   (the TPU compiler's cycle estimates at its clock; rooflines where there are none)."""
   if chip is None:  # no constants: count the FLOPs only
     chip = Chip('none', 1.0, 0, 1.0, 1.0, 1, 0, 1.0, '')
   return cost.program_cost(
-    hlo_text, clock_hz=chip.clock_hz, peak_flops=chip.peak_flops, hbm_bandwidth=chip.hbm_bandwidth
+    program, clock_hz=chip.clock_hz, peak_flops=chip.peak_flops, hbm_bandwidth=chip.hbm_bandwidth
   )
 
 
@@ -389,7 +390,7 @@ def updated_param_bytes(plan: Any, stage: int) -> int:
   return params if stage == 3 else params // max(plan.num_shards, 1)
 
 
-def host_traffic(hlo_text: str, c: Any, host_bytes: int, param_bytes: int) -> dict:
+def host_traffic(program: Any, c: Any, host_bytes: int, param_bytes: int) -> dict:
   """Bytes over the host link per step and chip, and where the figure comes from.
 
   Counted in the compiled program (`count_host_transfers`: copies to and from
@@ -402,9 +403,7 @@ def host_traffic(hlo_text: str, c: Any, host_bytes: int, param_bytes: int) -> di
     {'to_host', 'to_device', 'largest_to_device', 'in_loops', 'overlapped' (share
     of the bytes), 'host_computations', 'source' ('hlo', 'formula' or 'none')}.
   """
-  from zerojax._src import hlo
-
-  counted = hlo.count_host_transfers(hlo_text)
+  counted = hlo.count_host_transfers(program)
   if counted.to_host + counted.to_device:
     return {
       'to_host': counted.to_host,
@@ -483,7 +482,9 @@ def evaluate(
     result.compile_seconds = sum(result.phase_seconds.values())
     recorded = isinstance(e, program_cache.RecordedCompileError)
     result.program_source = e.source if recorded else 'compiled'
-    result.status = 'over HBM: ' + runtime.out_of_memory_summary(str(e))
+    refusal = runtime.OutOfMemory.parse(str(e))
+    result.status = 'over HBM: ' + refusal.summary()
+    result.compiler_needs_gigabytes = refusal.needed_gigabytes
     return result
   result.phase_seconds['compile'] = done.seconds
   result.program_source = done.source
@@ -501,19 +502,16 @@ def _analyse(result: Result, target: Target, plan, unit: int, compiled, text: st
   from zerojax._src import report as report_lib
 
   c, chip = result.candidate, target.chip
-  report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit, hlo_text=text)
+  program = hlo.Program.parse(text)  # read once; every figure below is an analysis of it
+  report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit, hlo_text=program)
   result.peak_bytes = report.memory.peak
-  result.ring_bytes = report.collectives.total_ring_bytes
-  result.overlapped_bytes = sum(report.collectives.overlapped_ring_bytes.values())
-  result.dcn_bytes = report.collectives.total_dcn_bytes
   result.dcn_floor_bytes = report.dcn_floor_bytes
-  result.dcn_overlapped_bytes = sum(report.collectives.dcn_overlapped_ring_bytes.values())
-  result.collective_count = sum(report.collectives.counts.values())
   result.floor_bytes = report.floor_bytes
   result.cost_analysis_flops, result.bytes_accessed = _cost(compiled)
-  work = program_cost(chip, text)
-  result.flops, result.kernel_seconds = work.matmul_flops, work.kernel_seconds
-  result.dcn_windows = work.dcn_windows
+  work = program_cost(chip, program)
+  step = roofline.StepCost.of(report.collectives, work)
+  for field in dataclasses.fields(step):
+    setattr(result, field.name, getattr(step, field.name))
   result.peak_reported = not report.memory.host_held
   chip_hbm = chip is not None and hbm_bytes is not None and hbm_bytes >= chip.hbm_bytes
   if hbm_bytes is not None and result.peak_bytes > hbm_bytes:
@@ -522,7 +520,9 @@ def _analyse(result: Result, target: Target, plan, unit: int, compiled, text: st
     # compiled for the chip's own HBM fits.
     if not (report.memory.host_held and chip_hbm):
       result.status = 'over HBM'
-  result.host_traffic = host_traffic(text, c, result.host_bytes, updated_param_bytes(plan, c.stage))
+  result.host_traffic = host_traffic(
+    program, c, result.host_bytes, updated_param_bytes(plan, c.stage)
+  )
   if chip is not None:
     moved = result.host_traffic['to_host'] + result.host_traffic['to_device']
     result.predicted = predict(chip, result, moved, result.host_traffic['overlapped'])

@@ -215,14 +215,6 @@ def plot_search(report: SearchReport, path: str) -> None:
   plt.close(fig)
 
 
-def _gigabytes(status: str) -> float | None:
-  """The first 'NN.NNG' figure of an out-of-memory status, or None."""
-  import re
-
-  found = re.search(r'need[s]? ([\d.]+)G', status)
-  return float(found.group(1)) if found else None
-
-
 def nothing_fits(report: SearchReport) -> str:
   """What to do when no candidate fits: the closest one, and the slice the states need."""
   t = report.target
@@ -232,7 +224,7 @@ def nothing_fits(report: SearchReport) -> str:
   if compiled:
     best = min(compiled, key=lambda r: r.peak_bytes)
     lines.append(f'closest: {best.candidate.label()} at {_gib(best.peak_bytes)} GiB peak per chip.')
-  refused = [(_gigabytes(r.status), r) for r in report.results if _gigabytes(r.status)]
+  refused = [(r.compiler_needs_gigabytes, r) for r in report.results if r.compiler_needs_gigabytes]
   if refused:
     need, best = min(refused, key=lambda x: x[0])
     lines.append(
