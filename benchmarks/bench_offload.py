@@ -188,7 +188,7 @@ def _decoder_rows(topology: str, model: str, seq_len: int) -> list[dict]:
   from tqdm import tqdm
 
   import zerojax
-  from zerojax._src import search, tpu
+  from zerojax._src.planner import search, tpu
 
   target = search.make_target(
     model,

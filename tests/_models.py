@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
-from zerojax._src import hlo as hlo_lib
+from zerojax._src.planner import hlo as hlo_lib
 
 # Every dimension divides by 8, so every leaf can be sharded.
 SHAPES = {

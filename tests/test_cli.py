@@ -287,7 +287,7 @@ def test_a_plan_and_a_search_candidate_read_their_program_once(monkeypatch, caps
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
   import optax
 
-  from zerojax._src import cli, hlo, search, tpu
+  from zerojax._src.planner import cli, hlo, search, tpu
 
   parses = []
   parse = hlo._parse_computations

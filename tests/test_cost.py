@@ -6,8 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from zerojax._src import cost, presets, search, train_state, transform, zero_stage
 from zerojax._src import grad as grad_lib
+from zerojax._src import train_state, transform, zero_stage
+from zerojax._src.planner import cost, presets, search
 
 KW = dict(clock_hz=None, peak_flops=1e12, hbm_bandwidth=1e9)
 
@@ -165,7 +166,7 @@ def test_flops_per_chip_are_the_same_on_both_gradient_paths_and_equal_the_models
   pytest.importorskip('libtpu')
   from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-  from zerojax._src import tpu
+  from zerojax._src.planner import tpu
 
   devices = tpu.topology_devices('v5e:2x4')
   mesh = Mesh(np.array(devices), ('data',), axis_types=(AxisType.Auto,))

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _modules():
   import zerojax._src as src
 
-  return [f'zerojax._src.{m.name}' for m in pkgutil.iter_modules(src.__path__)]
+  return [m.name for m in pkgutil.walk_packages(src.__path__, 'zerojax._src.')]
 
 
 @pytest.mark.parametrize('name', _modules())
@@ -366,7 +366,7 @@ def test_docs_cite_the_projects_own_design_notes():
 def test_no_private_module_imports_the_top_level_package():
   # zerojax/__init__.py imports zerojax/_src; the reverse would be a cycle.
   offenders = []
-  for path in (ROOT / 'zerojax' / '_src').glob('*.py'):
+  for path in (ROOT / 'zerojax' / '_src').rglob('*.py'):
     for number, line in enumerate(path.read_text().splitlines(), 1):
       code = line.strip()
       if code.startswith('>>>'):
@@ -377,20 +377,51 @@ def test_no_private_module_imports_the_top_level_package():
 
 
 def _src_imports() -> dict[str, set[str]]:
-  """Which zerojax._src modules each one imports, anywhere in its code (ast, not text)."""
+  """Which zerojax._src modules each one imports, anywhere in its code (ast, not text), by their
+  names below zerojax._src ('grad', 'planner.search')."""
   import ast
 
-  names = {p.stem for p in (ROOT / 'zerojax' / '_src').glob('*.py')}
+  src = ROOT / 'zerojax' / '_src'
+  name = lambda path: '.'.join(path.relative_to(src).with_suffix('').parts)
+  names = {name(p) for p in src.rglob('*.py') if p.stem != '__init__'}
   graph = {}
-  for path in (ROOT / 'zerojax' / '_src').glob('*.py'):
+  for path in src.rglob('*.py'):
+    if path.stem == '__init__':
+      continue
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.ImportFrom) and node.module == 'zerojax._src':
-        found |= {a.name for a in node.names}
+      if isinstance(node, ast.ImportFrom) and node.module in (
+        'zerojax._src',
+        'zerojax._src.planner',
+      ):
+        prefix = node.module.removeprefix('zerojax._src').lstrip('.')
+        found |= {f'{prefix}.{a.name}'.lstrip('.') for a in node.names}
       elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('zerojax._src.'):
-        found.add(node.module.split('.')[2])
-    graph[path.stem] = found & names - {path.stem}
+        found.add(node.module.removeprefix('zerojax._src.'))
+    graph[name(path)] = found & names - {name(path)}
   return graph
+
+
+def test_the_library_never_imports_the_planner():
+  """The planner (zerojax/_src/planner/) uses the library; no library module imports it."""
+  graph = _src_imports()
+  planner = {m for m in graph if m.startswith('planner.')}
+  assert len(planner) >= 10
+  offenders = {m: sorted(d & planner) for m, d in graph.items() if m not in planner and d & planner}
+  assert offenders == {}
+
+
+def test_rich_is_imported_only_where_the_planner_draws():
+  import ast
+
+  importers = set()
+  for path in (ROOT / 'zerojax').rglob('*.py'):
+    for node in ast.walk(ast.parse(path.read_text())):
+      modules = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+      modules += [node.module or ''] if isinstance(node, ast.ImportFrom) else []
+      if any(m == 'rich' or m.startswith('rich.') for m in modules):
+        importers.add(str(path.relative_to(ROOT)))
+  assert importers == {'zerojax/_src/planner/display.py'}
 
 
 def test_private_modules_import_each_other_without_cycles():

@@ -10,7 +10,7 @@ from _models import SCALARS, compile_step, init_fn, run_cli
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import zerojax
-from zerojax._src import presets
+from zerojax._src.planner import presets
 
 
 @pytest.mark.parametrize('stage', [0, 1, 2, 3])

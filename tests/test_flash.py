@@ -1,4 +1,4 @@
-"""Flash attention (`zerojax._src.flash`): causal attention's numbers, and the cost its kernels
+"""Flash attention (`zerojax._src.planner.flash`): causal attention's numbers, and the cost its kernels
 state, which the planner reads."""
 
 import re
@@ -10,7 +10,7 @@ import pytest
 from _models import run_cli
 from _tolerance import assert_close, reordered
 
-from zerojax._src import cost, flash, presets
+from zerojax._src.planner import cost, flash, presets
 
 
 def _qkv(t=128, heads=4, kv_heads=2, d=16, b=1):
@@ -113,7 +113,7 @@ def test_each_tpu_kernel_states_the_flops_of_the_blocks_it_runs():
   pytest.importorskip('libtpu')
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-  from zerojax._src import tpu
+  from zerojax._src.planner import tpu
 
   mesh = Mesh(np.array(tpu.topology_devices('v5e:2x4')[:1]), ('x',))
   b, t, h, d, block = 2, 1024, 4, 128, 256

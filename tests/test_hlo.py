@@ -17,7 +17,7 @@ from _models import (
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
-from zerojax._src import hlo
+from zerojax._src.planner import hlo
 
 N, D, PSI = TWO_LAYER_N, TWO_LAYER_D, TWO_LAYER_PSI
 

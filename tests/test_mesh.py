@@ -13,7 +13,7 @@ from flax import linen as nn
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import zerojax
-from zerojax._src import hlo
+from zerojax._src.planner import hlo
 
 D, HEADS, T, B = 64, 4, 8, 16
 RULES = (('embed', None), ('heads', 'model'), ('mlp', 'model'))

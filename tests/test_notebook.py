@@ -8,7 +8,7 @@ import pytest
 from _models import child_env
 
 import zerojax
-from zerojax._src.tpu import _probe
+from zerojax._src.planner.tpu import _probe
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / 'notebooks' / 'quickstart.ipynb'
 

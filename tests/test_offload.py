@@ -212,7 +212,7 @@ def _tiny_decoder_run(
   """`steps` steps of the tiny scanned decoder; from `start` ((params, opt_state) of another
   run, placed in this run's layouts and memories) if given; `between(grads)` applied to the
   gradients before the update if given."""
-  from zerojax._src import presets
+  from zerojax._src.planner import presets
 
   cfg = presets.PRESETS['tiny']
   ztx = zerojax.zero_stage(
@@ -397,7 +397,7 @@ def test_tpu_stream_moves_layers_down_and_compute_dtype_parameters_back(stage, m
     nothing goes down more than once per micro-batch, in fp32 at most.
   """
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
-  from zerojax._src import search, tpu
+  from zerojax._src.planner import search, tpu
 
   target = search.make_target(
     'tiny',

@@ -6,7 +6,7 @@ import pytest
 from _models import run_cli
 from _tolerance import assert_close, reordered
 
-from zerojax._src import presets
+from zerojax._src.planner import presets
 
 
 def _qkv(t=64, heads=4, kv_heads=2, d=8):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from _models import child_env
 
-from zerojax._src import program_cache
+from zerojax._src.planner import program_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,7 +171,7 @@ def test_a_candidate_that_lowers_like_an_earlier_one_reuses_its_program():
   pytest.importorskip('libtpu')
   import optax
 
-  from zerojax._src import search, tpu
+  from zerojax._src.planner import search, tpu
 
   target = search.make_target(
     'tiny', 'v5e:2x4', devices=tpu.topology_devices('v5e:2x4'), optimizer=lambda: optax.sgd(0.1)

@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
-from zerojax._src import hlo
 from zerojax._src import quantize as quantize_lib
+from zerojax._src.planner import hlo
 
 N = 8
 ULP = float(np.finfo(np.float32).eps)

@@ -3,7 +3,7 @@
 import optax
 import pytest
 
-from zerojax._src import search
+from zerojax._src.planner import search
 
 
 def test_roofline_prediction_is_the_stated_formula():

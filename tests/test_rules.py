@@ -57,7 +57,7 @@ def test_tpu_keeps_a_minor_dimension_reduce_scatter_only_in_whole_pairs_of_lanes
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding
 
-  from zerojax._src import hlo, tpu
+  from zerojax._src.planner import hlo, tpu
 
   mesh = Mesh(np.array(tpu.topology_devices('v5e:4x8')).reshape(4, 8), ('x', 'y'))
   kinds = {}

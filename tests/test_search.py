@@ -12,7 +12,7 @@ import pytest
 from _models import child_env
 
 import zerojax
-from zerojax._src import search, search_report
+from zerojax._src.planner import search, search_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,8 +152,8 @@ def test_search_reads_v5p_and_v6e_programs(topology, chip):
 @pytest.mark.xdist_group('libtpu')
 def test_compile_with_text_reads_the_dump_where_as_text_fails():
   pytest.importorskip('libtpu')
-  from zerojax._src import report as report_lib
-  from zerojax._src import tpu
+  from zerojax._src.planner import report as report_lib
+  from zerojax._src.planner import tpu
 
   devices = tpu.topology_devices('v5p:2x2x2')
   traced, *_ = search.lower_candidate(

@@ -5,7 +5,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax._src import search, search_report
+from zerojax._src.planner import search, search_report
 
 
 def _report(candidate, mixed_precision=False):

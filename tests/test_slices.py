@@ -17,7 +17,7 @@ from _models import GRAD_TOL, batch, loss_fn, max_rel_err, mlp_params, train_tol
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import zerojax
-from zerojax._src import hlo
+from zerojax._src.planner import hlo
 
 SLICES, PER_SLICE = 2, 4
 PSI = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(mlp_params()))

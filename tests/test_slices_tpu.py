@@ -13,7 +13,7 @@ from _models import TWO_LAYER_PSI, D, init_fn, run_cli, step
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 import zerojax
-from zerojax._src import tpu
+from zerojax._src.planner import tpu
 
 pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu) for ahead-of-time compilation')
 pytestmark = [pytest.mark.tpu, pytest.mark.xdist_group('libtpu')]

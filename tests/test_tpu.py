@@ -330,7 +330,7 @@ def test_the_peak_is_the_tpu_compilers_own_and_holds_what_the_program_gathers(to
   `temp_size_in_bytes` does not count such buffers on every libtpu (0.0.42 reports 0 for
   this program), so arguments + outputs + temporaries would understate the peak. On CPU the
   peak stays that sum."""
-  from zerojax._src import report
+  from zerojax._src.planner import report
 
   mesh = Mesh(np.array(topology.devices), ('d',), axis_types=(AxisType.Auto,))
   n = 4096

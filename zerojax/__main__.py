@@ -1,7 +1,7 @@
-"""`python -m zerojax`: see zerojax._src.cli."""
+"""`python -m zerojax`: see zerojax._src.planner.cli."""
 
 import sys
 
-from zerojax._src.cli import main
+from zerojax._src.planner.cli import main
 
 sys.exit(main())

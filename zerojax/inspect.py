@@ -19,23 +19,23 @@ Choosing a configuration:
   queries at a time) and `flash_attention(q, k, v)` (fused Pallas kernels on TPU).
 """
 
-from zerojax._src.estimate import MemoryEstimate as MemoryEstimate
-from zerojax._src.estimate import estimate_memory as estimate_memory
-from zerojax._src.estimate import format_estimates as format_estimates
-from zerojax._src.flash import flash_attention as flash_attention
-from zerojax._src.hlo import CollectiveStats as CollectiveStats
-from zerojax._src.hlo import count_collectives as count_collectives
-from zerojax._src.hlo import count_host_transfers as count_host_transfers
-from zerojax._src.presets import ModelSpec as ModelSpec
-from zerojax._src.presets import chunked_attention as chunked_attention
-from zerojax._src.report import MemoryStats as MemoryStats
-from zerojax._src.report import StepReport as StepReport
-from zerojax._src.report import memory_stats as memory_stats
-from zerojax._src.report import step_report as step_report
-from zerojax._src.report import zero_floor_bytes as zero_floor_bytes
-from zerojax._src.search import SearchReport as SearchReport
-from zerojax._src.search import search_plans as search_plans
-from zerojax._src.tpu import local_tpu as local_tpu
+from zerojax._src.planner.estimate import MemoryEstimate as MemoryEstimate
+from zerojax._src.planner.estimate import estimate_memory as estimate_memory
+from zerojax._src.planner.estimate import format_estimates as format_estimates
+from zerojax._src.planner.flash import flash_attention as flash_attention
+from zerojax._src.planner.hlo import CollectiveStats as CollectiveStats
+from zerojax._src.planner.hlo import count_collectives as count_collectives
+from zerojax._src.planner.hlo import count_host_transfers as count_host_transfers
+from zerojax._src.planner.presets import ModelSpec as ModelSpec
+from zerojax._src.planner.presets import chunked_attention as chunked_attention
+from zerojax._src.planner.report import MemoryStats as MemoryStats
+from zerojax._src.planner.report import StepReport as StepReport
+from zerojax._src.planner.report import memory_stats as memory_stats
+from zerojax._src.planner.report import step_report as step_report
+from zerojax._src.planner.report import zero_floor_bytes as zero_floor_bytes
+from zerojax._src.planner.search import SearchReport as SearchReport
+from zerojax._src.planner.search import search_plans as search_plans
+from zerojax._src.planner.tpu import local_tpu as local_tpu
 from zerojax._src.train_state import abstract_train_state as abstract_train_state
 
 __all__ = [

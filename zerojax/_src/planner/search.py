@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax._src import cost, hlo, roofline, runtime
+from zerojax._src import runtime
 from zerojax._src.options import OFFLOADS, UPDATE_ON, Options
-from zerojax._src.presets import REMAT
-from zerojax._src.roofline import (
+from zerojax._src.planner import cost, hlo, roofline
+from zerojax._src.planner.presets import REMAT
+from zerojax._src.planner.roofline import (
   CHIPS,
   Chip,
   calibrate_cpu,
@@ -281,7 +282,7 @@ def _mesh(target: Target, c: Candidate):
 def model_spec(target: Target, c: Candidate):
   """The `ModelSpec` a candidate compiles: the target's model with the candidate's remat and
   prefetch."""
-  from zerojax._src import presets
+  from zerojax._src.planner import presets
 
   if callable(target.model):
     return target.model(c.remat, c.prefetch)
@@ -443,7 +444,7 @@ def evaluate(
   `compiler_options` go to the compiler with every candidate. With `measure`, a program
   compiled here that fits is also run (`measured_seconds`; on cpu:N).
   """
-  from zerojax._src import program_cache
+  from zerojax._src.planner import program_cache
 
   start = time.perf_counter()
   try:
@@ -499,7 +500,7 @@ def evaluate(
 
 def _analyse(result: Result, target: Target, plan, unit: int, compiled, text: str, hbm_bytes):
   """The compiled program's figures (memory, collectives, FLOPs, host link, predicted step)."""
-  from zerojax._src import report as report_lib
+  from zerojax._src.planner import report as report_lib
 
   c, chip = result.candidate, target.chip
   program = hlo.Program.parse(text)  # read once; every figure below is an analysis of it
@@ -596,16 +597,15 @@ def run_search(
   Returns:
     A `SearchReport`.
   """
-  from rich.progress import Progress
+  from zerojax._src.planner import display
 
   start = time.perf_counter()
   hbm = hbm_bytes if hbm_bytes is not None else (target.chip.hbm_bytes or None)
   memo = None if measure else {}
   results = []
-  with Progress(disable=not progress, transient=False) as bar:
-    task = bar.add_task('compiling candidates', total=len(candidates))
+  with display.candidate_progress(len(candidates), enabled=progress) as (starting, finished):
     for c in candidates:
-      bar.update(task, description=f'{c.label():<60}')
+      starting(c.label())
       r = evaluate(
         target,
         c,
@@ -619,8 +619,7 @@ def run_search(
       # 70B step holds about half a GB there, so a long search would run out of host memory.
       jax.clear_caches()
       results.append(r)
-      bar.console.print(f'  {c.label():<60} {r.status} {_phases(r)}', soft_wrap=True)
-      bar.advance(task)
+      finished(f'  {c.label():<60} {r.status} {_phases(r)}')
   report = SearchReport(target, results, list(invalid), time.perf_counter() - start, hbm)
   if progress:
     print(phase_summary(report), flush=True)
@@ -680,7 +679,7 @@ def make_target(
   Raises:
     ValueError: a topology without roofline constants, or a preset name that does not exist.
   """
-  from zerojax._src import presets
+  from zerojax._src.planner import presets
 
   chip_name, _, dims = topology.partition(':')
   if chip_name == 'cpu':
@@ -766,7 +765,7 @@ def search_plans(
   """
   import optax
 
-  from zerojax._src import tpu
+  from zerojax._src.planner import tpu
 
   devices = tpu.topology_devices(topology)
   counts = sorted({s for s in space.get('slices', (1,)) if isinstance(s, int) and s > 1})

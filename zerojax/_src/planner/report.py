@@ -18,7 +18,7 @@ import numpy as np
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import rules
-from zerojax._src.hlo import COLLECTIVES, CollectiveStats, count_collectives
+from zerojax._src.planner.hlo import COLLECTIVES, CollectiveStats, count_collectives
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from zerojax._src import hlo
+from zerojax._src.planner import hlo
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 # The TPU compiler writes INT64_MAX where it has no estimate (seen on v5p, libtpu 0.0.42 and
@@ -359,7 +359,7 @@ def program_cost(
     A `ProgramCost`. Where the HLO does not determine a count, `uncertain` says
     why and a `CostCountWarning` is issued (nothing is guessed silently).
 
-  >>> from zerojax._src import cost
+  >>> from zerojax._src.planner import cost
   >>> c = cost.program_cost(
   ...     'ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {\\n'
   ...     '  %a = f32[8,16]{1,0} parameter(0)\\n'

@@ -18,8 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax._src import flash, gather, prefetch
+from zerojax._src import gather, prefetch
 from zerojax._src import plan as plan_lib
+from zerojax._src.planner import flash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +435,7 @@ def decoder_loss(
     attention_chunk: compute attention this many queries at a time
       (`chunked_attention`; one chunk's scores live at a time); None: at once.
     attention: 'xla' (plain JAX, `attention_chunk` applies) or 'flash'
-      (`zerojax._src.flash.flash_attention`: fused Pallas kernels, causal
+      (`zerojax._src.planner.flash.flash_attention`: fused Pallas kernels, causal
       blocks skipped, scores never in HBM; TPU, or Pallas's interpreter elsewhere).
   """
   _check_options(remat, prefetch_next, attention, attention_chunk)

@@ -6,8 +6,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from zerojax._src.roofline import GiB
-from zerojax._src.search import QUANTIZE, SearchReport, model_spec, phase_totals, zero_options
+from zerojax._src.planner.roofline import GiB
+from zerojax._src.planner.search import (
+  QUANTIZE,
+  SearchReport,
+  model_spec,
+  phase_totals,
+  zero_options,
+)
 
 
 def winner_code(report: SearchReport) -> str:

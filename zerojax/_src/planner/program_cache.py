@@ -204,8 +204,8 @@ def compile_program(
     jax.errors.JaxRuntimeError: the compiler's own error, or a kept refusal
       (RESOURCE_EXHAUSTED) of the same program.
   """
-  from zerojax._src import report as report_lib
   from zerojax._src import runtime
+  from zerojax._src.planner import report as report_lib
 
   if cache_dir is None and memo is None:
     start = time.perf_counter()

@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+from zerojax._src.options import OFFLOADS
+
 # HBM per chip, GiB, by the topology name's prefix.
 OPTIMIZERS = ('adam', 'adamw', 'sgd', 'lion', 'adafactor')
 
@@ -62,7 +64,7 @@ def _log(start: float, message: str) -> None:
 def _devices(topology: str, slices: int = 1):
   """Devices of `slices` slices of `topology` (in slice order) and the HBM of its chips in
   GiB (None for cpu:N)."""
-  from zerojax._src import roofline, tpu
+  from zerojax._src.planner import roofline, tpu
 
   try:
     devices = tpu.topology_devices(topology, slices)
@@ -122,7 +124,7 @@ def _mesh_shape(mesh: str, n: int, slices: int = 1) -> tuple[tuple[int, ...], tu
 
 
 def _load_model(args) -> Any:
-  from zerojax._src import presets
+  from zerojax._src.planner import presets
 
   if args.model.startswith('decoder:'):
     try:
@@ -155,7 +157,7 @@ def _load_model(args) -> Any:
 def _preset_spec(args, model) -> Any:
   import jax.numpy as jnp
 
-  from zerojax._src import presets
+  from zerojax._src.planner import presets
 
   try:
     return presets.decoder_spec(
@@ -252,7 +254,7 @@ def _on_off(text: str) -> bool:
 
 
 def cmd_search(args) -> int:
-  from zerojax._src import search, search_report
+  from zerojax._src.planner import search, search_report
 
   devices, _ = _devices(args.topology)
   target, candidates, invalid = _search_space(args, devices)
@@ -292,7 +294,7 @@ def cmd_search(args) -> int:
 
 def _search_space(args, devices) -> tuple[Any, list, list]:
   """(target, candidates, invalid combinations) of `plan --search`'s flags."""
-  from zerojax._src import search
+  from zerojax._src.planner import search
 
   model = args.model
   if ':' in args.model:
@@ -338,7 +340,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
 
 def _write_search(args, report, text: str) -> None:
   """`--out`: the search's table (.txt), its figures (.json) and its plot (.png)."""
-  from zerojax._src import search_report
+  from zerojax._src.planner import search_report
 
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(
@@ -388,11 +390,9 @@ def cmd_plan(args) -> int:
   options = dict(args.compiler_options)
   given = f' with compiler options {options}' if options else ''
   _log(start, f'lowered; compiling{given} (large models take minutes on a small machine)')
-  from rich.console import Console
+  from zerojax._src.planner import display, program_cache
 
-  from zerojax._src import program_cache
-
-  with Console(stderr=True).status('compiling...'):
+  with display.working('compiling...'):
     done = program_cache.compile_program(
       built['lowered'],
       topology=args.topology,
@@ -610,8 +610,8 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from zerojax._src import hlo, search
-  from zerojax._src import report as report_lib
+  from zerojax._src.planner import hlo, search
+  from zerojax._src.planner import report as report_lib
 
   spec, state, plan, n = built['spec'], built['state'], built['plan'], built['n']
   # The floor's unit: at stage 3 parameters travel in the compute dtype (cast
@@ -703,7 +703,7 @@ def _print_prediction(
 ):
   """Prints the predicted step (the step-time model of docs/design.md) and returns it; None
   for faked CPU devices, and for a chip without published figures, which it says."""
-  from zerojax._src import roofline, search
+  from zerojax._src.planner import roofline, search
 
   if chip is None:
     name = topology.split(':')[0]
@@ -751,7 +751,7 @@ def _print_prediction(
 def _print_fit(args, built: dict, report, sizes: dict) -> bool | None:
   """Prints peak memory against HBM (and host memory against the host's share); returns
   whether the plan fits (None where the device memory is not known)."""
-  from zerojax._src import search
+  from zerojax._src.planner import search
 
   fits, hbm_gib, peak = None, built['hbm_gib'], report.memory.peak
   if hbm_gib is not None and report.memory.host_held and peak > hbm_gib * 2**30:
@@ -787,7 +787,7 @@ def _print_fit(args, built: dict, report, sizes: dict) -> bool | None:
 def _largest_arrays(program: Any, count: int = 6) -> list[dict]:
   """The largest arrays of the program, those of one type together (the entry's zeros and
   the loop's stacked updates of one buffer, or one value per layer), largest first."""
-  from zerojax._src import hlo
+  from zerojax._src.planner import hlo
 
   groups: dict[str, dict] = {}
   for a in hlo.largest_arrays(program, count=None):
@@ -847,8 +847,9 @@ def _format_traffic(traffic: dict, chip: Any) -> str:
 def cmd_estimate(args) -> int:
   import jax.numpy as jnp
 
-  from zerojax._src import estimate, precision, presets
+  from zerojax._src import precision
   from zerojax._src.options import Options
+  from zerojax._src.planner import estimate, presets
 
   if args.model:
     if args.model not in presets.PRESETS:
@@ -888,7 +889,7 @@ def cmd_inspect(args) -> int:
 
 def _plan_parser(sub) -> argparse.ArgumentParser:
   """`plan`'s parser, with its single-plan flags."""
-  from zerojax._src import presets
+  from zerojax._src.planner import presets
 
   shown = argparse.ArgumentDefaultsHelpFormatter  # --help shows every default
   p = sub.add_parser(
@@ -984,8 +985,7 @@ def _slices_argument(p: argparse.ArgumentParser) -> None:
 
 def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
   """`plan`'s flags for several slices, mixed precision, host offload and the JSON report."""
-  from zerojax._src import search
-  from zerojax._src.options import OFFLOADS
+  from zerojax._src.planner import search
 
   _slices_argument(p)
   p.add_argument(
@@ -1018,7 +1018,7 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
     help='an XLA or libtpu option to compile the step with (repeatable), as jax.jit(...,'
     ' compiler_options={NAME: VALUE}) takes it: pass the same to the training run',
   )
-  from zerojax._src import program_cache
+  from zerojax._src.planner import program_cache
 
   p.add_argument(
     '--cache-dir',
@@ -1035,8 +1035,7 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
 
 def _search_arguments(p: argparse.ArgumentParser) -> None:
   """`plan --search` and the space it searches."""
-  from zerojax._src import search
-  from zerojax._src.options import OFFLOADS
+  from zerojax._src.planner import search
 
   s = p.add_argument_group(
     'plan search (--search)',
@@ -1099,7 +1098,6 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _estimate_parser(sub) -> argparse.ArgumentParser:
-  from zerojax._src.options import OFFLOADS
 
   shown = argparse.ArgumentDefaultsHelpFormatter
   e = sub.add_parser(

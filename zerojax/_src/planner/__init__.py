@@ -1,0 +1,20 @@
+"""The planner: what a run will cost, answered before it is launched.
+
+It uses the library (`zerojax._src`) and nothing in the library uses it. One module per job:
+
+- `presets`, `flash`: the decoders it plans (GPT-2 and LLaMA-2 shapes, any decoder shape) and
+  their attention, chunked or as TPU Pallas kernels.
+- `tpu`: TPU topologies, their devices (compiled for with no TPU attached), the local TPU.
+- `estimate`: per-device bytes of each stage from theory, before anything compiles.
+- `search`: a candidate (stage, layout, micro-batches, remat, prefetch, offload, ZeRO++,
+  batch per chip, slices) lowered, compiled or read back (`program_cache`), analysed and priced;
+  the search ranks many.
+- `hlo`: the compiled program's optimized HLO read once (`hlo.Program`): collectives, host
+  transfers, largest arrays.
+- `cost`: the kernels' time and matmul FLOPs of a `hlo.Program`.
+- `roofline`: the chips' published figures and the step-time model (`StepCost` -> seconds).
+- `report`: a compiled step's memory and collectives beside the ZeRO floor (`step_report`).
+- `search_report`: a search's ranked table, JSON, plot and the winner's lines.
+- `display`: what it draws in a terminal (the only module that imports rich).
+- `cli`: `python -m zerojax plan / estimate / inspect`.
+"""
