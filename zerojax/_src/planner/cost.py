@@ -108,13 +108,6 @@ def _shape(type_str: str) -> tuple[int, ...]:
   return tuple(int(d) for d in m.group(1).split(',') if d) if m else ()
 
 
-def _types(lines: list[str]) -> dict[str, str]:
-  """Instruction name -> its result type, for one computation."""
-  return {
-    hlo.instruction_name(line): hlo.result_type(line) for line in lines if hlo.result_type(line)
-  }
-
-
 def _matmul_flops(op: str, operands: list[str], line: str, types: dict[str, str]) -> float:
   """FLOPs of one dot or convolution: 2 x output elements x the contracted size."""
   out = math.prod(_shape(hlo.result_type(line)))
@@ -187,7 +180,6 @@ class _Walk:
   ):
     self.program, self.bodies, self.entry = program, program.bodies, program.entry
     self.clock_hz, self.peak_flops, self.hbm_bandwidth = clock_hz, peak_flops, hbm_bandwidth
-    self.types: dict = {}
     self.flops_memo: dict = {}
     self.uncertain: list[str] = []
 
@@ -195,9 +187,7 @@ class _Walk:
     return self.program.instructions(name)
 
   def typed(self, name: str) -> dict[str, str]:
-    if name not in self.types:
-      self.types[name] = _types(self.bodies.get(name, []))
-    return self.types[name]
+    return self.program.result_types(name)
 
   def flops_inside(self, name: str, stack: tuple = ()) -> float:
     """Matmul FLOPs of one execution of a fused (or called) computation."""

@@ -266,7 +266,7 @@ def _instructions(lines: list[str]) -> dict[str, tuple[str, list[str], str]]:
 
 
 def _parsed(bodies: dict[str, list[str]], name: str, memo: dict) -> dict:
-  """`_instructions` of computation `name`, parsed once per `count_collectives` call."""
+  """`_instructions` of computation `name`, parsed once per `memo` (a `Program` keeps one)."""
   if name not in memo:
     memo[name] = _instructions(bodies.get(name, []))
   return memo[name]
@@ -509,8 +509,10 @@ class Program:
   text: str
   bodies: dict[str, list[str]]
   entry: str
-  # Each computation's instructions, read from its lines the first time they are asked for.
+  # Each computation's instructions and result types, read from its lines the first time they
+  # are asked for.
   _instructions: dict = dataclasses.field(default_factory=dict, repr=False)
+  _types: dict = dataclasses.field(default_factory=dict, repr=False)
 
   @classmethod
   def parse(cls, text: str) -> Program:
@@ -520,6 +522,13 @@ class Program:
   def instructions(self, name: str) -> dict[str, tuple[str, list[str], str]]:
     """Instruction name -> (opcode, operand names, its line) of computation `name`."""
     return _parsed(self.bodies, name, self._instructions)
+
+  def result_types(self, name: str) -> dict[str, str]:
+    """Instruction name -> its result type, for computation `name`."""
+    if name not in self._types:
+      found = (_INSTR.match(line) for line in self.bodies.get(name, []))
+      self._types[name] = {m.group('name'): _split_type(m.group('rest'))[0] for m in found if m}
+    return self._types[name]
 
   def trip_count(self, line: str, where: str) -> int | None:
     """Iterations of the `while` on `line` (in computation `where`); None where the HLO does
@@ -687,7 +696,7 @@ class _CollectiveWalk:
     self.slices = slices
     self.num_slices = 0 if slices is None else len(set(slices.tolist()))
     self.bodies, self.entry = program.bodies, program.entry
-    self.parsed: dict = {}  # computation -> its instructions, for trip counts
+    self.parsed = program._instructions  # computation -> its instructions, read once
     self.uncertain: list[str] = []
     self.seen_channels: set[str] = set()  # of the fused reduce-scatters counted so far
     self.default_group = program.num_partitions
@@ -1050,7 +1059,7 @@ def count_host_transfers(compiled_or_text: Any) -> HostTransfers:
   """
   program = as_program(compiled_or_text)
   bodies, entry = program.bodies, program.entry
-  parsed: dict = {}
+  parsed = program._instructions
   totals = {'to_host': 0, 'to_device': 0, 'in_loops': 0, 'overlapped': 0, 'host': 0}
   largest = {'to_host': 0, 'to_device': 0}
   uncertain: list[str] = []
@@ -1167,7 +1176,7 @@ def largest_arrays(compiled_or_text: Any, count: int | None = 8) -> list[Program
   """
   program = as_program(compiled_or_text)
   bodies, entry = program.bodies, program.entry
-  memo: dict = {}
+  memo = program._instructions
   found: list[ProgramArray] = []
   visited: set[str] = set()
 
