@@ -188,9 +188,9 @@ def _decoder_rows(topology: str, model: str, seq_len: int) -> list[dict]:
   from tqdm import tqdm
 
   import zerojax
-  from zerojax._src.planner import search, tpu
+  from zerojax._src.planner import candidates, lowering, tpu
 
-  target = search.make_target(
+  target = lowering.make_target(
     model,
     topology,
     devices=tpu.topology_devices(topology),
@@ -200,8 +200,8 @@ def _decoder_rows(topology: str, model: str, seq_len: int) -> list[dict]:
   )
   rows = []
   for offload, update_on in tqdm(DECODER_SETTINGS, desc='decoder', file=sys.stdout):
-    candidate = search.Candidate(3, offload=offload, update_on=update_on)
-    traced, *_ = search.lower_candidate(target, candidate)
+    candidate = candidates.Candidate(3, offload=offload, update_on=update_on)
+    traced, *_ = lowering.lower_candidate(target, candidate)
     t0 = time.perf_counter()
     compiled = traced.lower().compile()
     m, peak = compiled.memory_analysis(), zerojax.inspect.memory_stats(compiled).peak

@@ -287,7 +287,7 @@ def test_a_plan_and_a_search_candidate_read_their_program_once(monkeypatch, caps
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
   import optax
 
-  from zerojax._src.planner import cli, hlo, search, tpu
+  from zerojax._src.planner import candidates, cli, hlo, lowering, search, tpu
 
   parses = []
   parse = hlo._parse_computations
@@ -297,13 +297,13 @@ def test_a_plan_and_a_search_candidate_read_their_program_once(monkeypatch, caps
   assert 'measured/floor' in capsys.readouterr().out
   assert len(parses) == 1
   parses.clear()
-  target = search.make_target(
+  target = lowering.make_target(
     'tiny',
     'v5e:2x4',
     devices=tpu.topology_devices('v5e:2x4'),
     optimizer=lambda: optax.adamw(1e-4),
     seq_len=64,
   )
-  result = search.evaluate(target, search.Candidate(3), hbm_bytes=None)
+  result = search.evaluate(target, candidates.Candidate(3), hbm_bytes=None)
   assert result.fits and result.flops > 0 and result.ring_bytes > 0
   assert len(parses) == 1

@@ -8,7 +8,7 @@ import pytest
 
 from zerojax._src import grad as grad_lib
 from zerojax._src import train_state, transform, zero_stage
-from zerojax._src.planner import cost, presets, search
+from zerojax._src.planner import cost, presets, roofline, search
 
 KW = dict(clock_hz=None, peak_flops=1e12, hbm_bandwidth=1e9)
 
@@ -122,9 +122,9 @@ def test_a_loop_without_a_trip_count_is_counted_once_and_said():
 
 
 def test_the_chips_clock_comes_from_the_published_peak_and_matrix_units():
-  assert search.CHIPS['v5e'].clock_hz == pytest.approx(197e12 / (2 * 1 * 4 * 128**2))  # 1.50 GHz
-  assert search.CHIPS['v5p'].clock_hz == pytest.approx(459e12 / (2 * 2 * 4 * 128**2))  # 1.75 GHz
-  assert search.CHIPS['v6e'].clock_hz == pytest.approx(918e12 / (2 * 1 * 2 * 256**2))  # 3.50 GHz
+  assert roofline.CHIPS['v5e'].clock_hz == pytest.approx(197e12 / (2 * 1 * 4 * 128**2))  # 1.50 GHz
+  assert roofline.CHIPS['v5p'].clock_hz == pytest.approx(459e12 / (2 * 2 * 4 * 128**2))  # 1.75 GHz
+  assert roofline.CHIPS['v6e'].clock_hz == pytest.approx(918e12 / (2 * 1 * 2 * 256**2))  # 3.50 GHz
 
 
 def _independent_flops(cfg, tokens, seq, remat, attention='xla', block=512):
@@ -193,7 +193,7 @@ def test_flops_per_chip_are_the_same_on_both_gradient_paths_and_equal_the_models
       return s.apply_gradients(grads=grads), loss
 
     compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
-    counted[name] = search.program_cost(search.CHIPS['v5e'], compiled.as_text()).matmul_flops
+    counted[name] = search.program_cost(roofline.CHIPS['v5e'], compiled.as_text()).matmul_flops
   expected = _independent_flops(
     cfg, tokens=rows // 8 * seq, seq=seq, remat=remat, attention=attention
   )

@@ -397,9 +397,9 @@ def test_tpu_stream_moves_layers_down_and_compute_dtype_parameters_back(stage, m
     nothing goes down more than once per micro-batch, in fp32 at most.
   """
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
-  from zerojax._src.planner import search, tpu
+  from zerojax._src.planner import candidates, lowering, tpu
 
-  target = search.make_target(
+  target = lowering.make_target(
     'tiny',
     'v5e:2x4',
     devices=tpu.topology_devices('v5e:2x4'),
@@ -407,14 +407,14 @@ def test_tpu_stream_moves_layers_down_and_compute_dtype_parameters_back(stage, m
     mixed_precision=True,
     seq_len=64,
   )
-  candidate = search.Candidate(
+  candidate = candidates.Candidate(
     stage,
     micro_batches=micro_batches,
     offload='opt_state+master',
     update_on='stream',
     batch_per_chip=micro_batches,
   )
-  traced, plan, state, _, _ = search.lower_candidate(target, candidate)
+  traced, plan, state, _, _ = lowering.lower_candidate(target, candidate)
   moved = zerojax.inspect.count_host_transfers(traced.lower().compile())
 
   flat = jax.tree_util.tree_flatten_with_path(state.params)[0]

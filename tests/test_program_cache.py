@@ -171,12 +171,12 @@ def test_a_candidate_that_lowers_like_an_earlier_one_reuses_its_program():
   pytest.importorskip('libtpu')
   import optax
 
-  from zerojax._src.planner import search, tpu
+  from zerojax._src.planner import candidates, lowering, search, tpu
 
-  target = search.make_target(
+  target = lowering.make_target(
     'tiny', 'v5e:2x4', devices=tpu.topology_devices('v5e:2x4'), optimizer=lambda: optax.sgd(0.1)
   )
-  c = search.Candidate(3, remat='gathers')
+  c = candidates.Candidate(3, remat='gathers')
   report = search.run_search(target, [c, c], progress=False)
   first, second = report.results
   assert (first.program_source, second.program_source) == ('compiled', 'memo')

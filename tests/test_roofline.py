@@ -3,14 +3,14 @@
 import optax
 import pytest
 
-from zerojax._src.planner import search
+from zerojax._src.planner import candidates, lowering, roofline, search
 
 
 def test_roofline_prediction_is_the_stated_formula():
-  chip = search.CHIPS['v5e']
-  r = search.Result(search.Candidate(3), 'fits', ring_bytes=4e9, overlapped_bytes=1e9)
+  chip = roofline.CHIPS['v5e']
+  r = search.Result(candidates.Candidate(3), 'fits', ring_bytes=4e9, overlapped_bytes=1e9)
   r.flops, r.bytes_accessed = 197e12 * 0.5, 819e9 * 0.1  # 0.5 s of compute, 0.1 s of HBM
-  parts = search.predict(chip, r, host_transfer_bytes=64e9)
+  parts = roofline.predict(chip, r, host_transfer_bytes=64e9)
   comm = 4e9 / (400e9 / 2)  # one torus axis: half of v5e's 400 GB/s
   # float64 arithmetic on the stated formula: approx only for its roundings.
   assert parts['compute'] == pytest.approx(0.5)
@@ -20,15 +20,15 @@ def test_roofline_prediction_is_the_stated_formula():
   assert parts['step'] == pytest.approx(0.5 + comm * 0.75 + 2.0)
   # Offloaded state streamed through the device crosses the link twice; updated on the host,
   # the gradients go down and the updates come up.
-  c = search.Candidate(3, offload='opt_state', update_on='device')
-  assert search.host_transfer_bytes(c, host_bytes=10, param_bytes=3) == 20
-  c = search.Candidate(3, offload='opt_state', update_on='host')
-  assert search.host_transfer_bytes(c, host_bytes=10, param_bytes=3) == 6
+  c = candidates.Candidate(3, offload='opt_state', update_on='device')
+  assert roofline.host_transfer_bytes(c, host_bytes=10, param_bytes=3) == 20
+  c = candidates.Candidate(3, offload='opt_state', update_on='host')
+  assert roofline.host_transfer_bytes(c, host_bytes=10, param_bytes=3) == 6
 
 
 def test_a_topology_without_roofline_constants_is_named():
   with pytest.raises(ValueError) as err:
-    search.make_target('tiny', 'v4:2x2x1', devices=[], optimizer=optax.sgd)
+    lowering.make_target('tiny', 'v4:2x2x1', devices=[], optimizer=optax.sgd)
   assert str(err.value) == (
     "`topology`='v4:2x2x1': no roofline constants for 'v4'; the search knows"
     " ['v5e', 'v5p', 'v6e'] and cpu:N."
@@ -38,17 +38,17 @@ def test_a_topology_without_roofline_constants_is_named():
 def test_overlapped_host_transfers_hide_under_compute():
   """The share of host-link bytes that overlap compute (from the compiled schedule) hides
   under it, as the overlapped ring bytes do; the rest adds to the step."""
-  chip = search.CHIPS['v5e']
-  r = search.Result(search.Candidate(3), 'fits')
+  chip = roofline.CHIPS['v5e']
+  r = search.Result(candidates.Candidate(3), 'fits')
   r.flops = 197e12 * 0.5  # 0.5 s of compute, no collectives
-  parts = search.predict(chip, r, host_transfer_bytes=32e9, host_overlap=0.25)
+  parts = roofline.predict(chip, r, host_transfer_bytes=32e9, host_overlap=0.25)
   assert parts['host'] == pytest.approx(1.0)
   assert parts['host_exposed'] == pytest.approx(0.75)
   assert parts['step'] == pytest.approx(max(0.5, 0.25) + 0.75)
 
 
 def test_host_traffic_is_counted_in_the_program_or_said_to_be_a_formula():
-  c = search.Candidate(3, offload='opt_state+master', update_on='stream')
+  c = candidates.Candidate(3, offload='opt_state+master', update_on='stream')
   tpu = '\n'.join([
     'HloModule m',
     'ENTRY %main (a: f32[16]) -> f32[16] {',
@@ -63,5 +63,5 @@ def test_host_traffic_is_counted_in_the_program_or_said_to_be_a_formula():
   assumed = search.host_traffic(cpu, c, host_bytes=1000, param_bytes=100)
   assert (assumed['source'], assumed['to_host'], assumed['to_device']) == ('formula', 100, 100)
   assert assumed['overlapped'] == 0.0
-  none = search.host_traffic(cpu, search.Candidate(3), host_bytes=0, param_bytes=100)
+  none = search.host_traffic(cpu, candidates.Candidate(3), host_bytes=0, param_bytes=100)
   assert (none['source'], none['to_host'] + none['to_device']) == ('none', 0)

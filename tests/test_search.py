@@ -12,24 +12,24 @@ import pytest
 from _models import child_env
 
 import zerojax
-from zerojax._src.planner import search, search_report
+from zerojax._src.planner import candidates, lowering, roofline, search, search_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_candidate_space_keeps_valid_combinations_and_says_why_not():
-  valid, invalid = search.candidate_space(
+  valid, invalid = candidates.candidate_space(
     stages=(1, 3), layouts=('flat', 'hpz'), prefetch=(False, True), remat=('full',)
   )
-  assert search.Candidate(3, 'hpz') in valid
-  assert search.Candidate(3, 'flat', prefetch=True) in valid
+  assert candidates.Candidate(3, 'hpz') in valid
+  assert candidates.Candidate(3, 'flat', prefetch=True) in valid
   reasons = {c.label(): why for c, why in invalid}
   assert reasons['s1 flat b1 remat:full prefetch'] == 'prefetch is for stage 3 with remat'
   assert reasons['s1 hpz b1 remat:full'] == 'hpz splits stage-3 parameters'
   assert reasons['s3 hpz b1 remat:full prefetch'] == 'hpz runs without per-layer gathers'
   assert len(valid) + len(invalid) == 2 * 2 * 2
   # A one-dimensional topology has no torus layouts.
-  valid, invalid = search.candidate_space(
+  valid, invalid = candidates.candidate_space(
     stages=(3,), layouts=('torus',), remat=('full',), prefetch=(False,), grid_dims=1
   )
   assert valid == [] and {why for _, why in invalid} == {'the topology has one dimension'}
@@ -37,7 +37,7 @@ def test_candidate_space_keeps_valid_combinations_and_says_why_not():
 
 def test_candidate_space_names_an_unknown_value():
   with pytest.raises(ValueError) as err:
-    search.candidate_space(offload=('gpu',))
+    candidates.candidate_space(offload=('gpu',))
   assert str(err.value) == (
     "`offload`: unknown ['gpu']; choose from [None, 'opt_state', 'opt_state+master']."
   )
@@ -135,12 +135,12 @@ def test_search_reads_v5p_and_v6e_programs(topology, chip):
     'tiny', topology, progress=False, stages=(3,), layouts=('flat',), remat=('full',),
     prefetch=(False,),
   )  # fmt: skip
-  assert report.target.chip is search.CHIPS[chip]
+  assert report.target.chip is roofline.CHIPS[chip]
   (r,) = report.results
   assert r.fits, r.status
   # The kernels' time (the compiler's estimates) cannot beat the matmuls at peak.
   assert r.predicted['compute'] == pytest.approx(r.kernel_seconds)
-  assert r.kernel_seconds >= r.flops / search.CHIPS[chip].peak_flops
+  assert r.kernel_seconds >= r.flops / roofline.CHIPS[chip].peak_flops
   # Every collective is found: a stage-3 step moves at least about the floor (measured:
   # v5p 0.98x, its small bias gathers below a tile; v6e 1.31x, the compiler all-reduces
   # some of this tiny model's gradients).
@@ -156,9 +156,9 @@ def test_compile_with_text_reads_the_dump_where_as_text_fails():
   from zerojax._src.planner import tpu
 
   devices = tpu.topology_devices('v5p:2x2x2')
-  traced, *_ = search.lower_candidate(
-    search.make_target('tiny', 'v5p:2x2x2', devices=devices, optimizer=lambda: optax.sgd(0.1)),
-    search.Candidate(stage=3, remat='full'),
+  traced, *_ = lowering.lower_candidate(
+    lowering.make_target('tiny', 'v5p:2x2x2', devices=devices, optimizer=lambda: optax.sgd(0.1)),
+    candidates.Candidate(stage=3, remat='full'),
   )
   lowered = traced.lower()
   # What this jax and libtpu do: some pairs (jax 0.10.2 with libtpu 0.0.52) fail
@@ -183,10 +183,10 @@ def test_compile_with_text_reads_the_dump_where_as_text_fails():
 
 
 def test_a_candidate_that_fails_for_a_bug_is_an_error_not_a_refusal(monkeypatch):
-  target = search.make_target(
+  target = lowering.make_target(
     'tiny', 'cpu:8', devices=jax.devices('cpu')[:8], optimizer=lambda: optax.sgd(0.1)
   )
-  candidate = search.Candidate(stage=3, remat='full')
+  candidate = candidates.Candidate(stage=3, remat='full')
 
   def refused(target, c):
     raise ValueError('`params` leaf cannot be split')
@@ -210,17 +210,17 @@ def test_the_search_passes_attention_chunk_to_the_presets():
   devices = jax.devices('cpu')[:8]
 
   def jaxpr_text(chunk):
-    target = search.make_target(
+    target = lowering.make_target(
       'tiny', 'cpu:8', devices=devices, optimizer=lambda: optax.sgd(0.1), attention_chunk=chunk
     )
-    traced, *_ = search.lower_candidate(target, search.Candidate(stage=3, remat='full'))
+    traced, *_ = lowering.lower_candidate(target, candidates.Candidate(stage=3, remat='full'))
     return str(traced.jaxpr)
 
   # The tiny preset's 64 tokens in chunks of 8: a loop of 8 inside each of its 4 blocks.
   assert 'length=8' in jaxpr_text(8)
   assert 'length=8' not in jaxpr_text(None)
   with pytest.raises(ValueError) as err:
-    search.make_target(
+    lowering.make_target(
       lambda remat, prefetch: None, 'cpu:8', devices=devices, optimizer=optax.sgd,
       attention_chunk=16,
     )  # fmt: skip

@@ -5,11 +5,11 @@ import optax
 import pytest
 
 import zerojax
-from zerojax._src.planner import search, search_report
+from zerojax._src.planner import candidates, lowering, search, search_report
 
 
 def _report(candidate, mixed_precision=False):
-  target = search.Target(
+  target = lowering.Target(
     topology='cpu:8',
     devices=tuple(jax.devices()),
     grid=(2, 4),
@@ -27,10 +27,10 @@ def _report(candidate, mixed_precision=False):
 @pytest.mark.parametrize(
   'candidate, mixed',
   [
-    (search.Candidate(3, layout='torus', remat='gathers', prefetch=True), False),
-    (search.Candidate(2, offload='opt_state', update_on='host', micro_batches=2), True),
-    (search.Candidate(3, quantize='w8g4', remat='full'), False),
-    (search.Candidate(3, layout='hpz'), False),
+    (candidates.Candidate(3, layout='torus', remat='gathers', prefetch=True), False),
+    (candidates.Candidate(2, offload='opt_state', update_on='host', micro_batches=2), True),
+    (candidates.Candidate(3, quantize='w8g4', remat='full'), False),
+    (candidates.Candidate(3, layout='hpz'), False),
   ],
 )
 def test_the_winners_lines_run_as_pasted(candidate, mixed):
@@ -47,7 +47,7 @@ def test_the_winners_lines_run_as_pasted(candidate, mixed):
 
 
 def test_the_json_spells_no_offload_as_null():
-  report = _report(search.Candidate(3))
+  report = _report(candidates.Candidate(3))
   data = search_report.search_json(report)
   assert data['results'][0]['candidate']['offload'] is None
   assert data['results'][0]['candidate']['quantize'] is None

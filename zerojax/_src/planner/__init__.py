@@ -6,9 +6,11 @@ It uses the library (`zerojax._src`) and nothing in the library uses it. One mod
   their attention, chunked or as TPU Pallas kernels.
 - `tpu`: TPU topologies, their devices (compiled for with no TPU attached), the local TPU.
 - `estimate`: per-device bytes of each stage from theory, before anything compiles.
-- `search`: a candidate (stage, layout, micro-batches, remat, prefetch, offload, ZeRO++,
-  batch per chip, slices) lowered, compiled or read back (`program_cache`), analysed and priced;
-  the search ranks many.
+- `candidates`: a configuration to try (stage, layout, micro-batches, remat, prefetch,
+  offload, ZeRO++, batch per chip, slices) and the space a search tries.
+- `lowering`: a candidate's mesh, options, abstract train state and step, traced.
+- `program_cache`: its compiled program, or the record of it compiled before.
+- `search`: a candidate compiled, analysed and priced (`evaluate`); the search ranks many.
 - `hlo`: the compiled program's optimized HLO read once (`hlo.Program`): collectives, host
   transfers, largest arrays.
 - `cost`: the kernels' time and matmul FLOPs of a `hlo.Program`.

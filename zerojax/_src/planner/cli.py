@@ -254,28 +254,28 @@ def _on_off(text: str) -> bool:
 
 
 def cmd_search(args) -> int:
-  from zerojax._src.planner import search, search_report
+  from zerojax._src.planner import candidates, search, search_report
 
   devices, _ = _devices(args.topology)
-  target, candidates, invalid = _search_space(args, devices)
-  if not candidates:
+  target, space, invalid = _search_space(args, devices)
+  if not space:
     raise SystemExit(
-      f'error: these options leave no valid candidate: {search.why_none_valid(invalid)}.'
+      f'error: these options leave no valid candidate: {candidates.why_none_valid(invalid)}.'
     )
-  if len(candidates) > args.max_candidates:
+  if len(space) > args.max_candidates:
     raise SystemExit(
-      f'error: {len(candidates)} candidates exceed --max-candidates {args.max_candidates};'
+      f'error: {len(space)} candidates exceed --max-candidates {args.max_candidates};'
       ' narrow the space (e.g. --stages 3 --remats gathers) or raise the limit'
     )
   hbm = int(args.hbm_gib * 2**30) if args.hbm_gib else None
   print(
-    f'{len(candidates)} candidates ({len(invalid)} combinations not valid); compiling'
+    f'{len(space)} candidates ({len(invalid)} combinations not valid); compiling'
     f' for {args.topology} ({len(devices)} chips)',
     flush=True,
   )
   report = search.run_search(
     target,
-    candidates,
+    space,
     invalid=invalid,
     hbm_bytes=hbm,
     measure=args.topology.startswith('cpu:'),
@@ -294,7 +294,7 @@ def cmd_search(args) -> int:
 
 def _search_space(args, devices) -> tuple[Any, list, list]:
   """(target, candidates, invalid combinations) of `plan --search`'s flags."""
-  from zerojax._src.planner import search
+  from zerojax._src.planner import candidates, lowering
 
   model = args.model
   if ':' in args.model:
@@ -308,7 +308,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       )
     args.remats, args.prefetch_options = args.remats[:1], (False,)
   try:
-    target = search.make_target(
+    target = lowering.make_target(
       model,
       args.topology,
       devices=devices,
@@ -320,7 +320,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       attention=args.attention,
       slice_devices={s: _devices(args.topology, s)[0] for s in set(args.slice_counts) if s > 1},
     )
-    candidates, invalid = search.candidate_space(
+    space, invalid = candidates.candidate_space(
       stages=args.stages,
       layouts=args.layouts,
       micro_batches=args.micro_batches,
@@ -335,7 +335,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
     )
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
-  return target, candidates, invalid
+  return target, space, invalid
 
 
 def _write_search(args, report, text: str) -> None:
@@ -610,7 +610,7 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from zerojax._src.planner import hlo, search
+  from zerojax._src.planner import candidates, hlo, roofline, search
   from zerojax._src.planner import report as report_lib
 
   spec, state, plan, n = built['spec'], built['state'], built['plan'], built['n']
@@ -637,8 +637,8 @@ def _report_plan(args, built: dict, compiled, text: str) -> dict:
   fits = _print_fit(args, built, report, sizes)
   largest = _largest_arrays(program)
   print(_format_largest(largest))
-  chip = search.CHIPS.get(args.topology.split(':')[0])
-  candidate = search.Candidate(args.stage, offload=args.offload, update_on=args.update_on)
+  chip = roofline.CHIPS.get(args.topology.split(':')[0])
+  candidate = candidates.Candidate(args.stage, offload=args.offload, update_on=args.update_on)
   traffic = search.host_traffic(
     program, candidate, sizes.get('host', 0), search.updated_param_bytes(plan, args.stage)
   )
@@ -703,7 +703,7 @@ def _print_prediction(
 ):
   """Prints the predicted step (the step-time model of docs/design.md) and returns it; None
   for faked CPU devices, and for a chip without published figures, which it says."""
-  from zerojax._src.planner import roofline, search
+  from zerojax._src.planner import roofline
 
   if chip is None:
     name = topology.split(':')[0]
@@ -712,14 +712,14 @@ def _print_prediction(
         f'no predicted step: zerojax has no published figures (peak FLOP/s, HBM and ICI'
         f' bandwidth) for {name!r} chips, so the memory and collectives above are its'
         f" compiler's but the step cannot be timed; plan a chip it has figures for"
-        f' ({", ".join(sorted(search.CHIPS))}) for a step time.',
+        f' ({", ".join(sorted(roofline.CHIPS))}) for a step time.',
         file=sys.stderr,
       )
     return None
   c = report.collectives
   costed = roofline.StepCost.of(c, work)
   try:
-    predicted = search.predict(
+    predicted = roofline.predict(
       chip, costed, traffic['to_host'] + traffic['to_device'], traffic['overlapped']
     )
   except ValueError as e:
@@ -751,7 +751,7 @@ def _print_prediction(
 def _print_fit(args, built: dict, report, sizes: dict) -> bool | None:
   """Prints peak memory against HBM (and host memory against the host's share); returns
   whether the plan fits (None where the device memory is not known)."""
-  from zerojax._src.planner import search
+  from zerojax._src.planner import roofline
 
   fits, hbm_gib, peak = None, built['hbm_gib'], report.memory.peak
   if hbm_gib is not None and report.memory.host_held and peak > hbm_gib * 2**30:
@@ -768,7 +768,7 @@ def _print_fit(args, built: dict, report, sizes: dict) -> bool | None:
       f'\npeak {peak / 2**30:.2f} GiB of {hbm_gib} GiB HBM per chip'
       f' ({100 * peak / (hbm_gib * 2**30):.0f}%): {"FITS" if fits else "DOES NOT FIT"}'
     )
-  chip = search.CHIPS.get(args.topology.split(':')[0])
+  chip = roofline.CHIPS.get(args.topology.split(':')[0])
   host_limit = chip.host_bytes_per_chip if chip is not None else None
   if sizes.get('host'):
     within = host_limit is None or sizes['host'] <= host_limit
@@ -1035,7 +1035,7 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
 
 def _search_arguments(p: argparse.ArgumentParser) -> None:
   """`plan --search` and the space it searches."""
-  from zerojax._src.planner import search
+  from zerojax._src.planner import candidates
 
   s = p.add_argument_group(
     'plan search (--search)',
@@ -1077,7 +1077,7 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
   )
   s.add_argument(
     '--quantizes',
-    type=_csv(_none_or(tuple(q for q in search.QUANTIZE if q))),
+    type=_csv(_none_or(tuple(q for q in candidates.QUANTIZE if q))),
     default=(None,),
     help='ZeRO++: none, g8, g4 (gradients), w8g8, w8g4 (weights too, stage 3)',
   )

@@ -1,0 +1,165 @@
+"""The candidates of a plan search: one configuration to try (`Candidate`: stage, mesh layout,
+micro-batches, rematerialisation, prefetch, offload, ZeRO++, batch per chip, slices), and the
+space of them a search compiles, each combination that cannot run left out with why."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from zerojax._src.options import OFFLOADS, UPDATE_ON
+from zerojax._src.planner.presets import REMAT
+
+QUANTIZE = {
+  None: None,
+  'g8': dict(weights=None, grads='int8'),
+  'g4': dict(weights=None, grads='int4'),
+  'w8g8': dict(weights='int8', grads='int8'),
+  'w8g4': dict(weights='int8', grads='int4'),
+}
+
+
+LAYOUTS = ('flat', 'torus', 'hpz')
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One configuration to try.
+
+  Attributes:
+    stage: ZeRO stage, 1-3.
+    layout: 'flat' (one ZeRO axis over every chip), 'torus' (one ZeRO axis per
+      torus dimension) or 'hpz' (torus axes, stage-3 parameters split within
+      the last axis only: ZeRO++ hierarchical partitioning).
+    micro_batches: gradient accumulation steps within the step.
+    remat: 'gathers' (`zerojax.recompute_gathers`: only gathers run again),
+      'full' (each block recomputed) or 'none'.
+    prefetch: gather block i+1 while block i computes (`zerojax.scan_layers`).
+    offload: None, 'opt_state' or 'opt_state+master' (host memory), as `zerojax.Options`.
+    update_on: where an offloaded optimizer update runs: 'device', 'host' or 'stream'
+      (on the host, gradients sent down layer by layer), as `zerojax.Options`.
+    quantize: ZeRO++ collectives: None, 'g8', 'g4', 'w8g8', 'w8g4' (see `QUANTIZE`).
+    batch_per_chip: sequences per chip per step.
+    slices: TPU slices of the topology, joined by the data-center network: an outer 'slice'
+      mesh axis, data-parallel (hierarchical ZeRO: state split within each slice).
+  """
+
+  stage: int
+  layout: str = 'flat'
+  micro_batches: int = 1
+  remat: str = 'full'
+  prefetch: bool = False
+  offload: str | None = None
+  update_on: str = 'device'
+  quantize: str | None = None
+  batch_per_chip: int = 1
+  slices: int = 1
+
+  def label(self) -> str:
+    parts = [f's{self.stage}', self.layout, f'b{self.batch_per_chip}']
+    parts += [f'x{self.slices} slices'] if self.slices > 1 else []
+    parts += [f'mb{self.micro_batches}'] if self.micro_batches > 1 else []
+    parts += [f'remat:{self.remat}'] + (['prefetch'] if self.prefetch else [])
+    if self.offload is not None:
+      parts.append(f'offload:{self.offload}@{self.update_on}')
+    return ' '.join(parts + ([f'q:{self.quantize}'] if self.quantize is not None else []))
+
+  def reasons(self) -> list[str]:
+    """Every reason this combination cannot run (empty: it can)."""
+    rules = [
+      (self.stage not in (1, 2, 3), 'stages 1-3 are searched'),
+      (self.batch_per_chip % self.micro_batches, 'micro_batches does not divide batch_per_chip'),
+      (
+        self.prefetch and (self.stage != 3 or self.remat == 'none'),
+        'prefetch is for stage 3 with remat',
+      ),
+      (self.layout == 'hpz' and self.stage != 3, 'hpz splits stage-3 parameters'),
+      (
+        self.layout == 'hpz' and (self.prefetch or self.quantize is not None),
+        'hpz runs without per-layer gathers',
+      ),
+      (
+        self.update_on != 'device' and self.offload is None,
+        f'update_on={self.update_on!r} needs an offload',
+      ),
+      (
+        self.quantize in ('w8g8', 'w8g4') and self.stage != 3,
+        'quantized weights are gathered at stage 3 only',
+      ),
+      (
+        self.slices > 1 and self.update_on == 'stream',
+        "update_on='stream' sends gradient shards down before they are summed across slices",
+      ),
+    ]
+    return [why for broken, why in rules if broken]
+
+  def invalid(self) -> str | None:
+    """Why this combination cannot run (the first reason), or None."""
+    return next(iter(self.reasons()), None)
+
+
+def candidate_space(
+  *,
+  stages: Sequence[int] = (1, 2, 3),
+  layouts: Sequence[str] = ('flat', 'torus'),
+  micro_batches: Sequence[int] = (1,),
+  remat: Sequence[str] = ('gathers', 'full'),
+  prefetch: Sequence[bool] = (False, True),
+  offload: Sequence[str | None] = (None,),
+  update_on: Sequence[str] = ('device',),
+  quantize: Sequence[str | None] = (None,),
+  batch_per_chip: Sequence[int] = (1,),
+  slices: Sequence[int] = (1,),
+  grid_dims: int = 2,
+) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+  """Every valid combination, and the invalid ones with the reason (for the report).
+
+  Raises:
+    ValueError: an unknown value, naming the option and the choices.
+  """
+  for name, values, choices in (
+    ('layouts', layouts, LAYOUTS),
+    ('remat', remat, REMAT),
+    ('offload', offload, OFFLOADS),
+    ('update_on', update_on, UPDATE_ON),
+    ('quantize', quantize, tuple(QUANTIZE)),
+  ):
+    bad = [v for v in values if v not in choices]
+    if bad:
+      raise ValueError(f'`{name}`: unknown {bad}; choose from {list(choices)}.')
+  bad = [s for s in slices if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+  if bad:
+    raise ValueError(f'`slices`: {bad} are not whole numbers of slices >= 1.')
+  valid, invalid = [], []
+  for combo in itertools.product(
+    stages,
+    layouts,
+    micro_batches,
+    remat,
+    prefetch,
+    offload,
+    update_on,
+    quantize,
+    batch_per_chip,
+    slices,
+  ):
+    c = Candidate(*combo)
+    why = c.invalid()
+    if why is None and c.layout != 'flat' and grid_dims < 2:
+      why = 'the topology has one dimension'
+    (valid.append(c) if why is None else invalid.append((c, why)))
+  return valid, invalid
+
+
+def why_none_valid(invalid: Sequence[tuple[Candidate, str]]) -> str:
+  """Why a space has no valid candidate: the reasons that rule out every combination, or
+  each reason with how many combinations it rules out."""
+  counts: dict[str, int] = {}
+  for c, _ in invalid:
+    for why in c.reasons() or [_]:
+      counts[why] = counts.get(why, 0) + 1
+  everywhere = [why for why, n in counts.items() if n == len(invalid)]
+  if everywhere:
+    return '; '.join(everywhere) + ' (every combination)'
+  return '; '.join(f'{why} ({n} of {len(invalid)})' for why, n in sorted(counts.items()))
