@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from zerojax._src.options import OFFLOADS
+from zerojax._src.options import OFFLOADS, UPDATE_ON
 
 # HBM per chip, GiB, by the topology name's prefix.
 OPTIMIZERS = ('adam', 'adamw', 'sgd', 'lion', 'adafactor')
@@ -985,7 +985,6 @@ def _slices_argument(p: argparse.ArgumentParser) -> None:
 
 def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
   """`plan`'s flags for several slices, mixed precision, host offload and the JSON report."""
-  from zerojax._src.planner import search
 
   _slices_argument(p)
   p.add_argument(
@@ -1003,7 +1002,7 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     '--update-on',
     default='device',
-    choices=search.UPDATE_ON,
+    choices=UPDATE_ON,
     help="where an offloaded update runs: 'device', 'host', or 'stream' (gradients written"
     ' to host memory layer by layer in the backward pass; needs --mixed-precision)',
   )

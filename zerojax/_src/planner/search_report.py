@@ -6,14 +6,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from zerojax._src.planner.candidates import QUANTIZE
+from zerojax._src.planner.lowering import model_spec, zero_options
 from zerojax._src.planner.roofline import GiB
-from zerojax._src.planner.search import (
-  QUANTIZE,
-  SearchReport,
-  model_spec,
-  phase_totals,
-  zero_options,
-)
+from zerojax._src.planner.search import SearchReport, phase_totals
 
 
 def winner_code(report: SearchReport) -> str:
