@@ -20,6 +20,9 @@ SIGTERM on whichever host gets it and picks the step every process reaches
 next, so all save the same step. The save commits before `save` raises
 `Preempted`, a SystemExit with code 143 (128 + SIGTERM, what a job scheduler
 reads as terminated by SIGTERM).
+
+This module is the `Checkpointer` (save and restore) and the data iterator's state; the
+on-disk form is `codec`, the checksums and checks `integrity`, the notice `preemption`.
 """
 
 from __future__ import annotations
