@@ -59,9 +59,9 @@ def zero_train_state(state: State, tx: optax.GradientTransformation) -> State:
 def _guarded(state: State, stage: int, axes: tuple[str, ...]) -> State:
   """At stage 3, the state with its `apply_fn` refusing split parameters in zerojax's words
   (`zerojax.linen` `guard_split_params`); `replace` sets it, as for any field."""
-  if stage < 3 or getattr(state, 'apply_fn', None) is None:
-    return state
-  return state.replace(apply_fn=_guarded_apply(state.apply_fn, stage, axes))
+  apply_fn = getattr(state, 'apply_fn', None)
+  guarded = _guarded_apply(apply_fn, stage, axes)
+  return state if guarded is apply_fn else state.replace(apply_fn=guarded)
 
 
 def _guarded_apply(apply_fn: Any, stage: int, axes: tuple[str, ...]) -> Any:
@@ -143,10 +143,10 @@ def _layout(
     from flax.training import train_state as flax_train_state
 
     state_class = flax_train_state.TrainState
-  traced_params = jax.eval_shape(init_fn, *init_args)
-  abstract_params = traced_params
+  initial = jax.eval_shape(init_fn, *init_args)  # the parameters init_fn gives, abstractly
+  abstract_params = initial
   if param_dtype is not None:  # the plan's accounting uses the dtype the state will hold
-    abstract_params = precision.cast(abstract_params, param_dtype)
+    abstract_params = precision.cast(initial, param_dtype)
   plan = config.plan(abstract_params)
   tx = transform.with_layouts(tx, plan)
   # One object for every trace of the state, so that their pytree metadata are equal.
@@ -166,7 +166,7 @@ def _layout(
     return finish(init_fn(*args))
 
   # Abstractly from the parameters' shapes: `init_fn` is traced once here, once by the caller.
-  abstract_state = jax.eval_shape(finish, traced_params)
+  abstract_state = jax.eval_shape(finish, initial)
   rep = mesh_lib.replicated(config.mesh)
   shardings = jax.tree.map(lambda _: rep, abstract_state).replace(
     params=plan.params, opt_state=plan.opt_state

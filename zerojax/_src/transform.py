@@ -87,18 +87,20 @@ class ZeroConfig:
     skip = set(self.axes) | set(self.replica_axes)
     return [a for a in self.mesh.axis_names if a not in skip and self.mesh.shape[a] > 1]
 
+  def _layouts_only_on_arrays(self) -> bool:
+    """Whether layouts over other mesh axes can be read only from placed arrays: no
+    `param_specs`, Auto axes (traced arrays carry no layout), and other axes to split over."""
+    no_types = self.options.param_specs is None and not mesh_lib.any_explicit(self.mesh)
+    return no_types and bool(self._other_axes())
+
   def _layouts_hidden(self, params: Any) -> bool:
     """Whether layouts over other mesh axes may exist but cannot be seen on `params`."""
-    if self.options.param_specs is not None or mesh_lib.any_explicit(self.mesh):
-      return False
-    return bool(self._other_axes()) and _has_tracers(params)
+    return self._layouts_only_on_arrays() and _has_tracers(params)
 
   def with_layouts_of(self, plan: plan_lib.ZeroPlan) -> ZeroConfig:
     """This config, with `plan`'s layouts over the other mesh axes as its `param_specs`
     where traced parameters could not show them (Auto axes, no `param_specs`); else itself."""
-    if self.options.param_specs is not None or mesh_lib.any_explicit(self.mesh):
-      return self
-    if not self._other_axes():
+    if not self._layouts_only_on_arrays():
       return self
     specs = jax.tree.map(
       lambda s: rules.normalize_spec(s.spec, len(s.spec), self.mesh, drop=self.axes), plan.params

@@ -462,7 +462,6 @@ def _build_step(args, start: float) -> dict:
   t = time.perf_counter()
   lowered = jax.jit(train_step, donate_argnums=0).trace(state, batch).lower()
   phases['trace and lower'] = time.perf_counter() - t
-  built.pop('mesh')
   return built | dict(
     spec=spec,
     state=state,
