@@ -201,9 +201,9 @@ def _decoder_rows(topology: str, model: str, seq_len: int) -> list[dict]:
   rows = []
   for offload, update_on in tqdm(DECODER_SETTINGS, desc='decoder', file=sys.stdout):
     candidate = candidates.Candidate(3, offload=offload, update_on=update_on)
-    traced, *_ = lowering.lower_candidate(target, candidate)
+    lowered = lowering.lower(target, candidate).lowered
     t0 = time.perf_counter()
-    compiled = traced.lower().compile()
+    compiled = lowered.compile()
     m, peak = compiled.memory_analysis(), zerojax.inspect.memory_stats(compiled).peak
     moved = zerojax.inspect.count_host_transfers(compiled)
     rows.append(

@@ -280,22 +280,30 @@ def test_a_decoder_of_any_shape_plans_tensor_parallel_with_each_phase_timed(tmp_
 
 @pytest.mark.tpu
 @pytest.mark.xdist_group('libtpu')
-def test_a_plan_and_a_search_candidate_read_their_program_once(monkeypatch, capsys):
-  """The optimized HLO of one compiled program is parsed once per plan and once per search
-  candidate: collectives, host transfers, largest arrays and kernel cost are analyses of one
-  `hlo.Program`."""
+def test_a_plan_is_a_search_of_one_and_reads_its_program_once(monkeypatch, tmp_path, capsys):
+  """`plan` runs its one candidate through `search.evaluate`, as a search runs each of its
+  own: the same candidate gives the same figures either way. The optimized HLO of one
+  compiled program is parsed once per plan and once per search candidate: collectives, host
+  transfers, largest arrays and kernel cost are analyses of one `hlo.Program`."""
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  import json
+
   import optax
 
   from zerojax._src.planner import candidates, cli, hlo, lowering, search, tpu
 
-  parses = []
-  parse = hlo._parse_computations
+  parses, evaluated = [], []
+  parse, evaluate = hlo._parse_computations, search.evaluate
   monkeypatch.setattr(hlo, '_parse_computations', lambda text: parses.append(1) or parse(text))
+  monkeypatch.setattr(
+    search, 'evaluate', lambda target, c, **kw: evaluated.append(c) or evaluate(target, c, **kw)
+  )
+  out = tmp_path / 'plan.json'
   argv = ['plan', '--model', 'tiny', '--topology', 'v5e:2x4', '--seq-len', '64', '--no-cache']
-  assert cli.main(argv) == 0
+  assert cli.main([*argv, '--grad', 'zerojax', '--json', str(out)]) == 0
   assert 'measured/floor' in capsys.readouterr().out
-  assert len(parses) == 1
+  assert evaluated == [candidates.Candidate(3)] and len(parses) == 1
+  plan = json.loads(out.read_text())
   parses.clear()
   target = lowering.make_target(
     'tiny',
@@ -304,6 +312,40 @@ def test_a_plan_and_a_search_candidate_read_their_program_once(monkeypatch, caps
     optimizer=lambda: optax.adamw(1e-4),
     seq_len=64,
   )
-  result = search.evaluate(target, candidates.Candidate(3), hbm_bytes=None)
+  result = evaluate(target, candidates.Candidate(3), hbm_bytes=None)
   assert result.fits and result.flops > 0 and result.ring_bytes > 0
   assert len(parses) == 1
+  assert plan['predicted_seconds'] == result.predicted
+  assert plan['memory']['peak'] == result.peak_bytes
+  assert plan['matmul_flops_per_chip'] == result.flops
+  assert sum(plan['collectives']['ring_bytes'].values()) == result.ring_bytes
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_a_plan_whose_states_exceed_hbm_is_refused_before_it_compiles(monkeypatch, capsys):
+  """As a search prunes such a candidate: its model states at rest are over the chip's HBM
+  before any activation, so the plan says so and exits 3 without a compile of minutes."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  import math
+
+  import jax
+
+  from zerojax._src.planner import cli, presets, program_cache
+
+  def never(*args, **kwargs):
+    raise AssertionError('compiled a plan that cannot fit')
+
+  monkeypatch.setattr(program_cache, 'compile_program', never)
+  argv = ['plan', '--model', 'llama2-7b', '--topology', 'v5e:2x4', '--stage', '1', '--no-cache']
+  assert cli.main([*argv, '--seq-len', '64']) == 3
+  err = capsys.readouterr().err.splitlines()
+  # Stage 1, AdamW: fp32 parameters whole on each chip (4 bytes each), the two fp32 moments
+  # split over the 8 chips (8 / 8 bytes each).
+  spec = presets.decoder_spec('llama2-7b', seq_len=64)
+  shapes = jax.eval_shape(spec.init_fn, jax.random.key(0))
+  psi = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+  assert err[-1] == (
+    's1 flat b1 remat:full: DOES NOT FIT: pruned: states alone exceed HBM (model states at rest'
+    f' {psi * (4 + 8 / 8) / 2**30:.2f} GiB per chip, of 16 GiB HBM)'
+  )

@@ -414,8 +414,9 @@ def test_tpu_stream_moves_layers_down_and_compute_dtype_parameters_back(stage, m
     update_on='stream',
     batch_per_chip=micro_batches,
   )
-  traced, plan, state, _, _ = lowering.lower_candidate(target, candidate)
-  moved = zerojax.inspect.count_host_transfers(traced.lower().compile())
+  lowered = lowering.lower(target, candidate)
+  plan, state = lowered.plan, lowered.state
+  moved = zerojax.inspect.count_host_transfers(lowered.lowered.compile())
 
   flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
   shard_bytes = {

@@ -156,11 +156,10 @@ def test_compile_with_text_reads_the_dump_where_as_text_fails():
   from zerojax._src.planner import tpu
 
   devices = tpu.topology_devices('v5p:2x2x2')
-  traced, *_ = lowering.lower_candidate(
+  lowered = lowering.lower(
     lowering.make_target('tiny', 'v5p:2x2x2', devices=devices, optimizer=lambda: optax.sgd(0.1)),
     candidates.Candidate(stage=3, remat='full'),
-  )
-  lowered = traced.lower()
+  ).lowered
   # What this jax and libtpu do: some pairs (jax 0.10.2 with libtpu 0.0.52) fail
   # to print this program with an XLA RET_CHECK, newer ones print it.
   try:
@@ -191,14 +190,14 @@ def test_a_candidate_that_fails_for_a_bug_is_an_error_not_a_refusal(monkeypatch)
   def refused(target, c):
     raise ValueError('`params` leaf cannot be split')
 
-  monkeypatch.setattr(search, 'lower_candidate', refused)
+  monkeypatch.setattr(search, 'lower', refused)
   result = search.evaluate(target, candidate, hbm_bytes=None)
   assert result.status == 'failed: ValueError: `params` leaf cannot be split'
 
   def broken(target, c):
     raise TypeError('missing 2 required keyword-only arguments')
 
-  monkeypatch.setattr(search, 'lower_candidate', broken)
+  monkeypatch.setattr(search, 'lower', broken)
   with pytest.raises(TypeError, match='missing 2 required') as err:
     search.evaluate(target, candidate, hbm_bytes=None)
   assert err.value.__notes__ == [
@@ -213,8 +212,8 @@ def test_the_search_passes_attention_chunk_to_the_presets():
     target = lowering.make_target(
       'tiny', 'cpu:8', devices=devices, optimizer=lambda: optax.sgd(0.1), attention_chunk=chunk
     )
-    traced, *_ = lowering.lower_candidate(target, candidates.Candidate(stage=3, remat='full'))
-    return str(traced.jaxpr)
+    lowered = lowering.lower(target, candidates.Candidate(stage=3, remat='full'))
+    return str(lowered.traced.jaxpr)
 
   # The tiny preset's 64 tokens in chunks of 8: a loop of 8 inside each of its 4 blocks.
   assert 'length=8' in jaxpr_text(8)

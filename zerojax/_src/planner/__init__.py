@@ -8,9 +8,11 @@ It uses the library (`zerojax._src`) and nothing in the library uses it. One mod
 - `estimate`: per-device bytes of each stage from theory, before anything compiles.
 - `candidates`: a configuration to try (stage, layout, micro-batches, remat, prefetch,
   offload, ZeRO++, batch per chip, slices) and the space a search tries.
-- `lowering`: a candidate's mesh, options, abstract train state and step, traced.
+- `lowering`: a candidate's mesh, options, abstract train state and step, traced and
+  lowered (`Lowered`).
 - `program_cache`: its compiled program, or the record of it compiled before.
-- `search`: a candidate compiled, analysed and priced (`evaluate`); the search ranks many.
+- `search`: one candidate through the pipeline, lowered, compiled and priced (`evaluate`,
+  `Priced`); `plan` is a search of one, a search ranks many.
 - `hlo`: the compiled program's optimized HLO read once (`hlo.Program`): collectives, host
   transfers, largest arrays.
 - `cost`: the kernels' time and matmul FLOPs of a `hlo.Program`.

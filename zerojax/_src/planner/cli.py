@@ -18,6 +18,8 @@ import time
 from typing import Any
 
 from zerojax._src.options import OFFLOADS, UPDATE_ON
+from zerojax._src.planner import lowering
+from zerojax._src.planner.lowering import GRID_AXES, SLICE, TENSOR
 
 # HBM per chip, GiB, by the topology name's prefix.
 OPTIMIZERS = ('adam', 'adamw', 'sgd', 'lion', 'adafactor')
@@ -74,16 +76,6 @@ def _devices(topology: str, slices: int = 1):
   return devices, None if chip == 'cpu' else roofline.HBM_GIB.get(chip)
 
 
-# Names of the ZeRO axes of `--mesh AxB[xC]`, one per dimension of the chip grid.
-_GRID_AXES = ('x', 'y', 'z')
-
-
-# The mesh axis `--mesh` names for tensor parallelism; every other axis is a ZeRO axis.
-TENSOR = 'tensor'
-# The outermost mesh axis of `--slices N`: across TPU slices, data-parallel (hierarchical ZeRO).
-SLICE = 'slice'
-
-
 def _mesh_shape(mesh: str, n: int, slices: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
   """The device mesh `--mesh` asks for: 'data' (one axis), a grid like '16x16', or named
   axes like 'data=16,tensor=4' (an axis named 'tensor' is tensor-parallel)."""
@@ -106,12 +98,12 @@ def _mesh_shape(mesh: str, n: int, slices: int = 1) -> tuple[tuple[int, ...], tu
       shape = tuple(int(d) for d in mesh.lower().split('x'))
     except ValueError:
       shape = ()
-    if not shape or len(shape) > len(_GRID_AXES) or min(shape) < 1:
+    if not shape or len(shape) > len(GRID_AXES) or min(shape) < 1:
       raise SystemExit(
-        f"error: --mesh {mesh!r}: expected 'data', a grid of up to {len(_GRID_AXES)}"
+        f"error: --mesh {mesh!r}: expected 'data', a grid of up to {len(GRID_AXES)}"
         f' dimensions like 16x16, or named axes like data=16,{TENSOR}=4'
       )
-    names = _GRID_AXES[: len(shape)]
+    names = GRID_AXES[: len(shape)]
   if math.prod(shape) != n:
     where = f'one of the {slices} slices has {n}' if slices > 1 else f'the topology has {n}'
     raise SystemExit(
@@ -123,55 +115,37 @@ def _mesh_shape(mesh: str, n: int, slices: int = 1) -> tuple[tuple[int, ...], tu
   return shape, names
 
 
-def _load_model(args) -> Any:
+def _model(args) -> Any:
+  """The model of `--model`, as a `lowering.Target` takes it: a preset's name, a
+  `presets.DecoderConfig` (decoder:...), or for module:function a function of (remat,
+  prefetch) returning its `ModelSpec` (a user's model runs its own layer loop)."""
   from zerojax._src.planner import presets
 
   if args.model.startswith('decoder:'):
     try:
-      cfg = presets.parse_decoder(args.model[len('decoder:') :], args.seq_len)
+      return presets.parse_decoder(args.model[len('decoder:') :], args.seq_len)
     except ValueError as e:
       raise SystemExit(f'error: --model: {e}') from None
-    return _preset_spec(args, cfg)
-  if ':' in args.model:
-    for flag, given in (
-      ('--attention-chunk', args.attention_chunk),
-      ('--attention', args.attention != 'xla'),
-    ):
-      if given:
-        raise SystemExit(
-          f'error: {flag} is for the presets; --model {args.model} computes its own'
-          ' attention (use zerojax.inspect.chunked_attention or'
-          ' zerojax.inspect.flash_attention there, or leave it out).'
-        )
-    module_name, attr = args.model.split(':', 1)
-    spec = getattr(importlib.import_module(module_name), attr)()
-    if not isinstance(spec, presets.ModelSpec):
+  if ':' not in args.model:
+    return args.model
+  for flag, given in (
+    ('--attention-chunk', args.attention_chunk),
+    ('--attention', args.attention != 'xla'),
+  ):
+    if given:
       raise SystemExit(
-        f'error: --model {args.model} returned a {type(spec).__name__}; it must return a'
-        ' zerojax.inspect.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
+        f'error: {flag} is for the presets; --model {args.model} computes its own'
+        ' attention (use zerojax.inspect.chunked_attention or'
+        ' zerojax.inspect.flash_attention there, or leave it out).'
       )
-    return spec
-  return _preset_spec(args, args.model)
-
-
-def _preset_spec(args, model) -> Any:
-  import jax.numpy as jnp
-
-  from zerojax._src.planner import presets
-
-  try:
-    return presets.decoder_spec(
-      model,
-      seq_len=args.seq_len,
-      compute_dtype=jnp.dtype(args.compute_dtype),
-      remat='none' if args.no_remat else args.remat,
-      per_layer=not args.gather_all,
-      prefetch_next=args.prefetch,
-      attention_chunk=args.attention_chunk,
-      attention=args.attention,
+  module_name, attr = args.model.split(':', 1)
+  spec = getattr(importlib.import_module(module_name), attr)()
+  if not isinstance(spec, presets.ModelSpec):
+    raise SystemExit(
+      f'error: --model {args.model} returned a {type(spec).__name__}; it must return a'
+      ' zerojax.inspect.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
     )
-  except ValueError as e:
-    raise SystemExit(f'error: {e}') from None
+  return lambda remat, prefetch: spec
 
 
 def _csv(kind):
@@ -296,10 +270,8 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
   """(target, candidates, invalid combinations) of `plan --search`'s flags."""
   from zerojax._src.planner import candidates, lowering
 
-  model = args.model
-  if ':' in args.model:
-    spec = _load_model(args)
-    model = lambda remat, prefetch: spec  # a custom model's layer loop is its own
+  model = _model(args)
+  if callable(model):  # a user's model: its layer loop is its own
     if len(args.remats) > 1 or True in args.prefetch_options:
       print(
         f'note: --model {args.model} runs its own layer loop: --remats and'
@@ -381,48 +353,83 @@ def _check_compiler_options(args) -> None:
 
 
 def cmd_plan(args) -> int:
+  """One plan: a search of one candidate (`search.evaluate`), its compiled program reported."""
   _check_compiler_options(args)
   if args.search:
     return cmd_search(args)
   print(f'command: {args.command_line}', flush=True)
   start = time.perf_counter()
-  built = _build_step(args, start)
+  target, candidate, hbm_gib = _plan_target(args, start)
+  phases = {'topology': time.perf_counter() - start}
   options = dict(args.compiler_options)
-  given = f' with compiler options {options}' if options else ''
-  _log(start, f'lowered; compiling{given} (large models take minutes on a small machine)')
-  from zerojax._src.planner import display, program_cache
+  from zerojax._src.planner import display, search
 
-  with display.working('compiling...'):
-    done = program_cache.compile_program(
-      built['lowered'],
-      topology=args.topology,
+  with display.working('lowering and compiling...'):
+    result = search.evaluate(
+      target,
+      candidate,
+      hbm_bytes=None if hbm_gib is None else hbm_gib * 2**30,
       cache_dir=_cache_dir(args),
       compiler_options=options,
+      keep=True,
+      observe=lambda event, r: _log_phase(args, start, event, r),
     )
-  compiled, text = done.program, done.text
-  built['compile_seconds'] = done.seconds
-  if done.source == 'cache':
-    _log(
-      start,
-      f'read the compiled program back from {_cache_dir(args)} (compiling it took'
-      f' {done.first_compile_seconds:.1f} s; --no-cache compiles it again)',
-    )
-  else:
-    _log(start, f'compiled ({done.seconds:.1f} s of XLA compile)')
+  if result.error is not None:
+    prefix = f'--mesh {args.mesh}: ' if isinstance(result.error, lowering.LayoutError) else ''
+    raise SystemExit(f'error: {prefix}{result.error}')
+  if result.priced is None:  # refused before a program could be reported
+    print(f'\n{candidate.label()}: DOES NOT FIT: {_refusal(result, hbm_gib)}', file=sys.stderr)
+    return 3
   t = time.perf_counter()
-  out = _report_plan(args, built, compiled, text)
-  phases = built['phases'] | {'compile': built['compile_seconds']}
-  phases['report'] = time.perf_counter() - t
+  out = _report_plan(args, target, result, hbm_gib)
+  phases |= result.lowered.phase_seconds | {'compile': result.compiled.seconds}
+  phases['report'] = result.phase_seconds['analyse'] + time.perf_counter() - t
   _log(start, 'reported; ' + ', '.join(f'{k} {v:.1f} s' for k, v in phases.items()))
   if args.json:
     out['compiler_options'] = options
-    out['compile_seconds'] = built['compile_seconds']
-    out['program_source'] = done.source
+    out['compile_seconds'] = result.compiled.seconds
+    out['program_source'] = result.compiled.source
     out['phase_seconds'] = phases | {'total': time.perf_counter() - start}
     with open(args.json, 'w') as f:
       json.dump(out, f, indent=2)
     _log(start, f'wrote {args.json}')
   return 0 if out['fits'] in (None, True) else 3
+
+
+def _refusal(result: Any, hbm_gib: int | None) -> str:
+  """Why a plan was refused before its program could be reported, with the figures."""
+  from zerojax._src.planner import roofline
+
+  if result.status == 'pruned: states alone exceed HBM':
+    return (
+      f'{result.status} (model states at rest {result.theory_bytes / roofline.GiB:.2f} GiB per'
+      f' chip, of {hbm_gib} GiB HBM)'
+    )
+  if result.status == 'pruned: offloaded state exceeds host memory':
+    host = result.lowered.plan.bytes_per_device()['host'] / roofline.GiB
+    return f'{result.status} ({host:.2f} GiB per chip offloaded)'
+  return result.status
+
+
+def _log_phase(args, start: float, event: str, result: Any) -> None:
+  """The plan's progress lines, as `search.evaluate` reaches each phase."""
+  if event == 'lowered':
+    lowered = result.lowered
+    _log(
+      start,
+      f'model {lowered.spec.name}: {lowered.num_params:,} parameters; stage {args.stage} plan'
+      ' built and lowered',
+    )
+    given = f' with compiler options {dict(args.compiler_options)}' if args.compiler_options else ''
+    _log(start, f'compiling{given} (large models take minutes on a small machine)')
+  elif event == 'compiled' and result.program_source == 'cache':
+    _log(
+      start,
+      f'read the compiled program back from {_cache_dir(args)} (compiling it took'
+      f' {result.compiled.first_compile_seconds:.1f} s; --no-cache compiles it again)',
+    )
+  elif event == 'compiled':
+    _log(start, f'compiled ({result.compiled.seconds:.1f} s of XLA compile)')
 
 
 def _cache_dir(args) -> Any:
@@ -433,50 +440,10 @@ def _cache_dir(args) -> Any:
   return args.cache_dir
 
 
-def _build_step(args, start: float) -> dict:
-  """The plan's mesh, model, abstract state and lowered step (every phase timed)."""
-  import jax
-  import numpy as np
-
-  phases: dict[str, float] = {}
-  t = time.perf_counter()
-  built = _plan_mesh(args, start)
-  spec = _load_model(args)
-  param_specs = _tensor_specs(args, spec, built['mesh'])
-  phases['topology'] = time.perf_counter() - t
-  t = time.perf_counter()
-  names, zero_axes = built['names'], built['zero_axes']
-  axis = zero_axes[0] if len(zero_axes) == 1 else zero_axes
-  tx = _plan_optimizer(args, built['mesh'], axis, names, param_specs, spec.stacked)
-  state, plan, batch, batch_sds, grad_fn = _abstract_step(
-    args, spec, tx, built['mesh'], axis, built['explicit'], built['n']
-  )
-  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
-  _log(start, f'model {spec.name}: {num_params:,} parameters; stage {args.stage} plan built')
-  phases['plan'] = time.perf_counter() - t
-
-  def train_step(state, batch):
-    loss, grads = grad_fn(state.params, batch)
-    return state.apply_gradients(grads=grads), loss
-
-  t = time.perf_counter()
-  lowered = jax.jit(train_step, donate_argnums=0).trace(state, batch).lower()
-  phases['trace and lower'] = time.perf_counter() - t
-  return built | dict(
-    spec=spec,
-    state=state,
-    plan=plan,
-    num_params=num_params,
-    batch_sds=batch_sds,
-    lowered=lowered,
-    phases=phases,
-  )
-
-
-def _plan_mesh(args, start: float) -> dict:
-  """The devices of `--topology` (and `--slices`) and the mesh over them, logged."""
-  import numpy as np
-  from jax.sharding import AxisType, Mesh
+def _plan_target(args, start: float) -> tuple[Any, Any, int | None]:
+  """(the `lowering.Target` and the one `Candidate` of a plan's flags, the chips' HBM in GiB
+  or None), the topology and mesh logged."""
+  from zerojax._src.planner import candidates, roofline
 
   devices, hbm_gib = _devices(args.topology, args.slices)
   n = len(devices)
@@ -485,56 +452,58 @@ def _plan_mesh(args, start: float) -> dict:
     f'topology {args.topology}: {n} devices ({devices[0].device_kind})'
     + (f' in {args.slices} slices joined by the data-center network' if args.slices > 1 else ''),
   )
+  chip = roofline.CHIPS.get(args.topology.split(':')[0])
+  if args.slices > 1 and chip is not None:
+    try:  # before a compile of minutes whose step could not be timed
+      roofline.check_dcn(chip)
+    except ValueError as e:
+      raise SystemExit(f'error: {e}') from None
   shape, names = _mesh_shape(args.mesh, n // args.slices, args.slices)
-  if args.slices > 1:
-    # The slice axis outermost: each slice holds whole blocks of the others (hierarchical ZeRO).
-    shape, names = (args.slices, *shape), (SLICE, *names)
-  mesh = Mesh(np.array(devices).reshape(shape), names, axis_types=(AxisType.Auto,) * len(names))
-  zero_axes = tuple(a for a in names if a not in (TENSOR, SLICE))
-  explicit = _gradients(args, names)
+  full = ((SLICE, *names), (args.slices, *shape)) if args.slices > 1 else (names, shape)
+  explicit = _gradients(args, full[0])
+  target = lowering.Target(
+    topology=args.topology,
+    devices=tuple(devices[: n // args.slices]),
+    grid=shape,
+    chip=chip,
+    model=_model(args),
+    optimizer=lambda: _optimizer(args.optimizer),
+    mixed_precision=args.mixed_precision,
+    seq_len=args.seq_len,
+    compute_dtype=args.compute_dtype,
+    attention_chunk=args.attention_chunk,
+    attention=args.attention,
+    slice_devices=((args.slices, tuple(devices)),) if args.slices > 1 else (),
+    axis_names=names,
+    gradients='zerojax' if explicit else 'jax',
+    gather_all=args.gather_all,
+  )
+  candidate = candidates.Candidate(
+    args.stage,
+    layout='flat' if names == ('data',) else 'torus',
+    remat='none' if args.no_remat else args.remat,
+    prefetch=args.prefetch,
+    offload=args.offload,
+    update_on=args.update_on,
+    batch_per_chip=args.batch_per_chip,
+    slices=args.slices,
+  )
+  _log_mesh(args, start, dict(zip(*full)), explicit)
+  return target, candidate, hbm_gib
+
+
+def _log_mesh(args, start: float, mesh: dict[str, int], explicit: bool) -> None:
+  zero_axes = tuple(a for a in mesh if a not in (TENSOR, SLICE))
   _log(
     start,
-    f'mesh {dict(zip(names, shape))}, ZeRO over {zero_axes}'
-    + (f', data-parallel over {SLICE!r}' if SLICE in names else '')
-    + (f', tensor-parallel over {TENSOR!r}' if TENSOR in names else '')
+    f'mesh {mesh}, ZeRO over {zero_axes}'
+    + (f', data-parallel over {SLICE!r}' if SLICE in mesh else '')
+    + (f', tensor-parallel over {TENSOR!r}' if TENSOR in mesh else '')
     + '; gradients through '
     + (
       f'zerojax.value_and_grad(per_layer={args.stage >= 2})' if explicit else 'jax.value_and_grad'
     ),
   )
-  return dict(
-    devices=devices,
-    hbm_gib=hbm_gib,
-    n=n,
-    names=names,
-    shape=shape,
-    zero_axes=zero_axes,
-    explicit=explicit,
-    mesh=mesh,
-  )
-
-
-def _plan_optimizer(args, mesh, axis, names, param_specs, stacked):
-  """The plan's optimizer wrapped for its stage; a bad option ends the command with its error."""
-  from zerojax._src import precision, zero_stage
-
-  inner = _optimizer(args.optimizer)
-  if args.mixed_precision:
-    inner = precision.mixed_precision(inner)
-  try:
-    return zero_stage.zero_stage(
-      inner,
-      args.stage,
-      mesh=mesh,
-      axis=axis,
-      offload=args.offload,
-      update_on=args.update_on,
-      param_specs=param_specs,
-      replica_axis=(SLICE,) if SLICE in names else None,
-      stacked=stacked,
-    )
-  except ValueError as e:
-    raise SystemExit(f'error: {e}') from None
 
 
 def _gradients(args, names: tuple[str, ...]) -> bool:
@@ -556,110 +525,45 @@ def _gradients(args, names: tuple[str, ...]) -> bool:
   return args.grad == 'zerojax' or (args.grad == 'auto' and (len(names) > 1 or stream))
 
 
-def _tensor_specs(args, spec, mesh) -> Any:
-  """The parameters' tensor-parallel PartitionSpecs when the mesh has a tensor axis."""
-  if TENSOR not in mesh.axis_names:
-    return None
-  if spec.tensor_specs is None:
-    raise SystemExit(
-      f'error: --mesh {args.mesh} has a {TENSOR!r} axis but --model {args.model} gives no'
-      ' tensor-parallel layout (ModelSpec.tensor_specs); drop the tensor axis, or give one.'
-    )
-  try:
-    return spec.tensor_specs(TENSOR, mesh.shape[TENSOR])
-  except ValueError as e:
-    raise SystemExit(f'error: --mesh {args.mesh}: {e}') from None
-
-
-def _abstract_step(args, spec, tx, mesh, axis, explicit: bool, n: int):
-  """(abstract train state, its plan, sharded batch, the batch's struct, gradient function)."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  from zerojax._src import train_state, transform
-
-  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-  extra = {'param_dtype': jnp.dtype(args.compute_dtype)} if args.mixed_precision else {}
-  state = train_state.abstract_train_state(spec.init_fn, key, tx=tx, **extra)
-  plan = transform.plan_for(state.tx, state.params)
-  # As MaxText counts it: the global batch is the batch per chip times every chip; the chips
-  # of one tensor-parallel group share their sequences.
-  batch_sds = spec.batch(args.batch_per_chip * n)
-  # The batch's rows over every chip: the data-parallel (slice) axes, then ZeRO's.
-  rows = transform.config_of(state.tx).replica_axes + ((axis,) if isinstance(axis, str) else axis)
-  rows = rows[0] if len(rows) == 1 else rows
-  batch = jax.ShapeDtypeStruct(
-    batch_sds.shape, batch_sds.dtype, sharding=NamedSharding(mesh, PartitionSpec(rows))
-  )
-  if explicit:
-    from zerojax._src import grad as grad_lib
-
-    grad_fn = grad_lib.value_and_grad(
-      lambda p, b: spec.loss_fn(p, b, plan), state.tx, per_layer=args.stage >= 2
-    )
-  else:
-    grad_fn = lambda p, b: jax.value_and_grad(lambda q: spec.loss_fn(q, b, plan))(p)
-  return state, plan, batch, batch_sds, grad_fn
-
-
-def _report_plan(args, built: dict, compiled, text: str) -> dict:
-  """Prints the plan's report (memory, collectives, host link, predicted step) and returns
-  its JSON record."""
-  import jax
-  import jax.numpy as jnp
-
-  from zerojax._src.planner import candidates, hlo, roofline, search
-  from zerojax._src.planner import report as report_lib
-
-  spec, state, plan, n = built['spec'], built['state'], built['plan'], built['n']
-  # The floor's unit: at stage 3 parameters travel in the compute dtype (cast
-  # before they are gathered) and so do their gradients (the gather's
-  # transpose); below it the gradients of the stored parameters are reduced
-  # and the updated parameters gathered, in the parameters' own dtype.
-  if args.stage == 3:
-    unit = jnp.dtype(args.compute_dtype).itemsize
-  else:
-    unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
-  program = hlo.Program.parse(text)  # read once; every figure below is an analysis of it
-  report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit, hlo_text=program)
+def _report_plan(args, target: Any, result: Any, hbm_gib: int | None) -> dict:
+  """Prints the plan's report (memory, collectives, host link, predicted step) from its priced
+  program and returns its JSON record."""
+  lowered, priced = result.lowered, result.priced
+  report, n = priced.report, lowered.mesh.devices.size
   print(
-    f'\n{spec.name} | {built["num_params"] / 1e9:.2f}B params | ZeRO stage {args.stage} |'
+    f'\n{lowered.spec.name} | {lowered.num_params / 1e9:.2f}B params | ZeRO stage {args.stage} |'
     f' {args.optimizer} | {args.topology}'
     + (f' x {args.slices} slices' if args.slices > 1 else '')
     + f' ({n} chips) | batch {args.batch_per_chip}/chip x'
-    f' {built["batch_sds"].shape[1:]}'
+    f' {lowered.batch.shape[1:]}'
   )
+  plan = lowered.plan
   sizes = {k: v for k, v in plan.bytes_per_device().items() if v or k != 'host'}
   print('plan per chip: ' + ', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in sizes.items()))
   print(report)
-  fits = _print_fit(args, built, report, sizes)
-  largest = _largest_arrays(program)
+  fits = _print_fit(args, hbm_gib, report, sizes)
+  largest = priced.largest_arrays()
   print(_format_largest(largest))
-  chip = roofline.CHIPS.get(args.topology.split(':')[0])
-  candidate = candidates.Candidate(args.stage, offload=args.offload, update_on=args.update_on)
-  traffic = search.host_traffic(
-    program, candidate, sizes.get('host', 0), search.updated_param_bytes(plan, args.stage)
-  )
+  chip, traffic, work = target.chip, priced.host_traffic, priced.work
   if traffic['source'] != 'none':
     print(_format_traffic(traffic, chip))
-  work = search.program_cost(chip, program)
   print(
     f'matmul FLOPs per chip per step (counted in the compiled program): {work.matmul_flops:.4g}'
   )
-  predicted = _print_prediction(args.topology, chip, candidate, report, work, traffic)
+  predicted = _print_prediction(args.topology, chip, priced)
   figures = dict(sizes=sizes, chip=chip, traffic=traffic, predicted=predicted, work=work)
-  return _plan_json(args, built, report, figures | {'largest': largest, 'fits': fits})
+  figures |= dict(largest=largest, fits=fits, hbm_gib=hbm_gib)
+  return _plan_json(args, lowered, report, figures)
 
 
-def _plan_json(args, built: dict, report: Any, figures: dict) -> dict:
+def _plan_json(args, lowered: Any, report: Any, figures: dict) -> dict:
   """What `plan --json` writes: the command, the plan and the compiled program's figures."""
   chip, work = figures['chip'], figures['work']
   c = report.collectives
   return {
     'command': args.command_line,
-    'model': built['spec'].name,
-    'num_params': built['num_params'],
+    'model': lowered.spec.name,
+    'num_params': lowered.num_params,
     'stage': args.stage,
     'mixed_precision': args.mixed_precision,
     'offload': args.offload,
@@ -674,13 +578,13 @@ def _plan_json(args, built: dict, report: Any, figures: dict) -> dict:
     'largest_arrays': figures['largest'],
     'roofline': None if chip is None else dataclasses.asdict(chip) | {'clock_hz': chip.clock_hz},
     'topology': args.topology,
-    'num_devices': built['n'],
+    'num_devices': lowered.mesh.devices.size,
     'batch_per_chip': args.batch_per_chip,
-    'mesh': dict(zip(built['names'], built['shape'])),
-    'gradients': 'zerojax.value_and_grad' if built['explicit'] else 'jax.value_and_grad',
+    'mesh': dict(lowered.mesh.shape),
+    'gradients': f'{lowered.gradients}.value_and_grad',
     'memory': dataclasses.asdict(report.memory)
     | {'peak': report.memory.peak, 'peak_source': report.memory.source},
-    'hbm_bytes': None if built['hbm_gib'] is None else built['hbm_gib'] * 2**30,
+    'hbm_bytes': None if figures['hbm_gib'] is None else figures['hbm_gib'] * 2**30,
     'fits': figures['fits'],
     'collectives': {
       'counts': c.counts,
@@ -697,9 +601,7 @@ def _plan_json(args, built: dict, report: Any, figures: dict) -> dict:
   }
 
 
-def _print_prediction(
-  topology: str, chip: Any, candidate: Any, report: Any, work: Any, traffic: dict
-):
+def _print_prediction(topology: str, chip: Any, priced: Any):
   """Prints the predicted step (the step-time model of docs/design.md) and returns it; None
   for faked CPU devices, and for a chip without published figures, which it says."""
   from zerojax._src.planner import roofline
@@ -715,14 +617,7 @@ def _print_prediction(
         file=sys.stderr,
       )
     return None
-  c = report.collectives
-  costed = roofline.StepCost.of(c, work)
-  try:
-    predicted = roofline.predict(
-      chip, costed, traffic['to_host'] + traffic['to_device'], traffic['overlapped']
-    )
-  except ValueError as e:
-    raise SystemExit(f'error: {e}') from None
+  c, work, predicted = priced.report.collectives, priced.work, priced.predicted
   dcn = ''
   if c.total_dcn_bytes:
     windows = work.dcn_windows
@@ -747,12 +642,12 @@ def _print_prediction(
   return predicted
 
 
-def _print_fit(args, built: dict, report, sizes: dict) -> bool | None:
+def _print_fit(args, hbm_gib: int | None, report, sizes: dict) -> bool | None:
   """Prints peak memory against HBM (and host memory against the host's share); returns
   whether the plan fits (None where the device memory is not known)."""
   from zerojax._src.planner import roofline
 
-  fits, hbm_gib, peak = None, built['hbm_gib'], report.memory.peak
+  fits, peak = None, report.memory.peak
   if hbm_gib is not None and report.memory.host_held and peak > hbm_gib * 2**30:
     # No device-only peak from the compiler; it refuses what does not fit (RESOURCE_EXHAUSTED).
     fits = True
@@ -781,22 +676,6 @@ def _print_fit(args, built: dict, report, sizes: dict) -> bool | None:
       )
     )
   return fits
-
-
-def _largest_arrays(program: Any, count: int = 6) -> list[dict]:
-  """The largest arrays of the program, those of one type together (the entry's zeros and
-  the loop's stacked updates of one buffer, or one value per layer), largest first."""
-  from zerojax._src.planner import hlo
-
-  groups: dict[str, dict] = {}
-  for a in hlo.largest_arrays(program, count=None):
-    g = groups.setdefault(a.type, dict(type=a.type, bytes=a.nbytes, count=0, sources=[]))
-    g['count'] += 1
-    if a.stacked:
-      g['stacked_over'] = a.loop_trips
-    if a.source and a.source not in g['sources']:
-      g['sources'].append(a.source)
-  return list(groups.values())[:count]
 
 
 def _format_largest(groups: list[dict]) -> str:

@@ -4,6 +4,7 @@ mesh, ZeRO options, abstract train state and training step, traced for the compi
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,16 +16,29 @@ from zerojax._src.options import Options
 from zerojax._src.planner.candidates import QUANTIZE, Candidate
 from zerojax._src.planner.roofline import CHIPS, Chip, calibrate_cpu
 
+# The mesh axis a plan names for tensor parallelism; every other axis of a slice is a ZeRO axis.
+TENSOR = 'tensor'
+# The outermost mesh axis of several slices: across TPU slices, data-parallel (hierarchical ZeRO).
+SLICE = 'slice'
+# The names of a chip grid's axes, one per torus dimension.
+GRID_AXES = ('x', 'y', 'z')
+GRADIENTS = ('zerojax', 'jax')
+
+
+class LayoutError(ValueError):
+  """The mesh asked for does not fit the model (a tensor axis it cannot split over)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
   """Where and what to compile: the devices, their grid, the model and its training setup."""
 
   topology: str
-  devices: tuple
-  grid: tuple[int, ...]
-  chip: Chip | None
-  model: str | Callable[..., Any]  # a preset name, or a function of (remat, prefetch) -> ModelSpec
+  devices: tuple  # the devices of one slice
+  grid: tuple[int, ...]  # the 'torus' layout's mesh shape over one slice
+  chip: Chip | None  # the step-time model's constants; None: the step is not timed
+  # A preset name, a `presets.DecoderConfig`, or a function of (remat, prefetch) -> ModelSpec.
+  model: Any
   optimizer: Callable[[], Any]
   mixed_precision: bool = False
   seq_len: int | None = None
@@ -33,6 +47,13 @@ class Target:
   attention: str = 'xla'  # presets: 'xla' or 'flash' (presets.ATTENTION)
   # The devices of S slices of the topology, slice by slice, for each S > 1 searched.
   slice_devices: tuple = ()
+  # The names of the 'torus' layout's axes (default GRID_AXES); an axis named TENSOR is
+  # tensor-parallel over the model's `tensor_specs`, ZeRO splits over the others.
+  axis_names: tuple[str, ...] = ()
+  # 'zerojax' (zerojax.value_and_grad: the stage's collectives per layer) or 'jax'
+  # (jax.value_and_grad: the compiler places the reduction).
+  gradients: str = 'zerojax'
+  gather_all: bool = False  # presets: gather every parameter up front, not layer by layer
 
   def devices_for(self, slices: int) -> tuple:
     """The devices of `slices` slices of the topology."""
@@ -43,17 +64,22 @@ class Target:
       raise ValueError(f'the target has no devices for {slices} slices; make it with slices=.')
     return found
 
+  def names(self) -> tuple[str, ...]:
+    """The names of the 'torus' layout's axes."""
+    return self.axis_names or GRID_AXES[: len(self.grid)]
 
-def _mesh(target: Target, c: Candidate):
+
+def mesh_for(target: Target, c: Candidate):
+  """(the candidate's mesh, the names of one slice's axes: ZeRO's and the tensor axis)."""
   from jax.sharding import AxisType, Mesh
 
   if c.layout == 'flat':
     shape, names = (len(target.devices),), ('data',)
   else:
-    shape, names = target.grid, ('x', 'y', 'z')[: len(target.grid)]
+    shape, names = target.grid, target.names()
   devices = target.devices_for(c.slices)
-  # Several slices: an outer 'slice' axis (data-parallel); `names` stays the ZeRO axes.
-  full = ((c.slices, *shape), ('slice', *names)) if c.slices > 1 else (shape, names)
+  # Several slices: an outer 'slice' axis (data-parallel) over whole slices.
+  full = ((c.slices, *shape), (SLICE, *names)) if c.slices > 1 else (shape, names)
   mesh = Mesh(
     np.array(devices).reshape(full[0]), full[1], axis_types=(AxisType.Auto,) * len(full[1])
   )
@@ -72,15 +98,18 @@ def model_spec(target: Target, c: Candidate):
     seq_len=target.seq_len,
     compute_dtype=jnp.dtype(target.compute_dtype),
     remat=c.remat,
+    per_layer=not target.gather_all,
     prefetch_next=c.prefetch,
     attention_chunk=target.attention_chunk,
     attention=target.attention,
   )
 
 
-def zero_options(c: Candidate, names: tuple[str, ...], stacked: Any = None) -> Options:
-  """The `zerojax.Options` of a candidate, for a mesh with axes `names` and a model whose
-  stacked layers are `stacked` (`ModelSpec.stacked`)."""
+def zero_options(
+  c: Candidate, names: tuple[str, ...], stacked: Any = None, param_specs: Any = None
+) -> Options:
+  """The `zerojax.Options` of a candidate, for ZeRO axes `names`, a model whose stacked layers
+  are `stacked` (`ModelSpec.stacked`) and tensor-parallel layouts `param_specs`."""
   from zerojax._src import quantize as quantize_lib
 
   q = QUANTIZE[c.quantize]
@@ -88,56 +117,128 @@ def zero_options(c: Candidate, names: tuple[str, ...], stacked: Any = None) -> O
     axis=names[0] if len(names) == 1 else names,
     param_axis=names[-1] if c.layout == 'hpz' else None,
     offload=c.offload,
-    update_on=c.update_on if c.offload is not None else 'device',
+    update_on=c.update_on,
     quantize=None if q is None else quantize_lib.Quantize(**q, min_size=1 << 16),
-    replica_axis='slice' if c.slices > 1 else None,
+    replica_axis=SLICE if c.slices > 1 else None,
     stacked=stacked,
+    param_specs=param_specs,
   )
 
 
-def lower_candidate(target: Target, c: Candidate):
-  """(traced step, plan, abstract state, batch, the floor's unit in bytes) of a candidate."""
-  from jax.sharding import NamedSharding, PartitionSpec
+def _tensor_specs(spec: Any, mesh: Any) -> Any:
+  """The parameters' tensor-parallel PartitionSpecs where the mesh has a tensor axis."""
+  if TENSOR not in mesh.axis_names:
+    return None
+  if spec.tensor_specs is None:
+    raise LayoutError(
+      f'the mesh has a {TENSOR!r} axis but the model {spec.name} gives no tensor-parallel'
+      ' layout (ModelSpec.tensor_specs); drop the tensor axis, or give one.'
+    )
+  try:
+    return spec.tensor_specs(TENSOR, mesh.shape[TENSOR])
+  except ValueError as e:
+    raise LayoutError(str(e)) from None
 
-  from zerojax._src import grad as grad_lib
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+  """A candidate traced and lowered for the compiler, with what its analyses read: the model,
+  the mesh, the abstract train state, its ZeRO plan and the batch."""
+
+  candidate: Candidate
+  spec: Any  # the `ModelSpec`
+  mesh: Any
+  zero_axes: tuple[str, ...]
+  state: Any  # the abstract train state
+  plan: Any  # its `ZeroPlan`
+  batch: Any  # the sharded batch's ShapeDtypeStruct
+  unit: int  # the floor's unit: bytes of one parameter as the collectives carry it
+  gradients: str  # 'zerojax' or 'jax' (`Target.gradients`)
+  traced: Any  # `jax.stages.Traced`
+  lowered: Any  # `jax.stages.Lowered`
+  phase_seconds: dict  # 'plan' (the state and its layout), 'trace and lower'
+
+  @property
+  def num_params(self) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
+
+
+def _abstract_state(target: Target, c: Candidate, spec: Any, mesh: Any, names: tuple):
+  """(the abstract train state, its ZeRO plan) of a candidate, its optimizer wrapped for the
+  candidate's stage on `mesh`."""
   from zerojax._src import precision, train_state, transform
 
-  mesh, names = _mesh(target, c)
-  spec = model_spec(target, c)
-  options = zero_options(c, names, spec.stacked)
+  zero_axes = tuple(a for a in names if a != TENSOR)
+  options = zero_options(c, zero_axes, spec.stacked, _tensor_specs(spec, mesh))
   inner = target.optimizer()
   if target.mixed_precision:
     inner = precision.mixed_precision(inner)
   tx = transform.zero_optimizer(transform.make_config(inner, c.stage, mesh, options))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-  extra = {'param_dtype': jnp.bfloat16} if target.mixed_precision else {}
+  extra = {'param_dtype': jnp.dtype(target.compute_dtype)} if target.mixed_precision else {}
   state = train_state.abstract_train_state(spec.init_fn, key, tx=tx, **extra)
-  plan = transform.plan_for(state.tx, state.params)
-  rows = spec.batch(c.batch_per_chip * mesh.devices.size)
-  # The batch's rows over every chip: the data-parallel (slice) axes, then ZeRO's.
-  over = options.axis if isinstance(options.axis, tuple) else (options.axis,)
-  over = transform.config_of(state.tx).replica_axes + over
-  over = over[0] if len(over) == 1 else over
-  batch = jax.ShapeDtypeStruct(
-    rows.shape, rows.dtype, sharding=NamedSharding(mesh, PartitionSpec(over))
-  )
-  grad_fn = grad_lib.value_and_grad(
-    lambda p, b: spec.loss_fn(p, b, plan),
+  return state, transform.plan_for(state.tx, state.params)
+
+
+def _gradient_fn(target: Target, c: Candidate, spec: Any, state: Any, plan: Any):
+  """(params, batch) -> (loss, gradients), through zerojax's or jax's value_and_grad."""
+  loss = lambda p, b: spec.loss_fn(p, b, plan)
+  if target.gradients == 'jax':
+    return lambda p, b: jax.value_and_grad(lambda q: loss(q, b))(p)
+  from zerojax._src import grad as grad_lib
+
+  return grad_lib.value_and_grad(
+    loss,
     state.tx,
     per_layer=c.stage >= 2 and c.layout != 'hpz',
     micro_batches=c.micro_batches,
   )
 
+
+def lower(target: Target, c: Candidate) -> Lowered:
+  """The candidate's training step traced and lowered for the compiler.
+
+  Raises:
+    LayoutError: a tensor axis the model cannot be split over.
+    ValueError: zerojax refuses the layout (a leaf that cannot be split, a bad option).
+  """
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from zerojax._src import transform
+
+  start = time.perf_counter()
+  mesh, names = mesh_for(target, c)
+  spec = model_spec(target, c)
+  state, plan = _abstract_state(target, c, spec, mesh, names)
+  phases = {'plan': time.perf_counter() - start}
+  start = time.perf_counter()
+  rows = spec.batch(c.batch_per_chip * mesh.devices.size)
+  # The batch's rows over every chip: the data-parallel (slice) axes, then ZeRO's.
+  zero_axes = tuple(a for a in names if a != TENSOR)
+  over = transform.config_of(state.tx).replica_axes + zero_axes
+  over = over[0] if len(over) == 1 else over
+  batch = jax.ShapeDtypeStruct(
+    rows.shape, rows.dtype, sharding=NamedSharding(mesh, PartitionSpec(over))
+  )
+  grad_fn = _gradient_fn(target, c, spec, state, plan)
+
   def train_step(state, batch):
     loss, grads = grad_fn(state.params, batch)
     return state.apply_gradients(grads=grads), loss
 
+  traced = jax.jit(train_step, donate_argnums=0).trace(state, batch)
+  lowered = traced.lower()
+  phases['trace and lower'] = time.perf_counter() - start
+  # The floor's unit: at stage 3 parameters travel in the compute dtype (cast before they are
+  # gathered) and so do their gradients (the gather's transpose); below it the gradients of
+  # the stored parameters are reduced and the updated parameters gathered, in their own dtype.
   if c.stage == 3:
     unit = jnp.dtype(target.compute_dtype).itemsize
   else:
     unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
-  traced = jax.jit(train_step, donate_argnums=0).trace(state, batch)
-  return traced, plan, state, batch, unit
+  return Lowered(
+    c, spec, mesh, zero_axes, state, plan, batch, unit, target.gradients, traced, lowered, phases
+  )
 
 
 def make_target(

@@ -185,6 +185,19 @@ class StepCost:
     )
 
 
+def check_dcn(chip: Chip) -> None:
+  """Refuses a step across slices on a chip whose data-center network is not published.
+
+  Raises:
+    ValueError: naming the chip and the chips that have the figure.
+  """
+  if not chip.dcn_bandwidth:
+    raise ValueError(
+      f'{chip.name} has no published data-center network bandwidth, so a step across'
+      ' slices cannot be timed; plan one slice, or a chip whose page gives it (v5e, v5p).'
+    )
+
+
 def predict(
   chip: Chip, r: Any, host_transfer_bytes: float, host_overlap: float = 0.0
 ) -> dict[str, float]:
@@ -204,11 +217,8 @@ def predict(
   dcn_bytes = getattr(r, 'dcn_bytes', 0.0)
   dcn_hidden = getattr(r, 'dcn_overlapped_bytes', 0.0)
   ici_bytes, ici_hidden = r.ring_bytes - dcn_bytes, r.overlapped_bytes - dcn_hidden
-  if dcn_bytes and not chip.dcn_bandwidth:
-    raise ValueError(
-      f'{chip.name} has no published data-center network bandwidth, so a step across'
-      ' slices cannot be timed; plan one slice, or a chip whose page gives it (v5e, v5p).'
-    )
+  if dcn_bytes:
+    check_dcn(chip)
   ici = ici_bytes / chip.axis_bandwidth + r.collective_count * chip.collective_latency
   dcn = dcn_bytes / chip.dcn_bandwidth if dcn_bytes else 0.0
   ici_share = ici_hidden / ici_bytes if ici_bytes else 0.0

@@ -32,8 +32,35 @@ import numpy as np
 from zerojax._src import runtime
 from zerojax._src.planner import cost, hlo, roofline
 from zerojax._src.planner.candidates import Candidate, candidate_space, why_none_valid
-from zerojax._src.planner.lowering import Target, lower_candidate, make_target
+from zerojax._src.planner.lowering import Lowered, Target, lower, make_target
 from zerojax._src.planner.roofline import Chip, host_transfer_bytes, predict
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+  """A compiled candidate's figures, each an analysis of its program read once: memory and
+  collectives against the ZeRO floors (`report`), the kernels' work, the host link's traffic
+  and the predicted step."""
+
+  report: Any  # `report.StepReport`
+  program: hlo.Program
+  work: cost.ProgramCost
+  step: roofline.StepCost
+  host_traffic: dict  # see `host_traffic`
+  predicted: dict  # seconds by part (`roofline.predict`); empty where the chip has no figures
+
+  def largest_arrays(self, count: int = 6) -> list[dict]:
+    """The program's largest arrays, those of one type together (the entry's zeros and the
+    loop's stacked updates of one buffer, or one value per layer), largest first."""
+    groups: dict[str, dict] = {}
+    for a in hlo.largest_arrays(self.program, count=None):
+      g = groups.setdefault(a.type, dict(type=a.type, bytes=a.nbytes, count=0, sources=[]))
+      g['count'] += 1
+      if a.stacked:
+        g['stacked_over'] = a.loop_trips
+      if a.source and a.source not in g['sources']:
+        g['sources'].append(a.source)
+    return list(groups.values())[:count]
 
 
 @dataclasses.dataclass
@@ -74,6 +101,13 @@ class Result:
   program_source: str = ''
   # What the compiler said a candidate it refused needs, in its G (None where it said none).
   compiler_needs_gigabytes: float | None = None
+  # Why zerojax refused to lay the candidate out ('failed: ...' status), as it was raised.
+  error: Exception | None = dataclasses.field(default=None, repr=False, compare=False)
+  # With `evaluate(keep=True)` (a single plan): the candidate lowered, its compile's outcome
+  # and its priced program, for the plan's report; a search of many keeps none.
+  lowered: Lowered | None = dataclasses.field(default=None, repr=False, compare=False)
+  compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+  priced: Priced | None = dataclasses.field(default=None, repr=False, compare=False)
 
   @property
   def fits(self) -> bool:
@@ -164,41 +198,80 @@ def evaluate(
   memo: dict | None = None,
   compiler_options: dict[str, Any] | None = None,
   measure: bool = False,
+  keep: bool = False,
+  observe: Callable[[str, Result], None] | None = None,
 ) -> Result:
-  """Theory first (states at rest, host bytes), then the compiled program's own figures.
+  """One candidate through the pipeline: lowered (`lowering.lower`), checked against theory
+  (states at rest against HBM, offloaded state against host memory), compiled or read back
+  (`program_cache.compile_program`), priced (`price`). `python -m zerojax plan` is this for one
+  candidate; a search runs it for each.
 
   `cache_dir` and `memo` (`program_cache.compile_program`) let a program lowered before,
   in an earlier run or by an earlier candidate, be read back instead of compiled again.
   `compiler_options` go to the compiler with every candidate. With `measure`, a program
-  compiled here that fits is also run (`measured_seconds`; on cpu:N).
+  compiled here that fits is also run (`measured_seconds`; on cpu:N). With `keep`, the
+  result keeps the lowered candidate, its compile and its priced program (a plan's report
+  prints from them). `observe(event, result)` is called as the candidate is 'lowered' (and
+  not pruned) and 'compiled' (or read back), for progress lines.
   """
+  observe = observe or (lambda event, result: None)
+  start = time.perf_counter()
+  try:
+    lowered = lower(target, c)
+  except ValueError as e:  # zerojax's layout rules refuse it: a leaf that cannot be split so
+    message = f'failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}'
+    return Result(c, message, error=e)
+  except Exception as e:  # anything else is a bug, never a candidate that does not fit
+    e.add_note(f'zerojax plan search: raised while lowering the candidate {c}.')
+    raise
+  result = _theory(target, lowered, hbm_bytes)
+  result.phase_seconds['lower'] = time.perf_counter() - start
+  result.lowered = lowered if keep else None
+  if not result.status.startswith('pruned'):
+    observe('lowered', result)
+    done = _compile(target, lowered, result, cache_dir, memo, compiler_options)
+    if done is not None:
+      result.compiled = done if keep else None
+      observe('compiled', result)
+      start = time.perf_counter()
+      priced = price(target, lowered, done)
+      _record(result, target, priced, done.program, hbm_bytes)
+      result.phase_seconds['analyse'] = time.perf_counter() - start
+      result.priced = priced if keep else None
+      if measure and result.fits and done.source == 'compiled':
+        result.measured_seconds = _measure_cpu(done.program, lowered.state, lowered.batch)
+  return result
+
+
+def _theory(target: Target, lowered: Lowered, hbm_bytes: int | None) -> Result:
+  """The candidate's states at rest and offloaded state, from its plan; pruned where they
+  alone exceed the device's or the host's memory."""
+  sizes = lowered.plan.bytes_per_device()
+  result = Result(
+    lowered.candidate,
+    'fits',
+    theory_bytes=sizes['params'] + sizes['opt_state'],
+    host_bytes=sizes['host'],
+  )
+  chip = target.chip
+  if hbm_bytes is not None and result.theory_bytes > hbm_bytes:
+    result.status = 'pruned: states alone exceed HBM'
+  elif (
+    chip is not None and chip.host_bytes_per_chip and result.host_bytes > chip.host_bytes_per_chip
+  ):
+    result.status = 'pruned: offloaded state exceeds host memory'
+  return result
+
+
+def _compile(target, lowered: Lowered, result: Result, cache_dir, memo, compiler_options):
+  """The compiled program (`program_cache.Compiled`), or None where the TPU compiler refused it
+  for memory: then `result` says what it needs."""
   from zerojax._src.planner import program_cache
 
   start = time.perf_counter()
   try:
-    traced, plan, state, batch, unit = lower_candidate(target, c)
-    lowered = traced.lower()
-  except ValueError as e:  # zerojax's layout rules refuse it: a leaf that cannot be split so
-    return Result(c, f'failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}')
-  except Exception as e:  # anything else is a bug, never a candidate that does not fit
-    e.add_note(f'zerojax plan search: raised while lowering the candidate {c}.')
-    raise
-  sizes = plan.bytes_per_device()
-  result = Result(
-    c, 'fits', theory_bytes=sizes['params'] + sizes['opt_state'], host_bytes=sizes['host']
-  )
-  result.phase_seconds['lower'] = time.perf_counter() - start
-  chip = target.chip
-  if hbm_bytes is not None and result.theory_bytes > hbm_bytes:
-    result.status = 'pruned: states alone exceed HBM'
-    return result
-  if chip is not None and chip.host_bytes_per_chip and result.host_bytes > chip.host_bytes_per_chip:
-    result.status = 'pruned: offloaded state exceeds host memory'
-    return result
-  start = time.perf_counter()
-  try:
     done = program_cache.compile_program(
-      lowered,
+      lowered.lowered,
       topology=target.topology,
       cache_dir=cache_dir,
       memo=memo,
@@ -214,34 +287,49 @@ def evaluate(
     refusal = runtime.OutOfMemory.parse(str(e))
     result.status = 'over HBM: ' + refusal.summary()
     result.compiler_needs_gigabytes = refusal.needed_gigabytes
-    return result
+    return None
   result.phase_seconds['compile'] = done.seconds
   result.program_source = done.source
   result.compile_seconds = result.phase_seconds['lower'] + done.seconds
-  start = time.perf_counter()
-  _analyse(result, target, plan, unit, done.program, done.text, hbm_bytes)
-  result.phase_seconds['analyse'] = time.perf_counter() - start
-  if measure and result.fits and done.source == 'compiled':
-    result.measured_seconds = _measure_cpu(done.program, state, batch)
-  return result
+  return done
 
 
-def _analyse(result: Result, target: Target, plan, unit: int, compiled, text: str, hbm_bytes):
-  """The compiled program's figures (memory, collectives, FLOPs, host link, predicted step)."""
+def price(target: Target, lowered: Lowered, done: Any) -> Priced:
+  """A compiled candidate's figures (`Priced`), from its program's HLO read once.
+
+  Raises:
+    ValueError: the host link's figures are missing where the program moves bytes over it.
+  """
   from zerojax._src.planner import report as report_lib
 
-  c, chip = result.candidate, target.chip
-  program = hlo.Program.parse(text)  # read once; every figure below is an analysis of it
-  report = report_lib.step_report(compiled, plan=plan, bytes_per_param=unit, hlo_text=program)
+  program = hlo.Program.parse(done.text)  # read once; every figure below is an analysis of it
+  report = report_lib.step_report(
+    done.program, plan=lowered.plan, bytes_per_param=lowered.unit, hlo_text=program
+  )
+  work = program_cost(target.chip, program)
+  step = roofline.StepCost.of(report.collectives, work)
+  c, plan = lowered.candidate, lowered.plan
+  traffic = host_traffic(
+    program, c, plan.bytes_per_device()['host'], updated_param_bytes(plan, c.stage)
+  )
+  predicted = {}
+  if target.chip is not None:
+    moved = traffic['to_host'] + traffic['to_device']
+    predicted = predict(target.chip, step, moved, traffic['overlapped'])
+  return Priced(report, program, work, step, traffic, predicted)
+
+
+def _record(result: Result, target: Target, priced: Priced, compiled: Any, hbm_bytes) -> None:
+  """The search's figures of a priced candidate, and whether it fits `hbm_bytes`."""
+  report, chip = priced.report, target.chip
   result.peak_bytes = report.memory.peak
   result.dcn_floor_bytes = report.dcn_floor_bytes
   result.floor_bytes = report.floor_bytes
   result.cost_analysis_flops, result.bytes_accessed = _cost(compiled)
-  work = program_cost(chip, program)
-  step = roofline.StepCost.of(report.collectives, work)
-  for field in dataclasses.fields(step):
-    setattr(result, field.name, getattr(step, field.name))
+  for field in dataclasses.fields(priced.step):
+    setattr(result, field.name, getattr(priced.step, field.name))
   result.peak_reported = not report.memory.host_held
+  result.host_traffic, result.predicted = priced.host_traffic, priced.predicted
   chip_hbm = chip is not None and hbm_bytes is not None and hbm_bytes >= chip.hbm_bytes
   if hbm_bytes is not None and result.peak_bytes > hbm_bytes:
     # A TPU program holding host memory has no device-only peak from the compiler; the
@@ -249,12 +337,6 @@ def _analyse(result: Result, target: Target, plan, unit: int, compiled, text: st
     # compiled for the chip's own HBM fits.
     if not (report.memory.host_held and chip_hbm):
       result.status = 'over HBM'
-  result.host_traffic = host_traffic(
-    program, c, result.host_bytes, updated_param_bytes(plan, c.stage)
-  )
-  if chip is not None:
-    moved = result.host_traffic['to_host'] + result.host_traffic['to_device']
-    result.predicted = predict(chip, result, moved, result.host_traffic['overlapped'])
 
 
 # -- the search ----------------------------------------------------------------------------
