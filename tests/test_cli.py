@@ -349,3 +349,45 @@ def test_a_plan_whose_states_exceed_hbm_is_refused_before_it_compiles(monkeypatc
     's1 flat b1 remat:full: DOES NOT FIT: pruned: states alone exceed HBM (model states at rest'
     f' {psi * (4 + 8 / 8) / 2**30:.2f} GiB per chip, of 16 GiB HBM)'
   )
+
+
+def test_activation_offload_is_refused_where_the_host_link_has_no_figures():
+  proc = _cli('--topology', 'cpu:8', '--model', 'tiny', '--remat', 'offload_qkv')
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1] == (
+    "error: remat 'offload_qkv' moves saved activations to host memory, but cpu has no"
+    ' host-link figures (bandwidth and host memory per chip), so their transfers cannot be'
+    " priced; keep them in HBM ('minimal', 'save_qkv', 'save_attention', 'save_qkv_attention',"
+    " 'save_mlp') or plan a chip with those figures (v5e, v5p, v6e)."
+  )
+
+
+def test_an_unknown_remat_policy_is_refused_with_the_choices():
+  proc = _cli('--topology', 'cpu:8', '--model', 'tiny', '--remat', 'save_everything')
+  assert proc.returncode == 2
+  assert "--remat: invalid choice: 'save_everything' (choose from" in proc.stderr
+  assert "'offload_minimal'" in proc.stderr
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_offloaded_activations_are_counted_as_host_bytes_per_step(tmp_path):
+  """`--remat offload_qkv`: each block's query, key and value projections go to host memory in
+  the forward pass and come back in the backward, and the report counts them in the compiled
+  program like an offloaded optimizer state."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  import json
+
+  from zerojax._src.planner import presets
+
+  out = tmp_path / 'plan.json'
+  proc = _cli('--topology', 'v5e:2x4', '--model', 'tiny', '--seq-len', '256', '--remat',
+              'offload_qkv', '--no-cache', '--json', str(out))  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  traffic = json.loads(out.read_text())['host_traffic']
+  cfg = presets.PRESETS['tiny']
+  # One sequence per chip: per layer, three bf16 (256, d_model) projections each way.
+  qkv = cfg.n_layers * 3 * 256 * cfg.d_model * 2
+  assert traffic['source'] == 'hlo'
+  assert traffic['to_host'] == traffic['to_device'] == qkv
+  assert 'host link per step and chip (counted in the compiled program)' in proc.stdout

@@ -92,7 +92,7 @@ def test_attention_flash_is_refused_for_a_users_model():
   assert done.returncode != 0
   assert done.stderr.strip().splitlines()[-1] == (
     'error: --attention is for the presets; --model _custom_model:spec computes its own'
-    ' attention (use zerojax.inspect.chunked_attention or'
+    ' attention and loss (use zerojax.inspect.chunked_attention or'
     ' zerojax.inspect.flash_attention there, or leave it out).'
   )
 

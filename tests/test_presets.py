@@ -76,6 +76,103 @@ def test_attention_chunk_is_refused_for_a_users_model():
   assert proc.returncode != 0
   assert proc.stderr.strip().endswith(
     'error: --attention-chunk is for the presets; --model _custom_model:spec computes its own'
-    ' attention (use zerojax.inspect.chunked_attention or'
+    ' attention and loss (use zerojax.inspect.chunked_attention or'
     ' zerojax.inspect.flash_attention there, or leave it out).'
   )
+
+
+@pytest.mark.parametrize('chunk', [8, 16, 32])
+def test_chunked_cross_entropy_equals_the_loss_and_gradient_over_all_logits(chunk):
+  cfg = presets.PRESETS['tiny']
+  params = presets.init_decoder(cfg, jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, cfg.seq_len + 1), 0, cfg.vocab)
+  loss = lambda p, c: presets.decoder_loss(p, tokens, cfg, compute_dtype=jnp.float32, loss_chunk=c)
+  plain, want = jax.value_and_grad(loss)(params, None)
+  chunked, got = jax.value_and_grad(loss)(params, chunk)
+  # The mean over 2 x 64 tokens of a logsumexp over the 256-way vocabulary, after 4 blocks
+  # (128-wide attention over 64 keys, a 512-wide MLP).
+  terms = 2 * 64 + cfg.n_layers * (cfg.d_model + 64 + cfg.d_ff) + cfg.vocab
+  assert abs(float(chunked) - float(plain)) <= reordered(terms) * abs(float(plain))
+  for path, g in jax.tree_util.tree_leaves_with_path(got):
+    w = dict(jax.tree_util.tree_leaves_with_path(want))[path]
+    # Backward: the forward chain, then the sums over the tokens again.
+    assert_close(g, w, reordered(3 * terms), jax.tree_util.keystr(path))
+
+
+def test_chunked_cross_entropy_holds_one_chunk_of_logits():
+  # Temporaries of the gradient: the whole (batch, t, vocab) f32 logits at once; with eight
+  # chunks one chunk's, and less than half.
+  x = jax.random.normal(jax.random.key(0), (2, 512, 64))
+  head = jax.random.normal(jax.random.key(1), (64, 4096))
+  targets = jax.random.randint(jax.random.key(2), (2, 512), 0, 4096)
+
+  def whole(x):
+    logp = jax.nn.log_softmax(x @ head, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+  def temp(f):
+    compiled = jax.jit(jax.grad(f)).lower(x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  logits = 2 * 512 * 4096 * 4
+  assert temp(whole) >= logits
+  chunked = temp(lambda x: presets.chunked_cross_entropy(x, head, targets, 64))
+  assert chunked < temp(whole) / 2, (chunked, temp(whole))
+
+
+def test_a_loss_chunk_that_does_not_divide_the_sequence_is_refused():
+  x, head = jnp.zeros((2, 64, 8)), jnp.zeros((8, 16))
+  with pytest.raises(ValueError) as info:
+    presets.chunked_cross_entropy(x, head, jnp.zeros((2, 64), jnp.int32), 24)
+  assert str(info.value) == 'loss_chunk=24 does not divide the sequence length 64.'
+
+
+@pytest.mark.parametrize('remat', presets.REMAT)
+def test_every_remat_policy_keeps_the_loss_and_its_gradient(remat):
+  """What a block keeps for the backward pass changes what is recomputed, never the numbers
+  (on CPU the offloading policies run with their offload names kept in memory)."""
+  cfg = presets.PRESETS['tiny']
+  params = presets.init_decoder(cfg, jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, cfg.seq_len + 1), 0, cfg.vocab)
+  if presets.offloads_activations(remat):
+    pytest.skip('host offload of activations compiles for TPU and GPU only')
+  loss = lambda p, r: presets.decoder_loss(p, tokens, cfg, compute_dtype=jnp.float32, remat=r)
+  want = jax.value_and_grad(loss)(params, 'none')
+  got = jax.value_and_grad(loss)(params, remat)
+  assert float(got[0]) == float(want[0])
+  for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+    # Recomputing runs the same operations again: the same results, bit for bit, except
+    # where the compiler fuses a recomputed chain differently.
+    assert_close(g, w, reordered(cfg.d_ff))
+
+
+@pytest.mark.parametrize(
+  'remat, kept, offloaded',
+  [
+    ('full', {}, 0),
+    ('save_qkv', {presets.QKV: 3}, 0),
+    ('save_attention', {presets.ATTENTION_OUT: 1}, 0),
+    ('save_mlp', {presets.MLP_HIDDEN: 1}, 0),
+    ('minimal', {presets.QKV: 3, presets.MLP_HIDDEN: 1}, 0),
+    ('save_qkv_attention', {presets.QKV: 3, presets.ATTENTION_OUT: 1}, 0),
+    ('offload_qkv', {}, 3),
+    ('offload_minimal', {}, 4),
+    ('save_qkv_offload_mlp', {presets.QKV: 3}, 1),
+  ],
+)
+def test_each_policy_keeps_what_it_names_and_moves_what_it_offloads(remat, kept, offloaded, capsys):
+  """The residuals one block keeps for its backward pass, beside its arguments: exactly the
+  activations its policy names (the tiny preset's MLP is not gated: one hidden activation),
+  and those it offloads as host arrays."""
+  cfg = presets.PRESETS['tiny']
+  params = presets.init_decoder(cfg, jax.random.key(0))
+  layer = jax.tree.map(lambda x: x[0], params['layers'])
+  x = jnp.ones((2, cfg.seq_len, cfg.d_model))
+  block = lambda x, layer: jnp.sum(presets._block(cfg, x, layer, presets._xla_attention(None)))
+  policy = presets.remat_policy(remat)
+  jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(block, policy=policy), x, layer)
+  lines = capsys.readouterr().out.splitlines()
+  named = [line.split("'")[1] for line in lines if ' named ' in line]
+  assert {n: named.count(n) for n in set(named)} == kept
+  assert sum('<host>' in line for line in lines) == offloaded
+  assert all('from the argument' in line or ' named ' in line or '<host>' in line for line in lines)

@@ -224,5 +224,5 @@ def test_the_search_passes_attention_chunk_to_the_presets():
       attention_chunk=16,
     )  # fmt: skip
   assert str(err.value) == (
-    '`attention_chunk` is for the presets; a model function computes its own attention.'
+    '`attention_chunk` is for the presets; a model function computes its own attention and loss.'
   )

@@ -131,11 +131,12 @@ def _model(args) -> Any:
   for flag, given in (
     ('--attention-chunk', args.attention_chunk),
     ('--attention', args.attention != 'xla'),
+    ('--loss-chunk', args.loss_chunk),
   ):
     if given:
       raise SystemExit(
         f'error: {flag} is for the presets; --model {args.model} computes its own'
-        ' attention (use zerojax.inspect.chunked_attention or'
+        ' attention and loss (use zerojax.inspect.chunked_attention or'
         ' zerojax.inspect.flash_attention there, or leave it out).'
       )
   module_name, attr = args.model.split(':', 1)
@@ -290,6 +291,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       compute_dtype=args.compute_dtype,
       attention_chunk=args.attention_chunk,
       attention=args.attention,
+      loss_chunk=args.loss_chunk,
       slice_devices={s: _devices(args.topology, s)[0] for s in set(args.slice_counts) if s > 1},
     )
     space, invalid = candidates.candidate_space(
@@ -473,6 +475,7 @@ def _plan_target(args, start: float) -> tuple[Any, Any, int | None]:
     compute_dtype=args.compute_dtype,
     attention_chunk=args.attention_chunk,
     attention=args.attention,
+    loss_chunk=args.loss_chunk,
     slice_devices=((args.slices, tuple(devices)),) if args.slices > 1 else (),
     axis_names=names,
     gradients='zerojax' if explicit else 'jax',
@@ -840,6 +843,13 @@ def _layout_arguments(p: argparse.ArgumentParser) -> None:
     default=None,
     help='presets: compute attention this many queries at a time, one chunk of scores live at'
     ' a time (memory-efficient, the same arithmetic); default: all queries at once',
+  )
+  p.add_argument(
+    '--loss-chunk',
+    type=_positive_int,
+    default=None,
+    help="presets: compute the head's logits and the cross-entropy this many positions at a"
+    ' time, one chunk of f32 logits live at a time (the same arithmetic); default: all at once',
   )
   p.add_argument(
     '--attention',

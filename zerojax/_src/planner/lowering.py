@@ -45,6 +45,7 @@ class Target:
   compute_dtype: Any = jnp.bfloat16
   attention_chunk: int | None = None  # presets: attention this many queries at a time
   attention: str = 'xla'  # presets: 'xla' or 'flash' (presets.ATTENTION)
+  loss_chunk: int | None = None  # presets: the head's logits and loss this many positions at a time
   # The devices of S slices of the topology, slice by slice, for each S > 1 searched.
   slice_devices: tuple = ()
   # The names of the 'torus' layout's axes (default GRID_AXES); an axis named TENSOR is
@@ -102,6 +103,20 @@ def model_spec(target: Target, c: Candidate):
     prefetch_next=c.prefetch,
     attention_chunk=target.attention_chunk,
     attention=target.attention,
+    loss_chunk=target.loss_chunk,
+  )
+
+
+def model_label(target: Target) -> str:
+  """The target's model in a report: the preset's name, a decoder's shape, or 'custom model'."""
+  if isinstance(target.model, str):
+    return target.model
+  if callable(target.model):
+    return 'custom model'
+  cfg = target.model
+  return (
+    f'decoder (d_model={cfg.d_model}, n_layers={cfg.n_layers}, n_heads={cfg.n_heads},'
+    f' d_ff={cfg.d_ff}, vocab={cfg.vocab})'
   )
 
 
@@ -138,6 +153,24 @@ def _tensor_specs(spec: Any, mesh: Any) -> Any:
     return spec.tensor_specs(TENSOR, mesh.shape[TENSOR])
   except ValueError as e:
     raise LayoutError(str(e)) from None
+
+
+def _check_activation_offload(target: Target, c: Candidate) -> None:
+  """Refuses a remat policy that moves activations to host memory where the host link has no
+  figures: its bytes could not be priced."""
+  from zerojax._src.planner import presets
+
+  if not presets.offloads_activations(c.remat):
+    return
+  chip = target.chip
+  if chip is None or not (chip.host_link_bandwidth and chip.host_bytes_per_chip):
+    name = target.topology.split(':')[0]
+    raise ValueError(
+      f'remat {c.remat!r} moves saved activations to host memory, but {name} has no host-link'
+      ' figures (bandwidth and host memory per chip), so their transfers cannot be priced;'
+      f' keep them in HBM ({", ".join(repr(k) for k, v in presets.POLICIES.items() if "offload" not in v)})'
+      f' or plan a chip with those figures ({", ".join(sorted(CHIPS))}).'
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +239,7 @@ def lower(target: Target, c: Candidate) -> Lowered:
 
   from zerojax._src import transform
 
+  _check_activation_offload(target, c)
   start = time.perf_counter()
   mesh, names = mesh_for(target, c)
   spec = model_spec(target, c)
@@ -252,6 +286,7 @@ def make_target(
   compute_dtype: Any = jnp.bfloat16,
   attention_chunk: int | None = None,
   attention: str = 'xla',
+  loss_chunk: int | None = None,
   slice_devices: Any = (),
 ) -> Target:
   """A `Target` for `topology` ('v5e:2x4', 'v5p:2x2x1', 'v6e:4x4' or 'cpu:N') and its devices
@@ -274,9 +309,15 @@ def make_target(
     )
   if isinstance(model, str) and model not in presets.PRESETS:
     raise ValueError(f'`model`={model!r} is not a preset; choose one of {sorted(presets.PRESETS)}.')
-  for name, given in (('attention_chunk', attention_chunk), ('attention', attention != 'xla')):
-    if given and not isinstance(model, str):
-      raise ValueError(f'`{name}` is for the presets; a model function computes its own attention.')
+  for name, given in (
+    ('attention_chunk', attention_chunk),
+    ('attention', attention != 'xla'),
+    ('loss_chunk', loss_chunk),
+  ):
+    if given and callable(model):
+      raise ValueError(
+        f'`{name}` is for the presets; a model function computes its own attention and loss.'
+      )
   if attention not in presets.ATTENTION:
     raise ValueError(f'`attention`={attention!r}: choose one of {presets.ATTENTION}.')
   if dict(slice_devices) and not chip.dcn_bandwidth:
@@ -291,10 +332,11 @@ def make_target(
     chip,
     model,
     optimizer,
-    mixed_precision,
-    seq_len,
-    compute_dtype,
-    attention_chunk,
-    attention,
-    tuple((s, tuple(d)) for s, d in dict(slice_devices).items()),
+    mixed_precision=mixed_precision,
+    seq_len=seq_len,
+    compute_dtype=compute_dtype,
+    attention_chunk=attention_chunk,
+    attention=attention,
+    loss_chunk=loss_chunk,
+    slice_devices=tuple((s, tuple(d)) for s, d in dict(slice_devices).items()),
   )

@@ -179,14 +179,75 @@ def chunked_attention(q, k, v, chunk: int):
   return out.swapaxes(0, 1).reshape(b, t, h, d)
 
 
-# The projections whose outputs remat='minimal' keeps: the inputs of attention and of the
-# MLP's nonlinearity. The output projections are not kept: their results only join the
-# residual stream, which the layer loop keeps anyway.
-KEPT = 'zerojax_projection'
+# The activations a block names for its remat policies (`jax.ad_checkpoint.checkpoint_name`):
+# the query, key and value projections, the attention's output, and the MLP's hidden
+# activations (its gate and input projections, the inputs of its nonlinearity). The output
+# projections are not named: their results only join the residual stream, which the layer
+# loop keeps anyway.
+QKV, ATTENTION_OUT, MLP_HIDDEN = 'zerojax_qkv', 'zerojax_attention', 'zerojax_mlp_hidden'
+
+# What each remat policy keeps for the backward pass, by name (the rest is recomputed), and
+# what it moves to host memory during the forward pass and back during the backward
+# (`jax.checkpoint_policies.save_and_offload_only_these_names`). 'full' keeps nothing,
+# 'none' keeps everything, 'gathers' everything but the gathered parameters.
+POLICIES = {
+  'minimal': dict(save=(QKV, MLP_HIDDEN)),  # MaxText's 'minimal'
+  'save_qkv': dict(save=(QKV,)),
+  'save_attention': dict(save=(ATTENTION_OUT,)),
+  'save_qkv_attention': dict(save=(QKV, ATTENTION_OUT)),
+  'save_mlp': dict(save=(MLP_HIDDEN,)),
+  'offload_qkv': dict(offload=(QKV,)),
+  'offload_minimal': dict(offload=(QKV, MLP_HIDDEN)),
+  'save_qkv_offload_mlp': dict(save=(QKV,), offload=(MLP_HIDDEN,)),
+}
 
 
-def _kept(x):
-  return jax.ad_checkpoint.checkpoint_name(x, KEPT)
+def _named(x, name: str):
+  return jax.ad_checkpoint.checkpoint_name(x, name)
+
+
+def remat_policy(remat: str):
+  """The `jax.checkpoint` policy of a remat name ('gathers', 'full' or one of `POLICIES`)."""
+  if remat == 'gathers':
+    return gather.recompute_gathers
+  if remat == 'full':
+    return jax.checkpoint_policies.nothing_saveable
+  kept = POLICIES[remat]
+  if not kept.get('offload'):
+    return jax.checkpoint_policies.save_only_these_names(*kept['save'])
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=list(kept.get('save', ())),
+    names_which_can_be_offloaded=list(kept['offload']),
+    offload_src='device',
+    offload_dst='pinned_host',
+  )
+
+
+def policy_code(remat: str) -> str:
+  """How a training loop spells a remat name's layer loop (for a search winner's lines)."""
+  fixed = {
+    'gathers': 'policy=zerojax.recompute_gathers',
+    'full': 'a full jax.checkpoint',
+    'none': 'no rematerialisation',
+  }
+  if remat in fixed:
+    return fixed[remat]
+  kept = POLICIES[remat]
+  tagged = ' (activations tagged with jax.ad_checkpoint.checkpoint_name)'
+  if not kept.get('offload'):
+    names = ', '.join(repr(n) for n in kept['save'])
+    return f'policy=jax.checkpoint_policies.save_only_these_names({names})' + tagged
+  return (
+    'policy=jax.checkpoint_policies.save_and_offload_only_these_names('
+    f'names_which_can_be_saved={list(kept.get("save", ()))!r},'
+    f' names_which_can_be_offloaded={list(kept["offload"])!r},'
+    " offload_src='device', offload_dst='pinned_host')" + tagged
+  )
+
+
+def offloads_activations(remat: str) -> bool:
+  """Whether a remat policy moves saved activations to host memory."""
+  return bool(POLICIES.get(remat, {}).get('offload'))
 
 
 def _no_constraint(x, kind: str):
@@ -258,17 +319,17 @@ def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint):
   b, t, _ = x.shape
   x = constrain(x, 'residual')
   h = _rms_norm(x, p['attn_norm'])
-  q = _kept(constrain((h @ p['wq']).reshape(b, t, cfg.n_heads, cfg.head_dim), 'heads'))
-  k = _kept(constrain((h @ p['wk']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'))
-  v = _kept(constrain((h @ p['wv']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'))
-  attn = attend(q, k, v)
+  q = _named(constrain((h @ p['wq']).reshape(b, t, cfg.n_heads, cfg.head_dim), 'heads'), QKV)
+  k = _named(constrain((h @ p['wk']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'), QKV)
+  v = _named(constrain((h @ p['wv']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'), QKV)
+  attn = _named(attend(q, k, v), ATTENTION_OUT)
   x = constrain(x + attn.reshape(b, t, cfg.n_heads * cfg.head_dim) @ p['wo'], 'residual')
   h = _rms_norm(x, p['mlp_norm'])
   if cfg.gated:
-    gate = _kept(constrain(h @ p['w_gate'], 'hidden'))
-    h = jax.nn.silu(gate) * _kept(constrain(h @ p['w_in'], 'hidden'))
+    gate = _named(constrain(h @ p['w_gate'], 'hidden'), MLP_HIDDEN)
+    h = jax.nn.silu(gate) * _named(constrain(h @ p['w_in'], 'hidden'), MLP_HIDDEN)
   else:
-    h = jax.nn.gelu(_kept(constrain(h @ p['w_in'], 'hidden')))
+    h = jax.nn.gelu(_named(constrain(h @ p['w_in'], 'hidden'), MLP_HIDDEN))
   return constrain(x + h @ p['w_out'], 'residual')
 
 
@@ -286,7 +347,7 @@ def plan_gather(plan: plan_lib.ZeroPlan, compute_dtype=None) -> GatherFn:
 
 
 # What a block recomputes in the backward pass (the plan search's `remat` too).
-REMAT = ('gathers', 'full', 'minimal', 'none')
+REMAT = ('gathers', 'full', *POLICIES, 'none')
 
 
 def parse_decoder(text: str, seq_len: int | None = None) -> DecoderConfig:
@@ -371,16 +432,14 @@ def _layer_loop(block, x, layers, gather_fn: GatherFn | None, remat: str):
     return block(x, layer), None
 
   if remat != 'none':
-    policy = {
-      'gathers': gather.recompute_gathers,
-      'minimal': jax.checkpoint_policies.save_only_these_names(KEPT),
-    }.get(remat, jax.checkpoint_policies.nothing_saveable)
-    body = jax.checkpoint(body, policy=policy)
+    body = jax.checkpoint(body, policy=remat_policy(remat))
   x, _ = jax.lax.scan(body, x, layers)
   return x
 
 
-def _check_options(remat: str, prefetch_next: bool, attention: str, attention_chunk) -> None:
+def _check_options(
+  remat: str, prefetch_next: bool, attention: str, attention_chunk, loss_chunk=None
+) -> None:
   """`decoder_loss`'s option values, each refused by name."""
   if remat not in REMAT:
     raise ValueError(f'decoder_loss: remat must be one of {REMAT}, got {remat!r}.')
@@ -391,8 +450,13 @@ def _check_options(remat: str, prefetch_next: bool, attention: str, attention_ch
       "decoder_loss: attention_chunk is for attention='xla'; flash attention works in blocks"
       ' of its own.'
     )
-  if prefetch_next and remat == 'minimal':
-    raise ValueError("decoder_loss: prefetch_next runs remat 'gathers' or 'full', not 'minimal'.")
+  if prefetch_next and remat not in ('gathers', 'full', 'none'):
+    raise ValueError(
+      f"decoder_loss: prefetch_next runs remat 'gathers' or 'full', not {remat!r}: its layer"
+      ' loop (zerojax.scan_layers) keeps no named activations.'
+    )
+  if loss_chunk is not None and (not isinstance(loss_chunk, int) or loss_chunk < 1):
+    raise ValueError(f'decoder_loss: loss_chunk must be a whole number >= 1, got {loss_chunk!r}.')
 
 
 def decoder_loss(
@@ -408,6 +472,7 @@ def decoder_loss(
   prefetch_next: bool = False,
   attention_chunk: int | None = None,
   attention: str = 'xla',
+  loss_chunk: int | None = None,
 ) -> jax.Array:
   """Next-token cross-entropy of `tokens` (batch, seq + 1).
 
@@ -423,9 +488,11 @@ def decoder_loss(
     remat: what each block recomputes in the backward pass: 'full' (the
       default) drops its gathered parameters and activations and recomputes
       them; 'gathers' (`zerojax.recompute_gathers`) drops only the gathered
-      parameters and gathers them again; 'minimal' (as MaxText's) keeps the
-      outputs of the query, key, value and MLP input projections and
-      recomputes the rest (attention, norms, gathers); 'none' keeps everything.
+      parameters and gathers them again; a policy of `POLICIES` keeps the
+      activations it names ('minimal', as MaxText's: the query, key, value and MLP
+      input projections) and recomputes the rest, its 'offload' names moved to
+      host memory in the forward pass and back in the backward; 'none' keeps
+      everything.
     per_layer: gather each block's parameters inside the scan; False gathers
       the whole model up front (simple, and ZeRO-3 then saves nothing at peak).
     prefetch_next: inside `zerojax.value_and_grad(per_layer=True)` with
@@ -437,8 +504,10 @@ def decoder_loss(
     attention: 'xla' (plain JAX, `attention_chunk` applies) or 'flash'
       (`zerojax._src.planner.flash.flash_attention`: fused Pallas kernels, causal
       blocks skipped, scores never in HBM; TPU, or Pallas's interpreter elsewhere).
+    loss_chunk: compute the head's logits and the cross-entropy this many positions at a
+      time (`chunked_cross_entropy`: one chunk's f32 logits live at a time); None: at once.
   """
-  _check_options(remat, prefetch_next, attention, attention_chunk)
+  _check_options(remat, prefetch_next, attention, attention_chunk, loss_chunk)
   if plan is not None:
     gather_fn = plan_gather(plan, compute_dtype)
   params, gather_fn = _gathered_top(params, gather_fn, per_layer)
@@ -464,9 +533,38 @@ def decoder_loss(
   else:
     x = _layer_loop(block, x, params['layers'], gather_fn, remat)
   x = _rms_norm(x, params['final_norm'])
+  if loss_chunk and loss_chunk < x.shape[1]:
+    return chunked_cross_entropy(x, cast(params['head']), targets, loss_chunk)
   logits = (x @ cast(params['head'])).astype(jnp.float32)
   logp = jax.nn.log_softmax(logits, axis=-1)
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def chunked_cross_entropy(x, head, targets, chunk: int):
+  """Mean next-token cross-entropy of `x @ head` against `targets`, `chunk` positions at a
+  time, each chunk rematerialised: the logits of one chunk (batch, chunk, vocab) are live at a
+  time, forward and backward, never those of the whole sequence.
+
+  The same arithmetic as `log_softmax` over all the logits in f32 (a sum of the same
+  per-token terms, taken in another order).
+
+  Raises:
+    ValueError: `chunk` does not divide the sequence length.
+  """
+  b, t, d = x.shape
+  if t % chunk:
+    raise ValueError(f'loss_chunk={chunk} does not divide the sequence length {t}.')
+
+  @jax.checkpoint
+  def one(args):
+    xi, ti = args
+    logits = (xi @ head).astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, ti[..., None], axis=-1)[..., 0]
+    return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+  xs = x.reshape(b, t // chunk, chunk, d).swapaxes(0, 1)
+  ts = targets.reshape(b, t // chunk, chunk).swapaxes(0, 1)
+  return jnp.sum(jax.lax.map(one, (xs, ts))) / (b * t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -524,6 +622,7 @@ def decoder_spec(
   prefetch_next: bool = False,
   attention_chunk: int | None = None,
   attention: str = 'xla',
+  loss_chunk: int | None = None,
 ) -> ModelSpec:
   """A `ModelSpec` for a preset in `PRESETS`, or for a `DecoderConfig` of any shape.
 
@@ -546,6 +645,7 @@ def decoder_spec(
     prefetch_next=prefetch_next,
     attention_chunk=attention_chunk,
     attention=attention,
+    loss_chunk=loss_chunk,
   )
   return ModelSpec(
     name=name,

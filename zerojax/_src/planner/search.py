@@ -479,6 +479,7 @@ def search_plans(
   seq_len: int | None = None,
   attention_chunk: int | None = None,
   attention: str = 'xla',
+  loss_chunk: int | None = None,
   hbm_bytes: int | None = None,
   progress: bool = True,
   cache_dir: Any = None,
@@ -497,6 +498,7 @@ def search_plans(
     seq_len: the preset's sequence length, or this.
     attention_chunk: presets: compute attention this many queries at a time.
     attention: presets: 'xla' or 'flash' (fused Pallas kernels on TPU).
+    loss_chunk: presets: compute the head's logits and the loss this many positions at a time.
     hbm_bytes: device memory per chip; default the chip's.
     progress: a progress bar with each candidate's outcome.
     cache_dir: keep compiled TPU programs here and read back those compiled before
@@ -529,6 +531,7 @@ def search_plans(
     seq_len=seq_len,
     attention_chunk=attention_chunk,
     attention=attention,
+    loss_chunk=loss_chunk,
     slice_devices={s: tpu.topology_devices(topology, s) for s in counts},
   )
   candidates, invalid = candidate_space(grid_dims=len(target.grid), **space)

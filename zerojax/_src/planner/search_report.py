@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from zerojax._src.planner import presets
 from zerojax._src.planner.candidates import QUANTIZE
-from zerojax._src.planner.lowering import model_spec, zero_options
+from zerojax._src.planner.lowering import model_label, model_spec, zero_options
 from zerojax._src.planner.roofline import GiB
 from zerojax._src.planner.search import SearchReport, phase_totals
 
@@ -45,11 +46,7 @@ def winner_code(report: SearchReport) -> str:
   inner = 'optax.adamw(lr)'
   if t.mixed_precision:
     inner = f'zerojax.mixed_precision({inner})'
-  remat = {
-    'gathers': 'policy=zerojax.recompute_gathers',
-    'full': 'a full jax.checkpoint',
-    'none': 'no rematerialisation',
-  }[c.remat]
+  remat = presets.policy_code(c.remat)
   scan_remat = "remat='gathers'" if c.remat == 'gathers' else "remat='full'"
   loop = (
     f'zerojax.scan_layers({scan_remat}, prefetch)'
@@ -77,7 +74,7 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
   t = report.target
   chip = t.chip
   lines = [
-    f'plan search: {t.model if isinstance(t.model, str) else "custom model"} on {t.topology}'
+    f'plan search: {model_label(t)} on {t.topology}'
     f' ({len(t.devices)} chips); {len(report.results)} candidates evaluated,'
     f' {len(report.invalid)} combinations not valid, in {report.seconds:.0f} s',
   ]
