@@ -391,3 +391,14 @@ def test_offloaded_activations_are_counted_as_host_bytes_per_step(tmp_path):
   assert traffic['source'] == 'hlo'
   assert traffic['to_host'] == traffic['to_device'] == qkv
   assert 'host link per step and chip (counted in the compiled program)' in proc.stdout
+
+
+def test_a_named_policy_is_refused_for_a_model_that_names_no_activations():
+  proc = _cli('--topology', 'cpu:8', '--model', '_custom_model:spec', '--remat', 'save_qkv')
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1] == (
+    "error: remat 'save_qkv' keeps activations the presets' blocks name; --model"
+    ' _custom_model:spec runs its own layer loop and names none of them, so the policy would'
+    ' keep nothing. Give its loop a jax.checkpoint policy of your own, or plan a preset or'
+    ' decoder:... with it.'
+  )

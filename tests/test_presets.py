@@ -158,6 +158,8 @@ def test_every_remat_policy_keeps_the_loss_and_its_gradient(remat):
     ('offload_qkv', {}, 3),
     ('offload_minimal', {}, 4),
     ('save_qkv_offload_mlp', {presets.QKV: 3}, 1),
+    ('save_attention_offload_minimal', {presets.ATTENTION_OUT: 1}, 4),
+    ('offload_all', {}, 5),
   ],
 )
 def test_each_policy_keeps_what_it_names_and_moves_what_it_offloads(remat, kept, offloaded, capsys):

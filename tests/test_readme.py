@@ -93,8 +93,8 @@ def test_readme_planner_commands_reproduce_the_committed_results():
   says, at 10.5 GiB or less and at the ZeRO floor."""
   pytest.importorskip('libtpu', reason='needs the tpu extra')
   commands = [c for c in zerojax_commands(guides_text()) if ' inspect ' not in c]
-  assert [c.split()[3] for c in commands] == ['plan', 'estimate', 'plan', 'plan']
-  assert '--slices 2' in commands[0] and '--search' in commands[3]
+  assert [c.split()[3] for c in commands] == ['plan', 'estimate', 'plan', 'plan', 'plan']
+  assert '--slices 2' in commands[0] and '--search' in commands[3] and '--remats' in commands[4]
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
   version, committed = _committed_plan()
   for command in commands:

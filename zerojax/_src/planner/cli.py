@@ -139,6 +139,14 @@ def _model(args) -> Any:
         ' attention and loss (use zerojax.inspect.chunked_attention or'
         ' zerojax.inspect.flash_attention there, or leave it out).'
       )
+  named = [r for r in (args.remats if args.search else (args.remat,)) if r in presets.POLICIES]
+  if named:
+    raise SystemExit(
+      f"error: remat {', '.join(map(repr, named))} keeps activations the presets' blocks name;"
+      f' --model {args.model} runs its own layer loop and names none of them, so the policy'
+      ' would keep nothing. Give its loop a jax.checkpoint policy of your own, or plan a'
+      ' preset or decoder:... with it.'
+    )
   module_name, attr = args.model.split(':', 1)
   spec = getattr(importlib.import_module(module_name), attr)()
   if not isinstance(spec, presets.ModelSpec):

@@ -199,6 +199,8 @@ POLICIES = {
   'offload_qkv': dict(offload=(QKV,)),
   'offload_minimal': dict(offload=(QKV, MLP_HIDDEN)),
   'save_qkv_offload_mlp': dict(save=(QKV,), offload=(MLP_HIDDEN,)),
+  'save_attention_offload_minimal': dict(save=(ATTENTION_OUT,), offload=(QKV, MLP_HIDDEN)),
+  'offload_all': dict(offload=(QKV, ATTENTION_OUT, MLP_HIDDEN)),
 }
 
 

@@ -1,0 +1,193 @@
+"""Recompute only what HBM cannot hold: MaxText's v5e-256 rows, full rematerialisation against
+the policy the plan search picks.
+
+For each of MaxText's published v5e-256 rows (its configs/v5e README: the 16B, 32B and 64B
+decoders at 6, 4 and 2 sequences of 2048 per chip, flash attention, FSDP over all 256 chips,
+which zerojax lays out as ZeRO-3 over both torus axes), this searches the rematerialisation
+policies with the TPU compiler of the installed libtpu (no TPU needed):
+
+- `full` (MaxText's setting for these rows: every block recomputed, zerojax's default plan);
+- `save_attention`, `save_mlp` (keep one activation of each block in HBM);
+- `offload_qkv`, `offload_minimal`, `save_attention_offload_minimal`, `offload_all` (keep
+  them in host memory: written during the forward pass, read back during the backward,
+  `jax.checkpoint_policies.save_and_offload_only_these_names`).
+
+Each candidate is compiled; the search ranks those that fit by predicted step (the step-time
+model of docs/design.md). The table gives, per row: MaxText's published TFLOP/s, the default
+plan's and the searched plan's predicted step and TFLOP/s (MaxText's own model-FLOP count over
+the step, `bench_maxtext.maxtext_flops`), the executed matmul FLOPs over the model's (what
+recomputing costs), each plan's peak, the host bytes per step, and the searched plan's step
+again with the host link at half and a quarter of the bandwidth the chip table assumes (32
+GB/s: PCIe Gen4 x16, not published for v5e), since that figure is not a citation.
+
+MaxText's own programs are not compiled here: MaxText is not on the package index this project
+installs from, so its `train_compile` cannot run beside zerojax in CI or on this machine.
+
+    python benchmarks/bench_recompute.py [--rows 16B,32B,64B] [--out benchmarks/results]
+
+Writes recompute_v5e.libtpu-VERSION.json and recompute_v5e.md (every compiler's rows).
+Minutes per candidate on a 2-core machine; compiled programs are kept in the planner's cache
+(`~/.cache/zerojax/programs`), so a second run reads them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_maxtext import HEAD, SEQ, V5E_ROWS, VOCAB, compiler_tag, maxtext_flops  # noqa: E402
+
+REMATS = (
+  'full',
+  'save_attention',
+  'save_mlp',
+  'offload_qkv',
+  'offload_minimal',
+  'save_attention_offload_minimal',
+  'offload_all',
+)
+# The host link's bandwidth as a share of the chip table's assumed figure.
+HOST_SHARES = (1.0, 0.5, 0.25)
+
+
+def _figures(r, flops: float, chip) -> dict:
+  """One searched candidate's figures: its step, TFLOP/s at MaxText's count, and its step with
+  the host link at each share of the assumed bandwidth."""
+  from zerojax._src.planner import roofline
+
+  moved = r.host_traffic['to_host'] + r.host_traffic['to_device']
+  steps = {}
+  for share in HOST_SHARES:
+    slower = dataclasses.replace(chip, host_link_bandwidth=chip.host_link_bandwidth * share)
+    steps[share] = roofline.predict(slower, r, moved, r.host_traffic['overlapped'])['step']
+  return {
+    'remat': r.candidate.remat,
+    'status': r.status,
+    'fits': r.fits,
+    'predicted_step_seconds': r.step_seconds,
+    'predicted_tflops': flops / r.step_seconds / 1e12,
+    'executed_matmul_flops': r.flops,
+    'executed_over_model': r.flops / flops,
+    'peak_gib': r.peak_bytes / 2**30,
+    'peak_reported': r.peak_reported,
+    'host_bytes_per_step': moved,
+    'host_overlapped': r.host_traffic['overlapped'],
+    'step_at_host_share': {str(k): v for k, v in steps.items()},
+  }
+
+
+def search_row(row) -> dict:
+  """The policies of one row, compiled and ranked."""
+  from zerojax._src.planner import presets, program_cache, search
+
+  name, width, heads, mlp, layers, topology, _, batch, published = row
+  cfg = presets.DecoderConfig(
+    vocab=VOCAB, d_model=width, n_layers=layers, n_heads=heads, n_kv_heads=heads, d_ff=mlp,
+    head_size=HEAD, seq_len=SEQ, gated=True,
+  )  # fmt: skip
+  start = time.perf_counter()
+  report = search.search_plans(
+    cfg,
+    topology,
+    attention='flash',
+    stages=(3,),
+    layouts=('torus',),
+    remat=REMATS,
+    prefetch=(False,),
+    batch_per_chip=(batch,),
+    cache_dir=program_cache.default_dir(),
+  )
+  flops = maxtext_flops(width, heads, mlp, layers, batch)
+  chip = report.target.chip
+  by_remat = {r.candidate.remat: r for r in report.results}
+  default = by_remat['full']
+  winner = report.winner
+  return {
+    'row': name,
+    'topology': topology,
+    'batch_per_chip': batch,
+    'published_tflops': published,
+    'maxtext_flops_per_chip': flops,
+    'default': _figures(default, flops, chip) if default.fits else {'status': default.status},
+    'searched': None if winner is None else _figures(winner, flops, chip),
+    'candidates': [
+      _figures(r, flops, chip) if r.predicted else {'remat': r.candidate.remat, 'status': r.status}
+      for r in report.results
+    ],
+    'search_seconds': time.perf_counter() - start,
+  }
+
+
+def table(out: str) -> list[str]:
+  """Every compiler's rows in `out`: default plan against searched plan."""
+  lines = [
+    "MaxText's v5e-256 rows: zerojax's default plan (full rematerialisation, MaxText's setting)"
+    ' against the policy the plan search picks (`benchmarks/bench_recompute.py`). TFLOP/s is'
+    " MaxText's model-FLOP count over the predicted step; executed/model is the compiled"
+    " program's matmul FLOPs over that count; * marks a peak the compiler reports with host"
+    ' memory in it (it compiled the program within HBM). Host link: 32 GB/s assumed, then half'
+    ' and a quarter of it.',
+    '',
+    '| row | compiler | published TFLOP/s | default step s | default TFLOP/s | default'
+    ' executed/model | default peak GiB | searched policy | searched step s | searched TFLOP/s'
+    ' | executed/model | peak GiB | host GB/step | speedup | at 1/2 host link | at 1/4 |',
+    '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  for name in sorted(os.listdir(out)):
+    if not (name.startswith('recompute_v5e.libtpu-') and name.endswith('.json')):
+      continue
+    with open(os.path.join(out, name)) as f:
+      run = json.load(f)
+    for r in run['rows']:
+      d, s = r['default'], r['searched']
+      peak = lambda x: f'{x["peak_gib"]:.2f}' + ('' if x['peak_reported'] else '*')
+      at = [
+        d['predicted_step_seconds'] / s['step_at_host_share'][k] for k in ('1.0', '0.5', '0.25')
+      ]
+      lines.append(
+        f'| {r["row"]} | {run["versions"]["libtpu"]} | {r["published_tflops"]:.0f} |'
+        f' {d["predicted_step_seconds"]:.2f} | {d["predicted_tflops"]:.0f} |'
+        f' {d["executed_over_model"]:.2f} | {peak(d)} | {s["remat"]} |'
+        f' {s["predicted_step_seconds"]:.2f} | {s["predicted_tflops"]:.0f} |'
+        f' {s["executed_over_model"]:.2f} | {peak(s)} | {s["host_bytes_per_step"] / 1e9:.1f} |'
+        f' {at[0]:.2f}x | {at[1]:.2f}x | {at[2]:.2f}x |'
+      )
+  return lines
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--rows', default=None, help='comma-separated row names (default: all)')
+  parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
+  args = parser.parse_args()
+  wanted = args.rows.split(',') if args.rows else [r[0] for r in V5E_ROWS]
+  unknown = sorted(set(wanted) - {r[0] for r in V5E_ROWS})
+  if unknown:
+    parser.error(f'--rows: no v5e row {unknown}; the rows are {[r[0] for r in V5E_ROWS]}')
+  import jax
+  import libtpu
+
+  tag = compiler_tag()
+  rows = []
+  for row in (r for r in V5E_ROWS if r[0] in wanted):
+    print(f'searching {row[0]} on {row[5]} with {tag} ...', flush=True)
+    rows.append(search_row(row))
+  versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, f'recompute_v5e.{tag}.json'), 'w') as f:
+    json.dump({'versions': versions, 'rows': rows}, f, indent=2)
+  lines = table(args.out)
+  with open(os.path.join(args.out, 'recompute_v5e.md'), 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  print('\n'.join(lines))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
