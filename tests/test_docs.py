@@ -622,3 +622,23 @@ def test_the_committed_searches_are_those_of_both_supported_compilers():
     if 'libtpu-' not in p.name and 'offload_' not in p.name
   ]
   assert tpu_files == [], tpu_files
+
+
+def test_the_readmes_table_of_maxtexts_rows_is_the_committed_benchmark():
+  """The README's table against MaxText's v5e rows is `bench_recompute.py`'s, row for row, and
+  each committed row holds what the table claims: the default plan is full rematerialisation
+  (MaxText's setting), the searched plan fits and is no slower than it, also with the host
+  link at half its assumed bandwidth."""
+  table = (ROOT / 'benchmarks' / 'results' / 'recompute_v5e.md').read_text().splitlines()
+  rows = [line for line in table if line.startswith('| ') and not line.startswith('| row')]
+  readme = (ROOT / 'README.md').read_text().splitlines()
+  assert rows and all(line in readme for line in rows)
+  runs = sorted((ROOT / 'benchmarks' / 'results').glob('recompute_v5e.libtpu-*.json'))
+  assert runs
+  for path in runs:
+    for r in json.loads(path.read_text())['rows']:
+      default, searched = r['default'], r['searched']
+      assert default['remat'] == 'full' and default['fits'], (path.name, r['row'])
+      assert searched['fits'], (path.name, r['row'])
+      assert searched['predicted_step_seconds'] <= default['predicted_step_seconds']
+      assert searched['step_at_host_share']['0.5'] <= default['predicted_step_seconds']

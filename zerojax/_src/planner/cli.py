@@ -808,8 +808,10 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     '--remat',
     default='full',
     choices=presets.REMAT,
-    help="what each block recomputes in the backward pass: full, gathers (only the parameters'"
-    " gathers), minimal (MaxText's: keep the projections' outputs), none",
+    help='what each block keeps for the backward pass (the rest is recomputed): full (nothing),'
+    " gathers (all but the parameters' gathers), none (everything), or a policy named by what it"
+    " keeps in HBM (save_qkv, save_attention, save_mlp, minimal: MaxText's) or moves to host"
+    ' memory and back (offload_qkv, offload_minimal, offload_all, ...); docs/planner.md',
   )
   p.add_argument('--no-remat', action='store_true', help='the same as --remat none')
   p.add_argument(
@@ -845,6 +847,11 @@ def _layout_arguments(p: argparse.ArgumentParser) -> None:
     help="with zerojax gradients, gather block i+1's parameters while block i computes"
     ' (zerojax.scan_layers; one more block of parameters lives at a time)',
   )
+  _model_arguments(p)
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+  """`plan`'s flags for how the presets compute attention and the loss."""
   p.add_argument(
     '--attention-chunk',
     type=_positive_int,
@@ -950,7 +957,7 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     '--remats',
     type=_csv(str),
     default=('gathers', 'full'),
-    help='gathers (recompute_gathers), full (jax.checkpoint), none',
+    help='what each block keeps, as --remat (gathers, full, save_attention, offload_minimal, ...)',
   )
   s.add_argument(
     '--prefetch-options',
