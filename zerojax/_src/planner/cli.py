@@ -275,6 +275,20 @@ def cmd_search(args) -> int:
   return 0
 
 
+def _setup(args) -> dict:
+  """The training setup a plan and a search share (`lowering.Target`'s fields): the optimizer,
+  precision, sequence length and how the presets compute attention and the loss."""
+  return dict(
+    optimizer=lambda: _optimizer(args.optimizer),
+    mixed_precision=args.mixed_precision,
+    seq_len=args.seq_len,
+    compute_dtype=args.compute_dtype,
+    attention_chunk=args.attention_chunk,
+    attention=args.attention,
+    loss_chunk=args.loss_chunk,
+  )
+
+
 def _search_space(args, devices) -> tuple[Any, list, list]:
   """(target, candidates, invalid combinations) of `plan --search`'s flags."""
   from zerojax._src.planner import candidates, lowering
@@ -293,13 +307,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       model,
       args.topology,
       devices=devices,
-      optimizer=lambda: _optimizer(args.optimizer),
-      mixed_precision=args.mixed_precision,
-      seq_len=args.seq_len,
-      compute_dtype=args.compute_dtype,
-      attention_chunk=args.attention_chunk,
-      attention=args.attention,
-      loss_chunk=args.loss_chunk,
+      **_setup(args),
       slice_devices={s: _devices(args.topology, s)[0] for s in set(args.slice_counts) if s > 1},
     )
     space, invalid = candidates.candidate_space(
@@ -477,13 +485,7 @@ def _plan_target(args, start: float) -> tuple[Any, Any, int | None]:
     grid=shape,
     chip=chip,
     model=_model(args),
-    optimizer=lambda: _optimizer(args.optimizer),
-    mixed_precision=args.mixed_precision,
-    seq_len=args.seq_len,
-    compute_dtype=args.compute_dtype,
-    attention_chunk=args.attention_chunk,
-    attention=args.attention,
-    loss_chunk=args.loss_chunk,
+    **_setup(args),
     slice_devices=((args.slices, tuple(devices)),) if args.slices > 1 else (),
     axis_names=names,
     gradients='zerojax' if explicit else 'jax',
