@@ -416,14 +416,14 @@ def cmd_plan(args) -> int:
 
 def _refusal(result: Any, hbm_gib: int | None) -> str:
   """Why a plan was refused before its program could be reported, with the figures."""
-  from zerojax._src.planner import roofline
+  from zerojax._src.planner import roofline, search
 
-  if result.status == 'pruned: states alone exceed HBM':
+  if result.status == search.PRUNED_HBM:
     return (
       f'{result.status} (model states at rest {result.theory_bytes / roofline.GiB:.2f} GiB per'
       f' chip, of {hbm_gib} GiB HBM)'
     )
-  if result.status == 'pruned: offloaded state exceeds host memory':
+  if result.status == search.PRUNED_HOST:
     host = result.lowered.plan.bytes_per_device()['host'] / roofline.GiB
     return f'{result.status} ({host:.2f} GiB per chip offloaded)'
   return result.status

@@ -181,7 +181,6 @@ class Lowered:
   candidate: Candidate
   spec: Any  # the `ModelSpec`
   mesh: Any
-  zero_axes: tuple[str, ...]
   state: Any  # the abstract train state
   plan: Any  # its `ZeroPlan`
   batch: Any  # the sharded batch's ShapeDtypeStruct
@@ -196,12 +195,11 @@ class Lowered:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.state.params))
 
 
-def _abstract_state(target: Target, c: Candidate, spec: Any, mesh: Any, names: tuple):
+def _abstract_state(target: Target, c: Candidate, spec: Any, mesh: Any, zero_axes: tuple):
   """(the abstract train state, its ZeRO plan) of a candidate, its optimizer wrapped for the
-  candidate's stage on `mesh`."""
+  candidate's stage over `zero_axes` of `mesh`."""
   from zerojax._src import precision, train_state, transform
 
-  zero_axes = tuple(a for a in names if a != TENSOR)
   options = zero_options(c, zero_axes, spec.stacked, _tensor_specs(spec, mesh))
   inner = target.optimizer()
   if target.mixed_precision:
@@ -243,12 +241,12 @@ def lower(target: Target, c: Candidate) -> Lowered:
   start = time.perf_counter()
   mesh, names = mesh_for(target, c)
   spec = model_spec(target, c)
-  state, plan = _abstract_state(target, c, spec, mesh, names)
+  zero_axes = tuple(a for a in names if a != TENSOR)
+  state, plan = _abstract_state(target, c, spec, mesh, zero_axes)
   phases = {'plan': time.perf_counter() - start}
   start = time.perf_counter()
   rows = spec.batch(c.batch_per_chip * mesh.devices.size)
   # The batch's rows over every chip: the data-parallel (slice) axes, then ZeRO's.
-  zero_axes = tuple(a for a in names if a != TENSOR)
   over = transform.config_of(state.tx).replica_axes + zero_axes
   over = over[0] if len(over) == 1 else over
   batch = jax.ShapeDtypeStruct(
@@ -270,9 +268,7 @@ def lower(target: Target, c: Candidate) -> Lowered:
     unit = jnp.dtype(target.compute_dtype).itemsize
   else:
     unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
-  return Lowered(
-    c, spec, mesh, zero_axes, state, plan, batch, unit, target.gradients, traced, lowered, phases
-  )
+  return Lowered(c, spec, mesh, state, plan, batch, unit, target.gradients, traced, lowered, phases)
 
 
 def make_target(

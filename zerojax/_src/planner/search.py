@@ -35,6 +35,10 @@ from zerojax._src.planner.candidates import Candidate, candidate_space, why_none
 from zerojax._src.planner.lowering import Lowered, Target, lower, make_target
 from zerojax._src.planner.roofline import Chip, host_transfer_bytes, predict
 
+# A candidate's status where theory alone rules it out, before anything compiles.
+PRUNED_HBM = 'pruned: states alone exceed HBM'
+PRUNED_HOST = 'pruned: offloaded state exceeds host memory'
+
 
 @dataclasses.dataclass(frozen=True)
 class Priced:
@@ -255,11 +259,11 @@ def _theory(target: Target, lowered: Lowered, hbm_bytes: int | None) -> Result:
   )
   chip = target.chip
   if hbm_bytes is not None and result.theory_bytes > hbm_bytes:
-    result.status = 'pruned: states alone exceed HBM'
+    result.status = PRUNED_HBM
   elif (
     chip is not None and chip.host_bytes_per_chip and result.host_bytes > chip.host_bytes_per_chip
   ):
-    result.status = 'pruned: offloaded state exceeds host memory'
+    result.status = PRUNED_HOST
   return result
 
 
