@@ -39,9 +39,18 @@ import os
 import sys
 import time
 
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_maxtext import HEAD, SEQ, V5E_ROWS, VOCAB, compiler_tag, maxtext_flops  # noqa: E402
+from bench_maxtext import (  # noqa: E402
+  HEAD,
+  ROWS,
+  SEQ,
+  V5E_ROWS,
+  VOCAB,
+  compiler_tag,
+  maxtext_flops,
+)
 
 REMATS = (
   'full',
@@ -51,6 +60,16 @@ REMATS = (
   'offload_minimal',
   'save_attention_offload_minimal',
   'offload_all',
+)
+# MaxText's v5p rows keep the query, key, value and MLP activations (`minimal`, zerojax's plan
+# of them too); a chip of 95 GiB may keep more (the attention's output as well; everything),
+# or move what it keeps to the host.
+V5P_REMATS = (
+  'minimal',
+  'save_qkv_attention',
+  'none',
+  'offload_minimal',
+  'save_attention_offload_minimal',
 )
 # The host link's bandwidth as a share of the chip table's assumed figure.
 HOST_SHARES = (1.0, 0.5, 0.25)
@@ -103,11 +122,16 @@ def search_row(row) -> dict:
     batch_per_chip=(batch,),
     cache_dir=program_cache.default_dir(),
   )
-  flops = maxtext_flops(width, heads, mlp, layers, batch)
-  chip = report.target.chip
   by_remat = {r.candidate.remat: r for r in report.results}
-  default = by_remat['full']
-  winner = report.winner
+  record = _ranked(row, report.target.chip, report.results, by_remat['full'], report.winner)
+  record['search_seconds'] = time.perf_counter() - start
+  return record
+
+
+def _ranked(row, chip, results, default, winner) -> dict:
+  """A row's record: its default plan, the searched winner and every candidate."""
+  name, width, heads, mlp, layers, topology, _, batch, published = row
+  flops = maxtext_flops(width, heads, mlp, layers, batch)
   return {
     'row': name,
     'topology': topology,
@@ -118,16 +142,49 @@ def search_row(row) -> dict:
     'searched': None if winner is None else _figures(winner, flops, chip),
     'candidates': [
       _figures(r, flops, chip) if r.predicted else {'remat': r.candidate.remat, 'status': r.status}
-      for r in report.results
+      for r in results
     ],
-    'search_seconds': time.perf_counter() - start,
   }
 
 
-def table(out: str) -> list[str]:
-  """Every compiler's rows in `out`: default plan against searched plan."""
+def policies_row(row) -> dict:
+  """One of MaxText's v5p rows at its own mesh (a tensor axis beside ZeRO, which the plan
+  search's layouts do not span): each of `V5P_REMATS` through the plan's pipeline
+  (`search.evaluate` on the target `python -m zerojax plan` builds from the row's flags)."""
+  from zerojax._src.planner import cli, program_cache, search
+
+  name, width, heads, mlp, layers, topology, tensor, batch, published = row
+  chips = 1
+  for d in topology.split(':')[1].split('x'):
+    chips *= int(d)
+  model = (
+    f'decoder:vocab={VOCAB},d_model={width},n_layers={layers},n_heads={heads},d_ff={mlp},'
+    f'head_size={HEAD}'
+  )
+  flags = ['--model', model, '--topology', topology, '--mesh',
+           f'data={chips // tensor},tensor={tensor}', '--stage', '3', '--batch-per-chip',
+           str(batch), '--seq-len', str(SEQ), '--remat', V5P_REMATS[0], '--attention', 'flash']  # fmt: skip
+  start = time.perf_counter()
+  target, candidate, hbm = cli.plan_target(flags)
+  results = []
+  for remat in V5P_REMATS:
+    print(f'  {name} --remat {remat} ...', flush=True)
+    c = dataclasses.replace(candidate, remat=remat)
+    results.append(search.evaluate(target, c, hbm_bytes=hbm, cache_dir=program_cache.default_dir()))
+    print(f'    {results[-1].status}', flush=True)
+  fitting = [r for r in results if r.fits]
+  winner = min(fitting, key=lambda r: r.step_seconds) if fitting else None
+  record = _ranked(row, target.chip, results, results[0], winner)
+  record['search_seconds'] = time.perf_counter() - start
+  return record
+
+
+def table(out: str, chip: str = 'v5e') -> list[str]:
+  """Every compiler's rows of `chip` in `out`: default plan against searched plan."""
+  default = 'full rematerialisation' if chip == 'v5e' else '`minimal`'
   lines = [
-    "MaxText's v5e-256 rows: zerojax's default plan (full rematerialisation, MaxText's setting)"
+    f"MaxText's {chip}{'-256' if chip == 'v5e' else ''} rows: zerojax's default plan"
+    f" ({default}, MaxText's setting)"
     ' against the policy the plan search picks (`benchmarks/bench_recompute.py`). TFLOP/s is'
     " MaxText's model-FLOP count over the predicted step; executed/model is the compiled"
     " program's matmul FLOPs over that count; * marks a peak the compiler reports with host"
@@ -140,7 +197,7 @@ def table(out: str) -> list[str]:
     '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|',
   ]
   for name in sorted(os.listdir(out)):
-    if not (name.startswith('recompute_v5e.libtpu-') and name.endswith('.json')):
+    if not (name.startswith(f'recompute_{chip}.libtpu-') and name.endswith('.json')):
       continue
     with open(os.path.join(out, name)) as f:
       run = json.load(f)
@@ -163,27 +220,30 @@ def table(out: str) -> list[str]:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--chip', default='v5e', choices=('v5e', 'v5p'), help="MaxText's rows of")
   parser.add_argument('--rows', default=None, help='comma-separated row names (default: all)')
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
   args = parser.parse_args()
-  wanted = args.rows.split(',') if args.rows else [r[0] for r in V5E_ROWS]
-  unknown = sorted(set(wanted) - {r[0] for r in V5E_ROWS})
+  every = V5E_ROWS if args.chip == 'v5e' else ROWS
+  names = [r[0] for r in every]
+  wanted = args.rows.split(',') if args.rows else names
+  unknown = sorted(set(wanted) - set(names))
   if unknown:
-    parser.error(f'--rows: no v5e row {unknown}; the rows are {[r[0] for r in V5E_ROWS]}')
+    parser.error(f'--rows: no {args.chip} row {unknown}; the rows are {names}')
   import jax
   import libtpu
 
   tag = compiler_tag()
   rows = []
-  for row in (r for r in V5E_ROWS if r[0] in wanted):
+  for row in (r for r in every if r[0] in wanted):
     print(f'searching {row[0]} on {row[5]} with {tag} ...', flush=True)
-    rows.append(search_row(row))
+    rows.append(search_row(row) if args.chip == 'v5e' else policies_row(row))
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, f'recompute_v5e.{tag}.json'), 'w') as f:
+  with open(os.path.join(args.out, f'recompute_{args.chip}.{tag}.json'), 'w') as f:
     json.dump({'versions': versions, 'rows': rows}, f, indent=2)
-  lines = table(args.out)
-  with open(os.path.join(args.out, 'recompute_v5e.md'), 'w') as f:
+  lines = table(args.out, args.chip)
+  with open(os.path.join(args.out, f'recompute_{args.chip}.md'), 'w') as f:
     f.write('\n'.join(lines) + '\n')
   print('\n'.join(lines))
   return 0

@@ -371,10 +371,12 @@ def test_an_unknown_remat_policy_is_refused_with_the_choices():
 
 @pytest.mark.tpu
 @pytest.mark.xdist_group('libtpu')
-def test_offloaded_activations_are_counted_as_host_bytes_per_step(tmp_path):
+@pytest.mark.parametrize('remat, per_layer', [('offload_qkv', 3), ('offload_layer_inputs', 1)])
+def test_offloaded_activations_are_counted_as_host_bytes_per_step(tmp_path, remat, per_layer):
   """`--remat offload_qkv`: each block's query, key and value projections go to host memory in
-  the forward pass and come back in the backward, and the report counts them in the compiled
-  program like an offloaded optimizer state."""
+  the forward pass and come back in the backward; `offload_layer_inputs`: each block's input
+  does (the layer loop's stack). The report counts them in the compiled program like an
+  offloaded optimizer state."""
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
   import json
 
@@ -382,14 +384,14 @@ def test_offloaded_activations_are_counted_as_host_bytes_per_step(tmp_path):
 
   out = tmp_path / 'plan.json'
   proc = _cli('--topology', 'v5e:2x4', '--model', 'tiny', '--seq-len', '256', '--remat',
-              'offload_qkv', '--no-cache', '--json', str(out))  # fmt: skip
+              remat, '--no-cache', '--json', str(out))  # fmt: skip
   assert proc.returncode == 0, proc.stderr[-2000:]
   traffic = json.loads(out.read_text())['host_traffic']
   cfg = presets.PRESETS['tiny']
-  # One sequence per chip: per layer, three bf16 (256, d_model) projections each way.
-  qkv = cfg.n_layers * 3 * 256 * cfg.d_model * 2
+  # One sequence per chip: per layer, `per_layer` bf16 (256, d_model) activations each way.
+  moved = cfg.n_layers * per_layer * 256 * cfg.d_model * 2
   assert traffic['source'] == 'hlo'
-  assert traffic['to_host'] == traffic['to_device'] == qkv
+  assert traffic['to_host'] == traffic['to_device'] == moved
   assert 'host link per step and chip (counted in the compiled program)' in proc.stdout
 
 

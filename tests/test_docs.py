@@ -642,3 +642,26 @@ def test_the_readmes_table_of_maxtexts_rows_is_the_committed_benchmark():
       assert searched['fits'], (path.name, r['row'])
       assert searched['predicted_step_seconds'] <= default['predicted_step_seconds']
       assert searched['step_at_host_share']['0.5'] <= default['predicted_step_seconds']
+
+
+def test_the_memory_table_is_the_committed_benchmark_and_under_maxtexts_peaks():
+  """docs/results.md's memory table is `bench_memory.py`'s, row for row, and each committed row
+  holds what it claims: with the layer inputs offloaded, the device memory space of the
+  compiler's buffer assignment is under MaxText's compiler peak (where one is quoted), the
+  recomputation is `full`'s (the same matmul FLOPs), and the host link carries the stack of
+  block inputs each way."""
+  table = (ROOT / 'benchmarks' / 'results' / 'memory_v5e.md').read_text().splitlines()
+  rows = [line for line in table if line.startswith('| ') and not line.startswith('| row')]
+  results = (ROOT / 'docs' / 'results.md').read_text().splitlines()
+  assert rows and all(line in results for line in rows)
+  runs = sorted((ROOT / 'benchmarks' / 'results').glob('memory_v5e.libtpu-*.json'))
+  assert runs
+  for path in runs:
+    for r in json.loads(path.read_text())['rows']:
+      full, offloaded = r['plans']['full'], r['plans']['offload_layer_inputs']
+      assert full['fits'] and offloaded['fits'], (path.name, r['row'])
+      assert offloaded['matmul_flops_per_chip'] == full['matmul_flops_per_chip']
+      assert offloaded['device_space_gib'] < full['device_space_gib']
+      assert offloaded['host_bytes_per_step'] > 0
+      if r['maxtext_peak_gib'] is not None:
+        assert offloaded['device_space_gib'] <= r['maxtext_peak_gib'], (path.name, r['row'])

@@ -160,6 +160,7 @@ def test_every_remat_policy_keeps_the_loss_and_its_gradient(remat):
     ('save_qkv_offload_mlp', {presets.QKV: 3}, 1),
     ('save_attention_offload_minimal', {presets.ATTENTION_OUT: 1}, 4),
     ('offload_all', {}, 5),
+    ('offload_layer_inputs', {}, 1),
   ],
 )
 def test_each_policy_keeps_what_it_names_and_moves_what_it_offloads(remat, kept, offloaded, capsys):
@@ -178,3 +179,18 @@ def test_each_policy_keeps_what_it_names_and_moves_what_it_offloads(remat, kept,
   assert {n: named.count(n) for n in set(named)} == kept
   assert sum('<host>' in line for line in lines) == offloaded
   assert all('from the argument' in line or ' named ' in line or '<host>' in line for line in lines)
+
+
+@pytest.mark.parametrize('remat, where', [('full', 'f32['), ('offload_layer_inputs', 'f32<host>[')])
+def test_the_layer_loop_keeps_its_stack_of_block_inputs_where_the_policy_says(remat, where, capsys):
+  """Full rematerialisation keeps one input per block (layers x batch x seq x d_model) for the
+  backward pass; `offload_layer_inputs` keeps that stack in host memory and nothing else."""
+  cfg = presets.PRESETS['tiny']
+  params = presets.init_decoder(cfg, jax.random.key(0))
+  x = jnp.ones((2, cfg.seq_len, cfg.d_model))
+  block = lambda x, layer: presets._block(cfg, x, layer, presets._xla_attention(None))
+  loop = lambda params, x: jnp.sum(presets._layer_loop(block, x, params['layers'], None, remat))
+  jax.ad_checkpoint.print_saved_residuals(loop, params, x)
+  kept = [line for line in capsys.readouterr().out.splitlines() if 'from the argument' not in line]
+  assert len(kept) == 1, kept
+  assert kept[0].startswith(f'{where}{cfg.n_layers},2,{cfg.seq_len},{cfg.d_model}] output of scan')

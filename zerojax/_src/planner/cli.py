@@ -813,7 +813,8 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     help='what each block keeps for the backward pass (the rest is recomputed): full (nothing),'
     " gathers (all but the parameters' gathers), none (everything), or a policy named by what it"
     " keeps in HBM (save_qkv, save_attention, save_mlp, minimal: MaxText's) or moves to host"
-    ' memory and back (offload_qkv, offload_minimal, offload_all, ...); docs/planner.md',
+    ' memory and back (offload_qkv, offload_minimal, offload_all, offload_layer_inputs: full'
+    " with the layer loop's stack of block inputs on the host, ...); docs/planner.md",
   )
   p.add_argument('--no-remat', action='store_true', help='the same as --remat none')
   p.add_argument(
@@ -1032,7 +1033,8 @@ def _inspect_parser(sub) -> argparse.ArgumentParser:
   return i
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+  """(the command line's parser, its `plan` subparser)."""
   parser = argparse.ArgumentParser(prog='python -m zerojax', description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest='command', required=True)
   p = _plan_parser(sub)
@@ -1040,6 +1042,25 @@ def main(argv: list[str] | None = None) -> int:
   p.set_defaults(func=cmd_plan)
   _estimate_parser(sub).set_defaults(func=cmd_estimate)
   _inspect_parser(sub).set_defaults(func=cmd_inspect)
+  return parser, p
+
+
+def plan_target(argv: list[str]) -> tuple[Any, Any, int | None]:
+  """What `python -m zerojax plan ARGV` plans: its `lowering.Target`, its one `Candidate` and
+  the chips' HBM in bytes (None: the chip's), for a script that evaluates other candidates on
+  the same target with `search.evaluate` (a remat policy at a tensor-parallel mesh, which
+  `--search`'s layouts do not span). Bad flags exit as the command line does."""
+  parser, p = _parsers()
+  args = parser.parse_args(['plan', *argv])
+  args.command_line = 'python -m zerojax plan ' + shlex.join(argv)
+  _check_plan_flags(parser, p, args)
+  _configure_jax(args.topology, args.slices)
+  target, candidate, hbm_gib = _plan_target(args, time.perf_counter())
+  return target, candidate, None if hbm_gib is None else hbm_gib * 2**30
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser, p = _parsers()
   args = parser.parse_args(argv)
   # What reproduces this run, for the reports it writes.
   args.command_line = 'python -m zerojax ' + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -183,8 +183,11 @@ def chunked_attention(q, k, v, chunk: int):
 # the query, key and value projections, the attention's output, and the MLP's hidden
 # activations (its gate and input projections, the inputs of its nonlinearity). The output
 # projections are not named: their results only join the residual stream, which the layer
-# loop keeps anyway.
+# loop keeps anyway. The block's input, the residual stream itself, is named too: the layer
+# loop keeps it for every layer (a stack of layers x batch x seq x d_model), and a policy that
+# offloads it keeps that stack in host memory instead.
 QKV, ATTENTION_OUT, MLP_HIDDEN = 'zerojax_qkv', 'zerojax_attention', 'zerojax_mlp_hidden'
+LAYER_INPUT = 'zerojax_layer_input'
 
 # What each remat policy keeps for the backward pass, by name (the rest is recomputed), and
 # what it moves to host memory during the forward pass and back during the backward
@@ -201,6 +204,9 @@ POLICIES = {
   'save_qkv_offload_mlp': dict(save=(QKV,), offload=(MLP_HIDDEN,)),
   'save_attention_offload_minimal': dict(save=(ATTENTION_OUT,), offload=(QKV, MLP_HIDDEN)),
   'offload_all': dict(offload=(QKV, ATTENTION_OUT, MLP_HIDDEN)),
+  # 'full' with the layer loop's stack of block inputs in host memory: everything in a block
+  # is recomputed, and HBM holds one block's input at a time instead of every layer's.
+  'offload_layer_inputs': dict(offload=(LAYER_INPUT,)),
 }
 
 
@@ -319,7 +325,7 @@ def _flash_attention(plan: plan_lib.ZeroPlan | None):
 
 def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint):
   b, t, _ = x.shape
-  x = constrain(x, 'residual')
+  x = _named(constrain(x, 'residual'), LAYER_INPUT)
   h = _rms_norm(x, p['attn_norm'])
   q = _named(constrain((h @ p['wq']).reshape(b, t, cfg.n_heads, cfg.head_dim), 'heads'), QKV)
   k = _named(constrain((h @ p['wk']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'), QKV)

@@ -1,0 +1,185 @@
+"""Memory at MaxText's own settings: full rematerialisation, with and without the layer loop's
+stack of block inputs in host memory.
+
+MaxText's v5e-256 rows (16B, 32B and 64B at 6, 4 and 2 sequences of 2048 per chip, remat full,
+flash attention, FSDP over all 256 chips) and the README's llama2-70b plan (one sequence per
+chip, chunked or flash attention) are planned twice with the TPU compiler of the installed
+libtpu (no TPU needed):
+
+- `--remat full`: every block recomputed in the backward pass, its input kept in HBM for each
+  layer (the layer loop's stack: layers x batch x seq x d_model bf16); zerojax's default plan
+  and MaxText's setting;
+- `--remat offload_layer_inputs`: the same recomputation, that stack written to host memory
+  during the forward pass and read back a block at a time during the backward.
+
+Each program's device memory is read two ways: the plan's peak (the compiler's own peak of live
+bytes where the program holds nothing in host memory; for a program that does, the compiler's
+figures count host memory too, so the plan reports arguments + outputs - aliased +
+temporaries), and the compiler's buffer assignment for the device's memory space (the total
+of its dumped memory-usage report, `Memory Space: default`: every device buffer, fragmentation
+included, host buffers not). MaxText's compiler peaks (libtpu 0.0.42: 32B 10.45 GiB, 64B 12.40,
+llama2-70b 10.02) are the figures quoted in the project's issue 53; MaxText is not on the package
+index this project installs from, so they are not reproduced here.
+
+    python benchmarks/bench_memory.py [--rows 32B,64B] [--out benchmarks/results]
+
+Writes memory_v5e.libtpu-VERSION.json and memory_v5e.md (every compiler's rows). About a minute
+of compiling per program on a 2-core machine, two programs per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_maxtext import HEAD, SEQ, V5E_ROWS, VOCAB, compiler_tag  # noqa: E402
+
+REMATS = ('full', 'offload_layer_inputs')
+# MaxText's compiler peaks in GiB on libtpu 0.0.42, as issue 53 quotes them (None: not quoted).
+MAXTEXT_PEAK_GIB = {'16B': None, '32B': 10.45, '64B': 12.40, 'llama2-70b': 10.02}
+
+
+def rows() -> list[tuple[str, str, list[str]]]:
+  """(name, MaxText row, plan flags) of every row."""
+  out = []
+  for name, width, heads, mlp, layers, topology, _, batch, _ in V5E_ROWS:
+    model = (
+      f'decoder:vocab={VOCAB},d_model={width},n_layers={layers},n_heads={heads},d_ff={mlp},'
+      f'head_size={HEAD}'
+    )
+    flags = ['--model', model, '--topology', topology, '--mesh', '16x16', '--stage', '3',
+             '--batch-per-chip', str(batch), '--seq-len', str(SEQ), '--attention', 'flash']  # fmt: skip
+    out.append((name, name, flags))
+  llama = ['--model', 'llama2-70b', '--topology', 'v5e:16x16', '--mesh', '16x16', '--stage', '3',
+           '--seq-len', str(SEQ)]  # fmt: skip
+  out.append(('llama2-70b chunked', 'llama2-70b', llama + ['--attention-chunk', '512']))
+  out.append(('llama2-70b flash', 'llama2-70b', llama + ['--attention', 'flash']))
+  return out
+
+
+def device_space_bytes(dump: str) -> int:
+  """The total of the device memory space in the training step's dumped memory-usage report."""
+  reports = glob.glob(os.path.join(dump, '*train_step*memory-usage-report.txt'))
+  if len(reports) != 1:
+    raise SystemExit(f'{dump}: expected one memory-usage report of the train step, got {reports}')
+  with open(reports[0]) as f:
+    text = f.read()
+  found = re.search(r'Memory Space: default \(color=0\)\nTotal bytes: (\d+)', text)
+  if not found:
+    raise SystemExit(f'{reports[0]}: no "Memory Space: default" total')
+  return int(found.group(1))
+
+
+def plan(flags: list[str], remat: str) -> dict:
+  """One plan's figures, compiled afresh with the compiler's buffer assignment dumped."""
+  with tempfile.TemporaryDirectory() as tmp:
+    dump, out = os.path.join(tmp, 'dump'), os.path.join(tmp, 'plan.json')
+    cmd = [sys.executable, '-m', 'zerojax', 'plan', *flags, '--remat', remat, '--no-cache',
+           '--compiler-option', f'xla_dump_to={dump}',
+           '--compiler-option', 'xla_dump_hlo_as_text=true', '--json', out]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not os.path.exists(out):
+      raise SystemExit(f'{remat}: the plan failed (exit {done.returncode}):\n{done.stderr[-3000:]}')
+    with open(out) as f:
+      result = json.load(f)
+    traffic = result['host_traffic']
+    return {
+      'remat': remat,
+      'command': 'python -m zerojax plan ' + ' '.join([*flags, '--remat', remat]),
+      'fits': result['fits'],
+      'peak_gib': result['memory']['peak'] / 2**30,
+      'peak_source': result['memory']['peak_source'],
+      'device_space_gib': device_space_bytes(dump) / 2**30,
+      'host_held_gib': result['memory']['host_held'] / 2**30,
+      'host_bytes_per_step': traffic.get('to_host', 0) + traffic.get('to_device', 0),
+      'host_overlapped': traffic.get('overlapped'),
+      'predicted_step_seconds': result['predicted_seconds']['step'],
+      'matmul_flops_per_chip': result['matmul_flops_per_chip'],
+      'wall_seconds': time.perf_counter() - start,
+    }
+
+
+def table(out: str) -> list[str]:
+  """Every compiler's rows in `out`."""
+  lines = [
+    "Memory at MaxText's settings (full rematerialisation, its attention), per chip"
+    " (`benchmarks/bench_memory.py`). Device space: the compiler's buffer assignment for"
+    " HBM, fragmentation included, host buffers not. MaxText's peaks are issue 53's"
+    " (libtpu 0.0.42), not compiled here. Host link: 32 GB/s assumed (v5e's is not published).",
+    '',
+    '| row | compiler | MaxText peak GiB | full: peak GiB | full: device space GiB |'
+    ' offload_layer_inputs: device space GiB | host GB/step | step full s | step offloaded s |',
+    '|---|---|---|---|---|---|---|---|---|',
+  ]
+  for name in sorted(os.listdir(out)):
+    if not (name.startswith('memory_v5e.libtpu-') and name.endswith('.json')):
+      continue
+    with open(os.path.join(out, name)) as f:
+      run = json.load(f)
+    for r in run['rows']:
+      full, off = r['plans']['full'], r['plans']['offload_layer_inputs']
+      maxtext = '—' if r['maxtext_peak_gib'] is None else f'{r["maxtext_peak_gib"]:.2f}'
+      lines.append(
+        f'| {r["row"]} | {run["versions"]["libtpu"]} | {maxtext} | {full["peak_gib"]:.2f} |'
+        f' {full["device_space_gib"]:.2f} | {off["device_space_gib"]:.2f} |'
+        f' {off["host_bytes_per_step"] / 1e9:.1f} | {full["predicted_step_seconds"]:.2f} |'
+        f' {off["predicted_step_seconds"]:.2f} |'
+      )
+  return lines
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--rows', default=None, help='comma-separated row names (default: all)')
+  parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
+  args = parser.parse_args()
+  every = rows()
+  names = sorted({r[1] for r in every})
+  wanted = args.rows.split(',') if args.rows else names
+  unknown = sorted(set(wanted) - set(names))
+  if unknown:
+    parser.error(f'--rows: no row {unknown}; the rows are {names}')
+  import jax
+  import libtpu
+
+  tag = compiler_tag()
+  results = []
+  for name, family, flags in every:
+    if family not in wanted:
+      continue
+    print(f'planning {name} with {tag} ...', flush=True)
+    plans = {remat: plan(flags, remat) for remat in REMATS}
+    results.append({'row': name, 'maxtext_peak_gib': MAXTEXT_PEAK_GIB[family], 'plans': plans})
+    for remat, p in plans.items():
+      print(f'  {remat}: peak {p["peak_gib"]:.2f} GiB, device space {p["device_space_gib"]:.2f}'
+            f' GiB, step {p["predicted_step_seconds"]:.2f} s', flush=True)  # fmt: skip
+  versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, f'memory_v5e.{tag}.json')
+  if args.rows and os.path.exists(path):
+    # Planning some rows again keeps this compiler's others, in the rows' order.
+    with open(path) as f:
+      kept = {r['row']: r for r in json.load(f)['rows']}
+    kept.update({r['row']: r for r in results})
+    results = [kept[name] for name, _, _ in every if name in kept]
+  with open(path, 'w') as f:
+    json.dump({'versions': versions, 'rows': results}, f, indent=2)
+  lines = table(args.out)
+  with open(os.path.join(args.out, 'memory_v5e.md'), 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  print('\n'.join(lines))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
