@@ -19,9 +19,10 @@ temporaries), and the compiler's buffer assignment for the device's memory space
 of its dumped memory-usage report, `Memory Space: default`: every device buffer, fragmentation
 included, host buffers not). MaxText's compiler peaks (libtpu 0.0.42: 32B 10.45 GiB, 64B 12.40,
 llama2-70b 10.02) are the figures quoted in the project's issue 53; MaxText is not on the package
-index this project installs from, so they are not reproduced here.
+index this project installs from, so they are not reproduced here. Where `bench_recompute.py`'s
+results for the same compiler are in --out, each v5e row's searched policy is planned too.
 
-    python benchmarks/bench_memory.py [--rows 32B,64B] [--out benchmarks/results]
+    python benchmarks/bench_memory.py [--rows 32B,64B] [--out benchmarks/results] [--reuse]
 
 Writes memory_v5e.libtpu-VERSION.json and memory_v5e.md (every compiler's rows). About a minute
 of compiling per program on a 2-core machine, two programs per row.
@@ -41,11 +42,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_maxtext import HEAD, SEQ, V5E_ROWS, VOCAB, compiler_tag  # noqa: E402
+from bench_maxtext import (  # noqa: E402
+  HEAD,
+  MAXTEXT_V5E_PEAK_GIB,
+  SEQ,
+  V5E_ROWS,
+  VOCAB,
+  compiler_tag,
+)
 
 REMATS = ('full', 'offload_layer_inputs')
-# MaxText's compiler peaks in GiB on libtpu 0.0.42, as issue 53 quotes them (None: not quoted).
-MAXTEXT_PEAK_GIB = {'16B': None, '32B': 10.45, '64B': 12.40, 'llama2-70b': 10.02}
 
 
 def rows() -> list[tuple[str, str, list[str]]]:
@@ -109,6 +115,16 @@ def plan(flags: list[str], remat: str) -> dict:
     }
 
 
+def searched_policies(out: str, tag: str) -> dict[str, str]:
+  """The policy `bench_recompute.py`'s search picked for each v5e row with this compiler, where
+  its results are in `out` (their memory is planned too)."""
+  path = os.path.join(out, f'recompute_v5e.{tag}.json')
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return {r['row']: r['searched']['remat'] for r in json.load(f)['rows'] if r['searched']}
+
+
 def table(out: str) -> list[str]:
   """Every compiler's rows in `out`."""
   lines = [
@@ -118,8 +134,9 @@ def table(out: str) -> list[str]:
     " (libtpu 0.0.42), not compiled here. Host link: 32 GB/s assumed (v5e's is not published).",
     '',
     '| row | compiler | MaxText peak GiB | full: peak GiB | full: device space GiB |'
-    ' offload_layer_inputs: device space GiB | host GB/step | step full s | step offloaded s |',
-    '|---|---|---|---|---|---|---|---|---|',
+    ' offload_layer_inputs: device space GiB | host GB/step | step full s | step offloaded s |'
+    ' searched policy | searched: device space GiB | searched step s |',
+    '|---|---|---|---|---|---|---|---|---|---|---|---|',
   ]
   for name in sorted(os.listdir(out)):
     if not (name.startswith('memory_v5e.libtpu-') and name.endswith('.json')):
@@ -129,11 +146,17 @@ def table(out: str) -> list[str]:
     for r in run['rows']:
       full, off = r['plans']['full'], r['plans']['offload_layer_inputs']
       maxtext = '—' if r['maxtext_peak_gib'] is None else f'{r["maxtext_peak_gib"]:.2f}'
+      won = r.get('searched') and r['plans'].get(r['searched'])
+      searched = (
+        f'{r["searched"]} | {won["device_space_gib"]:.2f} | {won["predicted_step_seconds"]:.2f}'
+        if won
+        else '— | — | —'
+      )
       lines.append(
         f'| {r["row"]} | {run["versions"]["libtpu"]} | {maxtext} | {full["peak_gib"]:.2f} |'
         f' {full["device_space_gib"]:.2f} | {off["device_space_gib"]:.2f} |'
         f' {off["host_bytes_per_step"] / 1e9:.1f} | {full["predicted_step_seconds"]:.2f} |'
-        f' {off["predicted_step_seconds"]:.2f} |'
+        f' {off["predicted_step_seconds"]:.2f} | {searched} |'
       )
   return lines
 
@@ -142,6 +165,9 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--rows', default=None, help='comma-separated row names (default: all)')
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
+  parser.add_argument(
+    '--reuse', action='store_true', help="reuse a plan already in --out's JSON (same command)"
+  )
   args = parser.parse_args()
   every = rows()
   names = sorted({r[1] for r in every})
@@ -153,24 +179,38 @@ def main() -> int:
   import libtpu
 
   tag = compiler_tag()
+  path = os.path.join(args.out, f'memory_v5e.{tag}.json')
+  before = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      before = {r['row']: r for r in json.load(f)['rows']}
+  winners = searched_policies(args.out, tag)
   results = []
   for name, family, flags in every:
     if family not in wanted:
       continue
     print(f'planning {name} with {tag} ...', flush=True)
-    plans = {remat: plan(flags, remat) for remat in REMATS}
-    results.append({'row': name, 'maxtext_peak_gib': MAXTEXT_PEAK_GIB[family], 'plans': plans})
-    for remat, p in plans.items():
+    remats = [*REMATS, *([winners[name]] if winners.get(name) not in (None, *REMATS) else [])]
+    plans = {}
+    for remat in remats:
+      old = before.get(name, {}).get('plans', {}).get(remat)
+      command = 'python -m zerojax plan ' + ' '.join([*flags, '--remat', remat])
+      if args.reuse and old and old['command'] == command:
+        plans[remat] = old
+        print(f'  {remat}: reusing {os.path.basename(path)}', flush=True)
+        continue
+      plans[remat] = p = plan(flags, remat)
       print(f'  {remat}: peak {p["peak_gib"]:.2f} GiB, device space {p["device_space_gib"]:.2f}'
             f' GiB, step {p["predicted_step_seconds"]:.2f} s', flush=True)  # fmt: skip
+    results.append({
+      'row': name, 'maxtext_peak_gib': MAXTEXT_V5E_PEAK_GIB[family], 'searched': winners.get(name),
+      'plans': plans,
+    })  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f'memory_v5e.{tag}.json')
-  if args.rows and os.path.exists(path):
+  if args.rows:
     # Planning some rows again keeps this compiler's others, in the rows' order.
-    with open(path) as f:
-      kept = {r['row']: r for r in json.load(f)['rows']}
-    kept.update({r['row']: r for r in results})
+    kept = {**before, **{r['row']: r for r in results}}
     results = [kept[name] for name, _, _ in every if name in kept]
   with open(path, 'w') as f:
     json.dump({'versions': versions, 'rows': results}, f, indent=2)

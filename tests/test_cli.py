@@ -404,3 +404,24 @@ def test_a_named_policy_is_refused_for_a_model_that_names_no_activations():
     ' keep nothing. Give its loop a jax.checkpoint policy of your own, or plan a preset or'
     ' decoder:... with it.'
   )
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_plan_target_is_what_the_plan_command_plans(capsys):
+  """`cli.plan_target(flags)`: the target and the one candidate `python -m zerojax plan FLAGS`
+  hands to `search.evaluate`, for a script that plans other candidates on the same target."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  from zerojax._src.planner import cli, roofline
+
+  target, candidate, hbm = cli.plan_target(
+    ['--topology', 'v5e:2x4', '--mesh', '2x4', '--model', 'tiny', '--seq-len', '256',
+     '--remat', 'save_qkv']
+  )  # fmt: skip
+  assert (candidate.stage, candidate.layout, candidate.remat) == (3, 'torus', 'save_qkv')
+  assert (target.topology, target.grid, target.axis_names) == ('v5e:2x4', (2, 4), ('x', 'y'))
+  assert target.seq_len == 256 and target.gradients == 'zerojax'
+  assert hbm == roofline.HBM_GIB['v5e'] * 2**30
+  with pytest.raises(SystemExit):
+    cli.plan_target(['--topology', 'v5e:2x4', '--model', 'tiny', '--remat', 'keep_nothing'])
+  assert "invalid choice: 'keep_nothing'" in capsys.readouterr().err.replace('"', "'")

@@ -665,3 +665,30 @@ def test_the_memory_table_is_the_committed_benchmark_and_under_maxtexts_peaks():
       assert offloaded['host_bytes_per_step'] > 0
       if r['maxtext_peak_gib'] is not None:
         assert offloaded['device_space_gib'] <= r['maxtext_peak_gib'], (path.name, r['row'])
+
+
+def test_the_readmes_table_of_maxtexts_v5p_rows_is_the_committed_benchmark():
+  """The README's v5p table is `bench_recompute.py --chip v5p`'s, row for row: the default plan
+  is MaxText's `minimal`, every policy of the script was planned at the row's mesh, and the
+  searched plan is the fastest that fits (no slower than the default at the assumed host
+  link; the table shows where half of it undoes that)."""
+  import sys
+
+  sys.path.insert(0, str(ROOT / 'benchmarks'))
+  import bench_recompute
+
+  table = (ROOT / 'benchmarks' / 'results' / 'recompute_v5p.md').read_text().splitlines()
+  rows = [line for line in table if line.startswith('| ') and not line.startswith('| row')]
+  readme = (ROOT / 'README.md').read_text().splitlines()
+  assert rows and all(line in readme for line in rows)
+  runs = sorted((ROOT / 'benchmarks' / 'results').glob('recompute_v5p.libtpu-*.json'))
+  assert runs
+  for path in runs:
+    for r in json.loads(path.read_text())['rows']:
+      default, searched = r['default'], r['searched']
+      assert [c['remat'] for c in r['candidates']] == list(bench_recompute.V5P_REMATS)
+      assert default['remat'] == 'minimal' and default['fits'], (path.name, r['row'])
+      fitting = [c for c in r['candidates'] if c.get('fits')]
+      fastest = min(c['predicted_step_seconds'] for c in fitting)
+      assert searched['fits'] and searched['predicted_step_seconds'] == fastest
+      assert searched['predicted_step_seconds'] <= default['predicted_step_seconds']

@@ -161,6 +161,8 @@ def test_every_remat_policy_keeps_the_loss_and_its_gradient(remat):
     ('save_attention_offload_minimal', {presets.ATTENTION_OUT: 1}, 4),
     ('offload_all', {}, 5),
     ('offload_layer_inputs', {}, 1),
+    ('offload_minimal_inputs', {}, 5),
+    ('save_attention_offload_minimal_inputs', {presets.ATTENTION_OUT: 1}, 5),
   ],
 )
 def test_each_policy_keeps_what_it_names_and_moves_what_it_offloads(remat, kept, offloaded, capsys):

@@ -179,20 +179,14 @@ def chunked_attention(q, k, v, chunk: int):
   return out.swapaxes(0, 1).reshape(b, t, h, d)
 
 
-# The activations a block names for its remat policies (`jax.ad_checkpoint.checkpoint_name`):
-# the query, key and value projections, the attention's output, and the MLP's hidden
-# activations (its gate and input projections, the inputs of its nonlinearity). The output
-# projections are not named: their results only join the residual stream, which the layer
-# loop keeps anyway. The block's input, the residual stream itself, is named too: the layer
-# loop keeps it for every layer (a stack of layers x batch x seq x d_model), and a policy that
-# offloads it keeps that stack in host memory instead.
+# Names a block gives its activations (`jax.ad_checkpoint.checkpoint_name`) for the remat
+# policies below (docs/planner.md has their table): the query, key and value projections, the
+# attention's output, the MLP's hidden activations, and the block's input, which the layer loop
+# keeps for every layer (layers x batch x seq x d_model) unless a policy offloads that stack.
 QKV, ATTENTION_OUT, MLP_HIDDEN = 'zerojax_qkv', 'zerojax_attention', 'zerojax_mlp_hidden'
 LAYER_INPUT = 'zerojax_layer_input'
-
-# What each remat policy keeps for the backward pass, by name (the rest is recomputed), and
-# what it moves to host memory during the forward pass and back during the backward
-# (`jax.checkpoint_policies.save_and_offload_only_these_names`). 'full' keeps nothing,
-# 'none' keeps everything, 'gathers' everything but the gathered parameters.
+_MINIMAL_INPUTS = (QKV, MLP_HIDDEN, LAYER_INPUT)
+# What each policy keeps for the backward pass (the rest is recomputed) and what it offloads.
 POLICIES = {
   'minimal': dict(save=(QKV, MLP_HIDDEN)),  # MaxText's 'minimal'
   'save_qkv': dict(save=(QKV,)),
@@ -204,9 +198,9 @@ POLICIES = {
   'save_qkv_offload_mlp': dict(save=(QKV,), offload=(MLP_HIDDEN,)),
   'save_attention_offload_minimal': dict(save=(ATTENTION_OUT,), offload=(QKV, MLP_HIDDEN)),
   'offload_all': dict(offload=(QKV, ATTENTION_OUT, MLP_HIDDEN)),
-  # 'full' with the layer loop's stack of block inputs in host memory: everything in a block
-  # is recomputed, and HBM holds one block's input at a time instead of every layer's.
-  'offload_layer_inputs': dict(offload=(LAYER_INPUT,)),
+  'offload_layer_inputs': dict(offload=(LAYER_INPUT,)),  # 'full', the stack on the host
+  'offload_minimal_inputs': dict(offload=_MINIMAL_INPUTS),
+  'save_attention_offload_minimal_inputs': dict(save=(ATTENTION_OUT,), offload=_MINIMAL_INPUTS),
 }
 
 
