@@ -97,6 +97,22 @@ def maxtext_flops(width, heads, mlp, layers, batch, seq=SEQ, vocab=VOCAB, head=H
   return 3 * ((mlp_f + qkv + proj) * layers + embed) + 3 * attention * layers
 
 
+def chip_count(topology: str) -> int:
+  """The chips of a 'v5p:4x4x4' topology."""
+  chips = 1
+  for d in topology.split(':')[1].split('x'):
+    chips *= int(d)
+  return chips
+
+
+def decoder_model(width: int, heads: int, mlp: int, layers: int) -> str:
+  """The `--model decoder:...` of one of MaxText's rows."""
+  return (
+    f'decoder:vocab={VOCAB},d_model={width},n_layers={layers},n_heads={heads},d_ff={mlp},'
+    f'head_size={HEAD}'
+  )
+
+
 def plan_row(
   row, out: str, tag: str, reuse: bool = False, slices: int = 1, chip: str = 'v5p'
 ) -> dict:
@@ -104,13 +120,7 @@ def plan_row(
   _, sliced, remat = CHIPS[chip]
   if slices > 1:
     published = sliced[slices][name]
-  chips = 1
-  for d in topology.split(':')[1].split('x'):
-    chips *= int(d)
-  model = (
-    f'decoder:vocab={VOCAB},d_model={width},n_layers={layers},n_heads={heads},d_ff={mlp},'
-    f'head_size={HEAD}'
-  )
+  chips, model = chip_count(topology), decoder_model(width, heads, mlp, layers)
   stem = os.path.join(
     out, f'maxtext_{chip}_{name}' + (f'_{slices}slices' if slices > 1 else '') + f'.{tag}'
   )

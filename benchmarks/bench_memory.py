@@ -43,12 +43,11 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_maxtext import (  # noqa: E402
-  HEAD,
   MAXTEXT_V5E_PEAK_GIB,
   SEQ,
   V5E_ROWS,
-  VOCAB,
   compiler_tag,
+  decoder_model,
 )
 
 REMATS = ('full', 'offload_layer_inputs')
@@ -58,10 +57,7 @@ def rows() -> list[tuple[str, str, list[str]]]:
   """(name, MaxText row, plan flags) of every row."""
   out = []
   for name, width, heads, mlp, layers, topology, _, batch, _ in V5E_ROWS:
-    model = (
-      f'decoder:vocab={VOCAB},d_model={width},n_layers={layers},n_heads={heads},d_ff={mlp},'
-      f'head_size={HEAD}'
-    )
+    model = decoder_model(width, heads, mlp, layers)
     flags = ['--model', model, '--topology', topology, '--mesh', '16x16', '--stage', '3',
              '--batch-per-chip', str(batch), '--seq-len', str(SEQ), '--attention', 'flash']  # fmt: skip
     out.append((name, name, flags))

@@ -60,7 +60,9 @@ from bench_maxtext import (  # noqa: E402
   SEQ,
   V5E_ROWS,
   VOCAB,
+  chip_count,
   compiler_tag,
+  decoder_model,
   maxtext_flops,
 )
 
@@ -169,13 +171,7 @@ def policies_row(row) -> dict:
   from zerojax._src.planner import cli, program_cache, search
 
   name, width, heads, mlp, layers, topology, tensor, batch, published = row
-  chips = 1
-  for d in topology.split(':')[1].split('x'):
-    chips *= int(d)
-  model = (
-    f'decoder:vocab={VOCAB},d_model={width},n_layers={layers},n_heads={heads},d_ff={mlp},'
-    f'head_size={HEAD}'
-  )
+  chips, model = chip_count(topology), decoder_model(width, heads, mlp, layers)
   flags = ['--model', model, '--topology', topology, '--mesh',
            f'data={chips // tensor},tensor={tensor}', '--stage', '3', '--batch-per-chip',
            str(batch), '--seq-len', str(SEQ), '--remat', V5P_REMATS[0], '--attention', 'flash']  # fmt: skip

@@ -624,17 +624,24 @@ def test_the_committed_searches_are_those_of_both_supported_compilers():
   assert tpu_files == [], tpu_files
 
 
+def _committed_table_in(md: str, doc: str, runs: str) -> list[Path]:
+  """Asserts that every row of `benchmarks/results/MD`'s table is a line of DOC; returns the
+  committed runs (`benchmarks/results/RUNS`, a glob) behind it, at least one."""
+  table = (ROOT / 'benchmarks' / 'results' / md).read_text().splitlines()
+  rows = [line for line in table if line.startswith('| ') and not line.startswith('| row')]
+  lines = (ROOT / doc).read_text().splitlines()
+  assert rows and all(line in lines for line in rows)
+  found = sorted((ROOT / 'benchmarks' / 'results').glob(runs))
+  assert found
+  return found
+
+
 def test_the_readmes_table_of_maxtexts_rows_is_the_committed_benchmark():
   """The README's table against MaxText's v5e rows is `bench_recompute.py`'s, row for row, and
   each committed row holds what the table claims: the default plan is full rematerialisation
   (MaxText's setting), the searched plan fits and is no slower than it, also with the host
   link at half its assumed bandwidth."""
-  table = (ROOT / 'benchmarks' / 'results' / 'recompute_v5e.md').read_text().splitlines()
-  rows = [line for line in table if line.startswith('| ') and not line.startswith('| row')]
-  readme = (ROOT / 'README.md').read_text().splitlines()
-  assert rows and all(line in readme for line in rows)
-  runs = sorted((ROOT / 'benchmarks' / 'results').glob('recompute_v5e.libtpu-*.json'))
-  assert runs
+  runs = _committed_table_in('recompute_v5e.md', 'README.md', 'recompute_v5e.libtpu-*.json')
   for path in runs:
     for r in json.loads(path.read_text())['rows']:
       default, searched = r['default'], r['searched']
@@ -650,12 +657,7 @@ def test_the_memory_table_is_the_committed_benchmark_and_under_maxtexts_peaks():
   compiler's buffer assignment is under MaxText's compiler peak (where one is quoted), the
   recomputation is `full`'s (the same matmul FLOPs), and the host link carries the stack of
   block inputs each way."""
-  table = (ROOT / 'benchmarks' / 'results' / 'memory_v5e.md').read_text().splitlines()
-  rows = [line for line in table if line.startswith('| ') and not line.startswith('| row')]
-  results = (ROOT / 'docs' / 'results.md').read_text().splitlines()
-  assert rows and all(line in results for line in rows)
-  runs = sorted((ROOT / 'benchmarks' / 'results').glob('memory_v5e.libtpu-*.json'))
-  assert runs
+  runs = _committed_table_in('memory_v5e.md', 'docs/results.md', 'memory_v5e.libtpu-*.json')
   for path in runs:
     for r in json.loads(path.read_text())['rows']:
       full, offloaded = r['plans']['full'], r['plans']['offload_layer_inputs']
@@ -677,12 +679,7 @@ def test_the_readmes_table_of_maxtexts_v5p_rows_is_the_committed_benchmark():
   sys.path.insert(0, str(ROOT / 'benchmarks'))
   import bench_recompute
 
-  table = (ROOT / 'benchmarks' / 'results' / 'recompute_v5p.md').read_text().splitlines()
-  rows = [line for line in table if line.startswith('| ') and not line.startswith('| row')]
-  readme = (ROOT / 'README.md').read_text().splitlines()
-  assert rows and all(line in readme for line in rows)
-  runs = sorted((ROOT / 'benchmarks' / 'results').glob('recompute_v5p.libtpu-*.json'))
-  assert runs
+  runs = _committed_table_in('recompute_v5p.md', 'README.md', 'recompute_v5p.libtpu-*.json')
   for path in runs:
     for r in json.loads(path.read_text())['rows']:
       default, searched = r['default'], r['searched']
