@@ -113,6 +113,13 @@ def decoder_model(width: int, heads: int, mlp: int, layers: int) -> str:
   )
 
 
+def row_mesh(topology: str, tensor: int) -> str:
+  """A row's `--mesh`: a tensor axis beside ZeRO's, or (FSDP over every chip) ZeRO over each
+  torus axis."""
+  chips = chip_count(topology)
+  return f'data={chips // tensor},tensor={tensor}' if tensor > 1 else topology.split(':')[1]
+
+
 def plan_row(
   row, out: str, tag: str, reuse: bool = False, slices: int = 1, chip: str = 'v5p'
 ) -> dict:
@@ -124,9 +131,7 @@ def plan_row(
   stem = os.path.join(
     out, f'maxtext_{chip}_{name}' + (f'_{slices}slices' if slices > 1 else '') + f'.{tag}'
   )
-  # A tensor axis beside ZeRO's, or (FSDP over every chip) ZeRO over each torus axis.
-  grid = topology.split(':')[1]
-  mesh = f'data={chips // tensor},tensor={tensor}' if tensor > 1 else grid
+  mesh = row_mesh(topology, tensor)
   cmd = [
     sys.executable, '-m', 'zerojax', 'plan', '--model', model, '--topology', topology,
     '--mesh', mesh, '--stage', '3',

@@ -48,6 +48,7 @@ from bench_maxtext import (  # noqa: E402
   V5E_ROWS,
   compiler_tag,
   decoder_model,
+  row_mesh,
 )
 
 REMATS = ('full', 'offload_layer_inputs')
@@ -56,10 +57,11 @@ REMATS = ('full', 'offload_layer_inputs')
 def rows() -> list[tuple[str, str, list[str]]]:
   """(name, MaxText row, plan flags) of every row."""
   out = []
-  for name, width, heads, mlp, layers, topology, _, batch, _ in V5E_ROWS:
+  for name, width, heads, mlp, layers, topology, tensor, batch, _ in V5E_ROWS:
     model = decoder_model(width, heads, mlp, layers)
-    flags = ['--model', model, '--topology', topology, '--mesh', '16x16', '--stage', '3',
-             '--batch-per-chip', str(batch), '--seq-len', str(SEQ), '--attention', 'flash']  # fmt: skip
+    flags = ['--model', model, '--topology', topology, '--mesh', row_mesh(topology, tensor),
+             '--stage', '3', '--batch-per-chip', str(batch), '--seq-len', str(SEQ),
+             '--attention', 'flash']  # fmt: skip
     out.append((name, name, flags))
   llama = ['--model', 'llama2-70b', '--topology', 'v5e:16x16', '--mesh', '16x16', '--stage', '3',
            '--seq-len', str(SEQ)]  # fmt: skip
