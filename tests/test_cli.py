@@ -35,8 +35,10 @@ def _cli(*args, timeout=600):
       "error: argument --quantizes: unknown 'int3'; choose from none, g8, g4, w8g8, w8g4",
     ),
     (
+      # The default remats (gathers, full, minimal, none; no offload: the CPU has no host-link
+      # figures) at 3 stages, one layout, and the 2 prefetching full recomputations: 14.
       ['--topology', 'cpu:8', '--stages', '1,2,3', '--max-candidates', '2'],
-      'error: 8 candidates exceed --max-candidates 2;',
+      'error: 14 candidates exceed --max-candidates 2;',
     ),
     (
       ['--topology', 'cpu:8', '--model', 'llama9'],
@@ -393,6 +395,30 @@ def test_offloaded_activations_are_counted_as_host_bytes_per_step(tmp_path, rema
   assert traffic['source'] == 'hlo'
   assert traffic['to_host'] == traffic['to_device'] == moved
   assert 'host link per step and chip (counted in the compiled program)' in proc.stdout
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_a_tpu_search_tries_the_offloading_policies_unless_told():
+  # v5e's host link has figures: 6 remats at 3 stages and 2 layouts, and the 4 prefetching
+  # full recomputations (stage 3, 2 layouts); --remats full leaves 6 and 2. Refused for size before anything compiles.
+  proc = _cli('--search', '--topology', 'v5e:2x4', '--max-candidates', '1')
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+    'error: 40 candidates exceed --max-candidates 1;'
+  ), proc.stderr[-2000:]
+  proc = _cli('--search', '--topology', 'v5e:2x4', '--remats', 'full', '--max-candidates', '1')
+  assert 'error: 8 candidates exceed' in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_search_of_a_users_model_tries_gathers_alone_unless_told():
+  from _models import run_cli
+
+  proc = run_cli('plan', '--search', '--topology', 'cpu:8', '--model', '_custom_model:spec',
+                 '--prefetch-options', 'off', '--max-candidates', '1')  # fmt: skip
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+    'error: 3 candidates exceed --max-candidates 1;'
+  ), proc.stderr[-2000:]
+  assert 'note:' not in proc.stderr
 
 
 def test_a_named_policy_is_refused_for_a_model_that_names_no_activations():

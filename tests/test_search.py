@@ -35,6 +35,37 @@ def test_candidate_space_keeps_valid_combinations_and_says_why_not():
   assert valid == [] and {why for _, why in invalid} == {'the topology has one dimension'}
 
 
+def test_prefetch_with_a_named_policy_is_left_out_with_why():
+  # zerojax.scan_layers' loop keeps no named activations: compiling it would fail.
+  valid, invalid = candidates.candidate_space(
+    stages=(3,), layouts=('flat',), remat=('full', 'minimal', 'offload_minimal')
+  )
+  assert [c.label() for c in valid] == [
+    's3 flat b1 remat:full',
+    's3 flat b1 remat:full prefetch',
+    's3 flat b1 remat:minimal',
+    's3 flat b1 remat:offload_minimal',
+  ]
+  why = 'prefetch runs remat gathers or full: its layer loop keeps no named activations'
+  assert {c.label(): w for c, w in invalid} == {
+    's3 flat b1 remat:minimal prefetch': why,
+    's3 flat b1 remat:offload_minimal prefetch': why,
+  }
+
+
+@pytest.mark.parametrize('chip', [None, *roofline.CHIPS])
+def test_a_search_tries_the_policies_unless_told_and_offloads_where_the_host_link_is_priced(chip):
+  spec = roofline.CHIPS.get(chip)
+  host = spec is not None and bool(spec.host_link_bandwidth and spec.host_bytes_per_chip)
+  remats = candidates.default_remats(spec)
+  assert remats[:4] == ('gathers', 'full', 'minimal', 'none')
+  assert remats[4:] == (('offload_minimal', 'offload_minimal_inputs') if host else ())
+  assert candidates.default_remats(spec, preset=False) == ('gathers',)
+  # Every default is a valid remat, and the space it makes stays under the CLI's limit of 64.
+  valid, _ = candidates.candidate_space(remat=remats)
+  assert len(valid) == 2 * len(remats) * 3 + 2 * 2 and len(valid) <= 64
+
+
 def test_candidate_space_names_an_unknown_value():
   with pytest.raises(ValueError) as err:
     candidates.candidate_space(offload=('gpu',))

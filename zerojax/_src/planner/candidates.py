@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Sequence
 
 from zerojax._src.options import OFFLOADS, UPDATE_ON
-from zerojax._src.planner.presets import REMAT
+from zerojax._src.planner.presets import POLICIES, REMAT
 
 QUANTIZE = {
   None: None,
@@ -34,7 +34,7 @@ class Candidate:
       the last axis only: ZeRO++ hierarchical partitioning).
     micro_batches: gradient accumulation steps within the step.
     remat: 'gathers' (`zerojax.recompute_gathers`: only gathers run again),
-      'full' (each block recomputed) or 'none'.
+      'full' (each block recomputed), 'none', or a policy of the presets' `POLICIES`.
     prefetch: gather block i+1 while block i computes (`zerojax.scan_layers`).
     offload: None, 'opt_state' or 'opt_state+master' (host memory), as `zerojax.Options`.
     update_on: where an offloaded optimizer update runs: 'device', 'host' or 'stream'
@@ -74,6 +74,10 @@ class Candidate:
         self.prefetch and (self.stage != 3 or self.remat == 'none'),
         'prefetch is for stage 3 with remat',
       ),
+      (
+        self.prefetch and self.remat in POLICIES,
+        'prefetch runs remat gathers or full: its layer loop keeps no named activations',
+      ),
       (self.layout == 'hpz' and self.stage != 3, 'hpz splits stage-3 parameters'),
       (
         self.layout == 'hpz' and (self.prefetch or self.quantize is not None),
@@ -97,6 +101,29 @@ class Candidate:
   def invalid(self) -> str | None:
     """Why this combination cannot run (the first reason), or None."""
     return next(iter(self.reasons()), None)
+
+
+# The rematerialisation a search of the presets tries unless told: both full recomputations
+# ('gathers' keeps the activations; 'full', MaxText's setting, keeps neither), MaxText's
+# 'minimal' and 'none'; where the chip's host link has figures, the offloading policies that
+# won MaxText's rows in benchmarks/bench_recompute.py too: the fastest (offload_minimal) and the
+# one with the least HBM (offload_minimal_inputs, the layer loop's inputs on the host as well).
+SEARCH_REMATS = ('gathers', 'full', 'minimal', 'none')
+SEARCH_OFFLOAD_REMATS = ('offload_minimal', 'offload_minimal_inputs')
+
+
+def default_remats(chip, preset: bool = True) -> tuple[str, ...]:
+  """What a search tries for rematerialisation where it is not given: `SEARCH_REMATS`, with
+  `SEARCH_OFFLOAD_REMATS` where `chip` (a `roofline` chip, or None) prices the host link; for a
+  model that runs its own layer loop (`preset=False`), 'gathers' alone (the remat is its own).
+
+  >>> default_remats(None)
+  ('gathers', 'full', 'minimal', 'none')
+  """
+  if not preset:
+    return ('gathers',)
+  host = chip is not None and chip.host_link_bandwidth and chip.host_bytes_per_chip
+  return SEARCH_REMATS + (SEARCH_OFFLOAD_REMATS if host else ())
 
 
 def candidate_space(

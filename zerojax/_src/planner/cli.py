@@ -139,7 +139,9 @@ def _model(args) -> Any:
         ' attention and loss (use zerojax.inspect.chunked_attention or'
         ' zerojax.inspect.flash_attention there, or leave it out).'
       )
-  named = [r for r in (args.remats if args.search else (args.remat,)) if r in presets.POLICIES]
+  named = [
+    r for r in (args.remats or () if args.search else (args.remat,)) if r in presets.POLICIES
+  ]
   if named:
     raise SystemExit(
       f"error: remat {', '.join(map(repr, named))} keeps activations the presets' blocks name;"
@@ -295,13 +297,14 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
 
   model = _model(args)
   if callable(model):  # a user's model: its layer loop is its own
-    if len(args.remats) > 1 or True in args.prefetch_options:
+    if len(args.remats or ()) > 1 or True in args.prefetch_options:
       print(
         f'note: --model {args.model} runs its own layer loop: --remats and'
         ' --prefetch-options are not searched for it',
         file=sys.stderr,
       )
-    args.remats, args.prefetch_options = args.remats[:1], (False,)
+    args.remats = (args.remats or candidates.default_remats(None, preset=False))[:1]
+    args.prefetch_options = (False,)
   try:
     target = lowering.make_target(
       model,
@@ -314,7 +317,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       stages=args.stages,
       layouts=args.layouts,
       micro_batches=args.micro_batches,
-      remat=args.remats,
+      remat=args.remats or candidates.default_remats(target.chip),
       prefetch=args.prefetch_options,
       offload=args.offloads,
       update_on=args.update_ons,
@@ -959,8 +962,10 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
   s.add_argument(
     '--remats',
     type=_csv(str),
-    default=('gathers', 'full'),
-    help='what each block keeps, as --remat (gathers, full, save_attention, offload_minimal, ...)',
+    default=None,
+    help='what each block keeps, as --remat (gathers, full, save_attention, offload_minimal, ...);'
+    ' default: gathers, full, minimal, none, and offload_minimal, offload_minimal_inputs where'
+    " the chip's host link has figures (a --model module:function: gathers)",
   )
   s.add_argument(
     '--prefetch-options',

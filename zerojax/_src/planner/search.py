@@ -31,7 +31,12 @@ import numpy as np
 
 from zerojax._src import runtime
 from zerojax._src.planner import cost, hlo, roofline
-from zerojax._src.planner.candidates import Candidate, candidate_space, why_none_valid
+from zerojax._src.planner.candidates import (
+  Candidate,
+  candidate_space,
+  default_remats,
+  why_none_valid,
+)
 from zerojax._src.planner.lowering import Lowered, Target, lower, make_target
 from zerojax._src.planner.roofline import Chip, host_transfer_bytes, predict
 
@@ -511,7 +516,9 @@ def search_plans(
     compiler_options: XLA or libtpu options every candidate is compiled with, as
       `jax.jit(..., compiler_options=...)` takes them.
     **space: `candidate_space`'s options (stages, layouts, micro_batches, remat,
-      prefetch, offload, update_on, quantize, batch_per_chip, slices).
+      prefetch, offload, update_on, quantize, batch_per_chip, slices). For a preset, remat
+      defaults to `candidates.default_remats` of the chip (the offloading policies where its
+      host link has figures).
 
   Returns:
     A `SearchReport`; `search_report.format_search`, `search_json`, `plot_search` and `winner_code`
@@ -538,6 +545,8 @@ def search_plans(
     loss_chunk=loss_chunk,
     slice_devices={s: tpu.topology_devices(topology, s) for s in counts},
   )
+  if isinstance(model, str):
+    space.setdefault('remat', default_remats(target.chip))
   candidates, invalid = candidate_space(grid_dims=len(target.grid), **space)
   if not candidates:
     raise ValueError(f'these options leave no valid candidate: {why_none_valid(invalid)}.')
