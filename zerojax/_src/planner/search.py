@@ -516,9 +516,9 @@ def search_plans(
     compiler_options: XLA or libtpu options every candidate is compiled with, as
       `jax.jit(..., compiler_options=...)` takes them.
     **space: `candidate_space`'s options (stages, layouts, micro_batches, remat,
-      prefetch, offload, update_on, quantize, batch_per_chip, slices). For a preset, remat
-      defaults to `candidates.default_remats` of the chip (the offloading policies where its
-      host link has figures).
+      prefetch, offload, update_on, quantize, batch_per_chip, slices). For a preset or a
+      `DecoderConfig`, remat defaults to `candidates.default_remats` of the chip (the
+      offloading policies where its host link has figures).
 
   Returns:
     A `SearchReport`; `search_report.format_search`, `search_json`, `plot_search` and `winner_code`
@@ -545,7 +545,7 @@ def search_plans(
     loss_chunk=loss_chunk,
     slice_devices={s: tpu.topology_devices(topology, s) for s in counts},
   )
-  if isinstance(model, str):
+  if not callable(model):  # a preset or a DecoderConfig: the presets' named activations
     space.setdefault('remat', default_remats(target.chip))
   candidates, invalid = candidate_space(grid_dims=len(target.grid), **space)
   if not candidates:
