@@ -941,6 +941,14 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
   )
 
 
+# `--remats` (a search's default is `candidates.default_remats`).
+_REMATS_HELP = (
+  'what each block keeps, as --remat; default: gathers, full, minimal, none, and'
+  " offload_minimal, offload_minimal_inputs where the chip's host link has figures (a --model"
+  ' module:function: gathers)'
+)
+
+
 def _search_arguments(p: argparse.ArgumentParser) -> None:
   """`plan --search` and the space it searches."""
   from zerojax._src.planner import candidates
@@ -959,14 +967,7 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     ' parameters split within the last axis)',
   )
   s.add_argument('--micro-batches', type=_csv(int), default=(1,), help='micro-batches per step')
-  s.add_argument(
-    '--remats',
-    type=_csv(str),
-    default=None,
-    help='what each block keeps, as --remat (gathers, full, save_attention, offload_minimal, ...);'
-    ' default: gathers, full, minimal, none, and offload_minimal, offload_minimal_inputs where'
-    " the chip's host link has figures (a --model module:function: gathers)",
-  )
+  s.add_argument('--remats', type=_csv(str), default=None, help=_REMATS_HELP)
   s.add_argument(
     '--prefetch-options',
     type=_csv(_on_off),
