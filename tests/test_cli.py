@@ -401,7 +401,8 @@ def test_offloaded_activations_are_counted_as_host_bytes_per_step(tmp_path, rema
 @pytest.mark.xdist_group('libtpu')
 def test_a_tpu_search_tries_the_offloading_policies_unless_told():
   # v5e's host link has figures: 6 remats at 3 stages and 2 layouts, and the 4 prefetching
-  # full recomputations (stage 3, 2 layouts); --remats full leaves 6 and 2. Refused for size before anything compiles.
+  # full recomputations (stage 3, 2 layouts); --remats full leaves 6 and 2. Refused for size
+  # before anything compiles.
   proc = _cli('--search', '--topology', 'v5e:2x4', '--max-candidates', '1')
   assert proc.stderr.strip().splitlines()[-1].startswith(
     'error: 40 candidates exceed --max-candidates 1;'

@@ -57,6 +57,7 @@ def test_prefetch_with_a_named_policy_is_left_out_with_why():
 def test_a_search_tries_the_policies_unless_told_and_offloads_where_the_host_link_is_priced(chip):
   spec = roofline.CHIPS.get(chip)
   host = spec is not None and bool(spec.host_link_bandwidth and spec.host_bytes_per_chip)
+  assert roofline.prices_host_link(spec) == host
   remats = candidates.default_remats(spec)
   assert remats[:4] == ('gathers', 'full', 'minimal', 'none')
   assert remats[4:] == (('offload_minimal', 'offload_minimal_inputs') if host else ())

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from zerojax._src.options import OFFLOADS, UPDATE_ON
 from zerojax._src.planner.presets import POLICIES, REMAT
+from zerojax._src.planner.roofline import prices_host_link
 
 QUANTIZE = {
   None: None,
@@ -122,8 +123,7 @@ def default_remats(chip, preset: bool = True) -> tuple[str, ...]:
   """
   if not preset:
     return ('gathers',)
-  host = chip is not None and chip.host_link_bandwidth and chip.host_bytes_per_chip
-  return SEARCH_REMATS + (SEARCH_OFFLOAD_REMATS if host else ())
+  return SEARCH_REMATS + (SEARCH_OFFLOAD_REMATS if prices_host_link(chip) else ())
 
 
 def candidate_space(

@@ -14,7 +14,7 @@ import numpy as np
 
 from zerojax._src.options import Options
 from zerojax._src.planner.candidates import QUANTIZE, Candidate
-from zerojax._src.planner.roofline import CHIPS, Chip, calibrate_cpu
+from zerojax._src.planner.roofline import CHIPS, Chip, calibrate_cpu, prices_host_link
 
 # The mesh axis a plan names for tensor parallelism; every other axis of a slice is a ZeRO axis.
 TENSOR = 'tensor'
@@ -163,7 +163,7 @@ def _check_activation_offload(target: Target, c: Candidate) -> None:
   if not presets.offloads_activations(c.remat):
     return
   chip = target.chip
-  if chip is None or not (chip.host_link_bandwidth and chip.host_bytes_per_chip):
+  if not prices_host_link(chip):
     name = target.topology.split(':')[0]
     raise ValueError(
       f'remat {c.remat!r} moves saved activations to host memory, but {name} has no host-link'

@@ -91,6 +91,12 @@ class Chip:
 # 2 x 100 Gbps NICs per 8-chip host (its page's table; 6.4 Tbps per 256-chip pod agrees), 25 Gbps
 # = 3.125 GB/s a chip; v5p 50 Gbps a chip (its page's "DCN bandwidth per chip"), 6.25 GB/s; v6e's
 # page gives none.
+def prices_host_link(chip: Chip | None) -> bool:
+  """Whether `chip` has the host-link figures (bandwidth and host memory per chip) that price
+  moving activations to host memory and back."""
+  return chip is not None and bool(chip.host_link_bandwidth and chip.host_bytes_per_chip)
+
+
 CHIPS = {
   'v5e': Chip(
     'v5e',
