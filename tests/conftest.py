@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 
 # Before jax initialises its backend: eight CPU devices, and no TPU probing by
 # libtpu (installed for ahead-of-time TPU compilation only).
@@ -112,3 +113,21 @@ def explicit_mesh():
 @pytest.fixture(autouse=True)
 def _doctest_namespace(doctest_namespace):
   doctest_namespace['jax'] = jax
+
+
+def _unset_mesh(where: str) -> None:
+  left = [m for m in (jax.sharding.get_abstract_mesh(), jax.sharding.get_mesh()) if not m.empty]
+  if left:
+    jax.set_mesh(None)
+    warnings.warn(f'a mesh was left set {where}: {left[0]}; unset', stacklevel=2)
+
+
+@pytest.fixture(autouse=True)
+def _no_mesh_left_set(request):
+  """Each test starts with no mesh set, whatever ran before it on this worker, and one that
+  leaves a mesh set (`jax.set_mesh` called without `with`, a context entered and never left) is
+  named in the warnings summary. Without this a later test runs under that mesh (its eager
+  arrays placed on it), and which test fails depends on how the tests were distributed."""
+  _unset_mesh(f'before {request.node.nodeid}')
+  yield
+  _unset_mesh(f'by {request.node.nodeid}')
