@@ -97,11 +97,11 @@ def _figures(r, flops: float, chip) -> dict:
   the host link at each share of the assumed bandwidth."""
   from zerojax._src.planner import roofline
 
-  moved = r.host_traffic['to_host'] + r.host_traffic['to_device']
+  moved = r.host_traffic.moved
   steps = {}
   for share in HOST_SHARES:
     slower = dataclasses.replace(chip, host_link_bandwidth=chip.host_link_bandwidth * share)
-    steps[share] = roofline.predict(slower, r, moved, r.host_traffic['overlapped'])['step']
+    steps[share] = roofline.predict(slower, r, moved, r.host_traffic.overlapped).step
   return {
     'remat': r.candidate.remat,
     'status': r.status,
@@ -113,7 +113,7 @@ def _figures(r, flops: float, chip) -> dict:
     'peak_gib': r.peak_bytes / 2**30,
     'peak_reported': r.peak_reported,
     'host_bytes_per_step': moved,
-    'host_overlapped': r.host_traffic['overlapped'],
+    'host_overlapped': r.host_traffic.overlapped,
     'step_at_host_share': {str(k): v for k, v in steps.items()},
   }
 
@@ -158,7 +158,9 @@ def _ranked(row, chip, results, default, winner) -> dict:
     'default': _figures(default, flops, chip) if default.fits else {'status': default.status},
     'searched': None if winner is None else _figures(winner, flops, chip),
     'candidates': [
-      _figures(r, flops, chip) if r.predicted else {'remat': r.candidate.remat, 'status': r.status}
+      _figures(r, flops, chip)
+      if r.predicted is not None
+      else {'remat': r.candidate.remat, 'status': r.status}
       for r in results
     ],
   }

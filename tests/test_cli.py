@@ -1,5 +1,6 @@
 """python -m zerojax: each flag applies to its command or is an error."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -317,7 +318,7 @@ def test_a_plan_is_a_search_of_one_and_reads_its_program_once(monkeypatch, tmp_p
   result = evaluate(target, candidates.Candidate(3), hbm_bytes=None)
   assert result.fits and result.flops > 0 and result.ring_bytes > 0
   assert len(parses) == 1
-  assert plan['predicted_seconds'] == result.predicted
+  assert plan['predicted_seconds'] == dataclasses.asdict(result.predicted)
   assert plan['memory']['peak'] == result.peak_bytes
   assert plan['matmul_flops_per_chip'] == result.flops
   assert sum(plan['collectives']['ring_bytes'].values()) == result.ring_bytes
@@ -404,8 +405,10 @@ def test_a_tpu_search_tries_the_offloading_policies_unless_told():
   # full recomputations (stage 3, 2 layouts); --remats full leaves 6 and 2. Refused for size
   # before anything compiles.
   proc = _cli('--search', '--topology', 'v5e:2x4', '--max-candidates', '1')
-  assert proc.stderr.strip().splitlines()[-1].startswith(
-    'error: 40 candidates exceed --max-candidates 1;'
+  assert (
+    proc.stderr.strip()
+    .splitlines()[-1]
+    .startswith('error: 40 candidates exceed --max-candidates 1;')
   ), proc.stderr[-2000:]
   proc = _cli('--search', '--topology', 'v5e:2x4', '--remats', 'full', '--max-candidates', '1')
   assert 'error: 8 candidates exceed' in proc.stderr, proc.stderr[-2000:]
@@ -416,8 +419,10 @@ def test_a_search_of_a_users_model_tries_gathers_alone_unless_told():
 
   proc = run_cli('plan', '--search', '--topology', 'cpu:8', '--model', '_custom_model:spec',
                  '--prefetch-options', 'off', '--max-candidates', '1')  # fmt: skip
-  assert proc.stderr.strip().splitlines()[-1].startswith(
-    'error: 3 candidates exceed --max-candidates 1;'
+  assert (
+    proc.stderr.strip()
+    .splitlines()[-1]
+    .startswith('error: 3 candidates exceed --max-candidates 1;')
   ), proc.stderr[-2000:]
   assert 'note:' not in proc.stderr
 

@@ -13,11 +13,11 @@ def test_roofline_prediction_is_the_stated_formula():
   parts = roofline.predict(chip, r, host_transfer_bytes=64e9)
   comm = 4e9 / (400e9 / 2)  # one torus axis: half of v5e's 400 GB/s
   # float64 arithmetic on the stated formula: approx only for its roundings.
-  assert parts['compute'] == pytest.approx(0.5)
-  assert parts['collectives'] == pytest.approx(comm)
-  assert parts['exposed'] == pytest.approx(comm * 0.75)
-  assert parts['host'] == pytest.approx(64e9 / 32e9)
-  assert parts['step'] == pytest.approx(0.5 + comm * 0.75 + 2.0)
+  assert parts.compute == pytest.approx(0.5)
+  assert parts.collectives == pytest.approx(comm)
+  assert parts.exposed == pytest.approx(comm * 0.75)
+  assert parts.host == pytest.approx(64e9 / 32e9)
+  assert parts.step == pytest.approx(0.5 + comm * 0.75 + 2.0)
   # Offloaded state streamed through the device crosses the link twice; updated on the host,
   # the gradients go down and the updates come up.
   c = candidates.Candidate(3, offload='opt_state', update_on='device')
@@ -42,9 +42,9 @@ def test_overlapped_host_transfers_hide_under_compute():
   r = search.Result(candidates.Candidate(3), 'fits')
   r.flops = 197e12 * 0.5  # 0.5 s of compute, no collectives
   parts = roofline.predict(chip, r, host_transfer_bytes=32e9, host_overlap=0.25)
-  assert parts['host'] == pytest.approx(1.0)
-  assert parts['host_exposed'] == pytest.approx(0.75)
-  assert parts['step'] == pytest.approx(max(0.5, 0.25) + 0.75)
+  assert parts.host == pytest.approx(1.0)
+  assert parts.host_exposed == pytest.approx(0.75)
+  assert parts.step == pytest.approx(max(0.5, 0.25) + 0.75)
 
 
 def test_host_traffic_is_counted_in_the_program_or_said_to_be_a_formula():
@@ -58,10 +58,10 @@ def test_host_traffic_is_counted_in_the_program_or_said_to_be_a_formula():
     '}',
   ])  # fmt: skip
   counted = search.host_traffic(tpu, c, host_bytes=1000, param_bytes=100)
-  assert (counted['source'], counted['to_host'], counted['to_device']) == ('hlo', 64, 0)
+  assert (counted.source, counted.to_host, counted.to_device) == ('hlo', 64, 0)
   cpu = tpu.replace('S(5)', '')  # XLA:CPU's programs carry no memory spaces
   assumed = search.host_traffic(cpu, c, host_bytes=1000, param_bytes=100)
-  assert (assumed['source'], assumed['to_host'], assumed['to_device']) == ('formula', 100, 100)
-  assert assumed['overlapped'] == 0.0
+  assert (assumed.source, assumed.to_host, assumed.to_device) == ('formula', 100, 100)
+  assert assumed.overlapped == 0.0
   none = search.host_traffic(cpu, candidates.Candidate(3), host_bytes=0, param_bytes=100)
-  assert (none['source'], none['to_host'] + none['to_device']) == ('none', 0)
+  assert (none.source, none.to_host + none.to_device) == ('none', 0)

@@ -171,7 +171,7 @@ def test_search_reads_v5p_and_v6e_programs(topology, chip):
   (r,) = report.results
   assert r.fits, r.status
   # The kernels' time (the compiler's estimates) cannot beat the matmuls at peak.
-  assert r.predicted['compute'] == pytest.approx(r.kernel_seconds)
+  assert r.predicted.compute == pytest.approx(r.kernel_seconds)
   assert r.kernel_seconds >= r.flops / roofline.CHIPS[chip].peak_flops
   # Every collective is found: a stage-3 step moves at least about the floor (measured:
   # v5p 0.98x, its small bias gathers below a tile; v6e 1.31x, the compiler all-reduces

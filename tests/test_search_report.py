@@ -5,7 +5,7 @@ import optax
 import pytest
 
 import zerojax
-from zerojax._src.planner import candidates, lowering, search, search_report
+from zerojax._src.planner import candidates, lowering, roofline, search, search_report
 
 
 def _report(candidate, mixed_precision=False):
@@ -20,7 +20,16 @@ def _report(candidate, mixed_precision=False):
   )
   result = search.Result(candidate, 'fits', ring_bytes=1e6, overlapped_bytes=0.0)
   result.flops, result.bytes_accessed = 1e9, 1e6
-  result.predicted = {'step': 1.0, 'compute': 1.0, 'collectives': 0.0, 'exposed': 0.0, 'host': 0.0}
+  result.predicted = roofline.Prediction(
+    compute=1.0,
+    collectives=0.0,
+    exposed=0.0,
+    dcn=0.0,
+    dcn_exposed=0.0,
+    host=0.0,
+    host_exposed=0.0,
+    step=1.0,
+  )
   return search.SearchReport(target, [result], invalid=[], seconds=1.0)
 
 

@@ -561,7 +561,7 @@ def _report_plan(args, target: Any, result: Any, hbm_gib: int | None) -> dict:
   largest = priced.largest_arrays()
   print(_format_largest(largest))
   chip, traffic, work = target.chip, priced.host_traffic, priced.work
-  if traffic['source'] != 'none':
+  if traffic.source != 'none':
     print(_format_traffic(traffic, chip))
   print(
     f'matmul FLOPs per chip per step (counted in the compiled program): {work.matmul_flops:.4g}'
@@ -574,6 +574,8 @@ def _report_plan(args, target: Any, result: Any, hbm_gib: int | None) -> dict:
 
 def _plan_json(args, lowered: Any, report: Any, figures: dict) -> dict:
   """What `plan --json` writes: the command, the plan and the compiled program's figures."""
+  from zerojax._src.planner import search
+
   chip, work = figures['chip'], figures['work']
   c = report.collectives
   return {
@@ -586,8 +588,8 @@ def _plan_json(args, lowered: Any, report: Any, figures: dict) -> dict:
     'update_on': args.update_on,
     'plan_bytes_per_chip': figures['sizes'],
     'host_limit_bytes': chip.host_bytes_per_chip if chip is not None else None,
-    'host_traffic': figures['traffic'],
-    'predicted_seconds': figures['predicted'],
+    'host_traffic': search.as_dict(figures['traffic']),
+    'predicted_seconds': search.as_dict(figures['predicted']),
     'matmul_flops_per_chip': work.matmul_flops,
     'kernel_seconds': work.kernel_seconds,
     'kernels': dataclasses.asdict(work),
@@ -638,7 +640,7 @@ def _print_prediction(topology: str, chip: Any, priced: Any):
   if c.total_dcn_bytes:
     windows = work.dcn_windows
     dcn = (
-      f' (of which DCN {predicted["dcn_exposed"]:.3f} s: {predicted["dcn"]:.3f} s at'
+      f' (of which DCN {predicted.dcn_exposed:.3f} s: {predicted.dcn:.3f} s at'
       f' {chip.dcn_bandwidth / 1e9:.3g} GB/s per chip'
       + (
         f' in {sum(n for _, _, n in windows)} transfers, each hidden only under the kernels'
@@ -650,10 +652,10 @@ def _print_prediction(topology: str, chip: Any, priced: Any):
     )
   print(
     f'predicted step (not measured; docs/design.md "The step-time model"):'
-    f' {predicted["step"]:.3f} s = kernels {predicted["compute"]:.3f} s (compiler estimates'
+    f' {predicted.step:.3f} s = kernels {predicted.compute:.3f} s (compiler estimates'
     f' for {work.estimated_kernels} of {work.kernels} kernel runs), collectives exposed'
-    f' {predicted["exposed"]:.3f} s{dcn}, host link exposed {predicted["host_exposed"]:.3f} s;'
-    f' {work.matmul_flops / predicted["step"] / 1e12:.1f} TFLOP/s per chip'
+    f' {predicted.exposed:.3f} s{dcn}, host link exposed {predicted.host_exposed:.3f} s;'
+    f' {work.matmul_flops / predicted.step / 1e12:.1f} TFLOP/s per chip'
   )
   return predicted
 
@@ -715,24 +717,23 @@ def _format_largest(groups: list[dict]) -> str:
   return '\n'.join(lines)
 
 
-def _format_traffic(traffic: dict, chip: Any) -> str:
+def _format_traffic(traffic: Any, chip: Any) -> str:
   """The host link's bytes per step and chip, where the figure comes from, and its time."""
   gb = lambda n: f'{n / 1e9:.2f} GB' if n >= 1e8 else f'{n / 1e6:.2f} MB'
   how = {
     'hlo': 'counted in the compiled program',
     'formula': 'by formula: this program carries no memory spaces (XLA:CPU)',
-  }[traffic['source']]
-  line = f'host link per step and chip ({how}): {gb(traffic["to_host"])} down to the host,'
-  line += f' {gb(traffic["to_device"])} back to the device'
-  if traffic['largest_to_device'] is not None:
-    line += f'; largest single transfer back {traffic["largest_to_device"] / 2**20:.1f} MiB'
-  if traffic['in_loops'] is not None:
-    line += f'; {gb(traffic["in_loops"])} from inside layer loops'
-  line += f'; {traffic["overlapped"]:.0%} overlaps compute'
+  }[traffic.source]
+  line = f'host link per step and chip ({how}): {gb(traffic.to_host)} down to the host,'
+  line += f' {gb(traffic.to_device)} back to the device'
+  if traffic.largest_to_device is not None:
+    line += f'; largest single transfer back {traffic.largest_to_device / 2**20:.1f} MiB'
+  if traffic.in_loops is not None:
+    line += f'; {gb(traffic.in_loops)} from inside layer loops'
+  line += f'; {traffic.overlapped:.0%} overlaps compute'
   if chip is not None:
-    moved = traffic['to_host'] + traffic['to_device']
     line += (
-      f'; {moved / chip.host_link_bandwidth:.4f} s at'
+      f'; {traffic.moved / chip.host_link_bandwidth:.4f} s at'
       f' {chip.host_link_bandwidth / 1e9:.0f} GB/s (assumed: {chip.name} host link not published)'
     )
   return line

@@ -204,9 +204,23 @@ def check_dcn(chip: Chip) -> None:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """One step's predicted seconds, by part (`predict`); not measured."""
+
+  compute: float  # the kernels, one after another
+  collectives: float  # every collective at its bandwidth (ICI and DCN), hidden or not
+  exposed: float  # the collectives' time not hidden under compute
+  dcn: float  # of `collectives`, those between slices
+  dcn_exposed: float  # of `exposed`, those between slices
+  host: float  # the host link's transfers at its bandwidth
+  host_exposed: float  # of `host`, not hidden under compute
+  step: float  # the whole step
+
+
 def predict(
   chip: Chip, r: Any, host_transfer_bytes: float, host_overlap: float = 0.0
-) -> dict[str, float]:
+) -> Prediction:
   """Predicted seconds per step: compute, collectives (exposed part), host transfers.
 
   compute = the kernels' time (`r.kernel_seconds`, from `cost.program_cost`: the
@@ -241,16 +255,16 @@ def predict(
   host_exposed = host * (1 - host_overlap)
   hidden = ici * ici_share + dcn_hidden + host * host_overlap
   step = max(compute, hidden) + exposed + host_exposed
-  return {
-    'compute': compute,
-    'collectives': ici + dcn,
-    'exposed': exposed,
-    'dcn': dcn,
-    'dcn_exposed': dcn - dcn_hidden,
-    'host': host,
-    'host_exposed': host_exposed,
-    'step': step,
-  }
+  return Prediction(
+    compute=compute,
+    collectives=ici + dcn,
+    exposed=exposed,
+    dcn=dcn,
+    dcn_exposed=dcn - dcn_hidden,
+    host=host,
+    host_exposed=host_exposed,
+    step=step,
+  )
 
 
 def host_transfer_bytes(c: Any, host_bytes: int, param_bytes: int) -> float:

@@ -38,7 +38,7 @@ from zerojax._src.planner.candidates import (
   why_none_valid,
 )
 from zerojax._src.planner.lowering import Lowered, Target, lower, make_target
-from zerojax._src.planner.roofline import Chip, host_transfer_bytes, predict
+from zerojax._src.planner.roofline import Chip, Prediction, host_transfer_bytes, predict
 
 # A candidate's status where theory alone rules it out, before anything compiles.
 PRUNED_HBM = 'pruned: states alone exceed HBM'
@@ -55,8 +55,8 @@ class Priced:
   program: hlo.Program
   work: cost.ProgramCost
   step: roofline.StepCost
-  host_traffic: dict  # see `host_traffic`
-  predicted: dict  # seconds by part (`roofline.predict`); empty where the chip has no figures
+  host_traffic: HostTraffic
+  predicted: Prediction | None  # None where the chip has no figures
 
   def largest_arrays(self, count: int = 6) -> list[dict]:
     """The program's largest arrays, those of one type together (the entry's zeros and the
@@ -95,9 +95,8 @@ class Result:
   kernel_seconds: float = 0.0  # the program's kernels, one after another (`cost.program_cost`)
   cost_analysis_flops: float = 0.0  # XLA's, loop bodies counted once
   bytes_accessed: float = 0.0
-  predicted: dict = dataclasses.field(default_factory=dict)  # seconds, by part
-  # Bytes over the host link per step and chip: see `host_traffic`.
-  host_traffic: dict = dataclasses.field(default_factory=dict)
+  predicted: Prediction | None = None  # None where not compiled or the chip has no figures
+  host_traffic: HostTraffic | None = None  # None where not compiled
   compile_seconds: float = 0.0  # lowering and compiling this candidate, in this run
   measured_seconds: float | None = None
   # Seconds of this run by phase ('lower', 'compile', 'analyse').
@@ -124,7 +123,7 @@ class Result:
 
   @property
   def step_seconds(self) -> float:
-    return self.predicted.get('step', math.inf)
+    return math.inf if self.predicted is None else self.predicted.step
 
 
 # -- one candidate's compiled program, analysed and priced ------------------------------
@@ -162,7 +161,31 @@ def updated_param_bytes(plan: Any, stage: int) -> int:
   return params if stage == 3 else params // max(plan.num_shards, 1)
 
 
-def host_traffic(program: Any, c: Any, host_bytes: int, param_bytes: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class HostTraffic:
+  """Bytes over the host link per step and chip, and where the figure comes from
+  (`host_traffic`)."""
+
+  to_host: float
+  to_device: float
+  largest_to_device: int | None  # None where the figure is the formula's
+  in_loops: int | None  # both directions, from inside loop bodies; None likewise
+  overlapped: float  # the share of the bytes whose transfer overlaps compute
+  host_computations: int  # host computations started per step
+  source: str  # 'hlo' (counted in the program), 'formula' or 'none' (nothing moves)
+
+  @property
+  def moved(self) -> float:
+    """Bytes both ways."""
+    return self.to_host + self.to_device
+
+
+def as_dict(figures: HostTraffic | Prediction | None) -> dict:
+  """`figures` as the JSON records write them: {} where there are none."""
+  return {} if figures is None else dataclasses.asdict(figures)
+
+
+def host_traffic(program: Any, c: Any, host_bytes: int, param_bytes: int) -> HostTraffic:
   """Bytes over the host link per step and chip, and where the figure comes from.
 
   Counted in the compiled program (`count_host_transfers`: copies to and from
@@ -170,32 +193,28 @@ def host_traffic(program: Any, c: Any, host_bytes: int, param_bytes: int) -> dic
   read and write) where it carries memory spaces, as the TPU compiler's does.
   XLA:CPU's carries none: there an offload's bytes come from the formula
   `host_transfer_bytes`, split evenly each way, with no overlap, and say so.
-
-  Returns:
-    {'to_host', 'to_device', 'largest_to_device', 'in_loops', 'overlapped' (share
-    of the bytes), 'host_computations', 'source' ('hlo', 'formula' or 'none')}.
   """
   counted = hlo.count_host_transfers(program)
   if counted.to_host + counted.to_device:
-    return {
-      'to_host': counted.to_host,
-      'to_device': counted.to_device,
-      'largest_to_device': counted.largest_to_device,
-      'in_loops': counted.in_loops,
-      'overlapped': counted.overlapped,
-      'host_computations': counted.host_computations,
-      'source': 'hlo',
-    }
+    return HostTraffic(
+      to_host=counted.to_host,
+      to_device=counted.to_device,
+      largest_to_device=counted.largest_to_device,
+      in_loops=counted.in_loops,
+      overlapped=counted.overlapped,
+      host_computations=counted.host_computations,
+      source='hlo',
+    )
   moved = host_transfer_bytes(c, host_bytes, param_bytes)
-  return {
-    'to_host': moved / 2,
-    'to_device': moved / 2,
-    'largest_to_device': None,
-    'in_loops': None,
-    'overlapped': 0.0,
-    'host_computations': counted.host_computations,
-    'source': 'formula' if moved else 'none',
-  }
+  return HostTraffic(
+    to_host=moved / 2,
+    to_device=moved / 2,
+    largest_to_device=None,
+    in_loops=None,
+    overlapped=0.0,
+    host_computations=counted.host_computations,
+    source='formula' if moved else 'none',
+  )
 
 
 def evaluate(
@@ -321,10 +340,9 @@ def price(target: Target, lowered: Lowered, done: Any) -> Priced:
   traffic = host_traffic(
     program, c, plan.bytes_per_device()['host'], updated_param_bytes(plan, c.stage)
   )
-  predicted = {}
+  predicted = None
   if target.chip is not None:
-    moved = traffic['to_host'] + traffic['to_device']
-    predicted = predict(target.chip, step, moved, traffic['overlapped'])
+    predicted = predict(target.chip, step, traffic.moved, traffic.overlapped)
   return Priced(report, program, work, step, traffic, predicted)
 
 

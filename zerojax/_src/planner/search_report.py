@@ -10,7 +10,7 @@ from zerojax._src.planner import presets
 from zerojax._src.planner.candidates import QUANTIZE
 from zerojax._src.planner.lowering import model_label, model_spec, zero_options
 from zerojax._src.planner.roofline import GiB
-from zerojax._src.planner.search import SearchReport, phase_totals
+from zerojax._src.planner.search import SearchReport, as_dict, phase_totals
 
 
 def winner_code(report: SearchReport) -> str:
@@ -80,9 +80,9 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
   ]
   if chip is not None:
     lines.append(f'roofline ({chip.name}): {chip.source}')
-  offloads = any(r.host_traffic.get('source') not in (None, 'none') for r in report.results)
+  sources = sorted({r.host_traffic.source for r in report.results if r.host_traffic} - {'none'})
+  offloads = bool(sources)
   if offloads:
-    sources = sorted({r.host_traffic['source'] for r in report.results if r.host_traffic})
     where = {
       'hlo': 'counted in the compiled programs',
       'formula': 'by formula (XLA:CPU programs carry no memory spaces)',
@@ -110,7 +110,7 @@ def format_search(report: SearchReport, limit: int = 40) -> str:
     row += f' {share:>7.0%}'
     if offloads:
       h = r.host_traffic
-      row += f' {(h["to_host"] + h["to_device"]) / 1e9:>7.2f} {h["overlapped"]:>8.0%}'
+      row += f' {h.moved / 1e9:>7.2f} {h.overlapped:>8.0%}'
     row += f' {r.flops / 1e12:>10.2f} {r.step_seconds:>11.4f}'
     if measured:
       m = r.measured_seconds
@@ -155,8 +155,8 @@ def search_json(report: SearchReport) -> dict:
         'flops': r.flops,
         'cost_analysis_flops': r.cost_analysis_flops,
         'bytes_accessed': r.bytes_accessed,
-        'predicted_seconds': r.predicted,
-        'host_traffic': r.host_traffic,
+        'predicted_seconds': as_dict(r.predicted),
+        'host_traffic': as_dict(r.host_traffic),
         'measured_seconds': r.measured_seconds,
         'compile_seconds': r.compile_seconds,
       }
@@ -189,7 +189,7 @@ def plot_search(report: SearchReport, path: str) -> None:
   fig, ax = plt.subplots(figsize=(8, 5))
   compiled = [r for r in report.results if r.peak_bytes]
   for fits, colour, name in ((True, 'tab:blue', 'fits'), (False, 'tab:red', 'over HBM')):
-    pts = [r for r in compiled if r.fits == fits and r.predicted]
+    pts = [r for r in compiled if r.fits == fits and r.predicted is not None]
     ax.scatter(
       [r.peak_bytes / GiB for r in pts], [r.step_seconds for r in pts], c=colour, label=name
     )
