@@ -573,10 +573,9 @@ def _report_plan(args, target: Any, result: Any, hbm_gib: int | None) -> dict:
 
 
 def _plan_json(args, lowered: Any, report: Any, figures: dict) -> dict:
-  """What `plan --json` writes: the command, the plan and the compiled program's figures."""
-  from zerojax._src.planner import search
-
-  chip, work = figures['chip'], figures['work']
+  """What `plan --json` writes: the command, the plan and the compiled program's figures (no
+  predicted step, None, for a chip without figures)."""
+  chip, work, predicted = figures['chip'], figures['work'], figures['predicted']
   c = report.collectives
   return {
     'command': args.command_line,
@@ -588,8 +587,8 @@ def _plan_json(args, lowered: Any, report: Any, figures: dict) -> dict:
     'update_on': args.update_on,
     'plan_bytes_per_chip': figures['sizes'],
     'host_limit_bytes': chip.host_bytes_per_chip if chip is not None else None,
-    'host_traffic': search.as_dict(figures['traffic']),
-    'predicted_seconds': search.as_dict(figures['predicted']),
+    'host_traffic': dataclasses.asdict(figures['traffic']),
+    'predicted_seconds': None if predicted is None else dataclasses.asdict(predicted),
     'matmul_flops_per_chip': work.matmul_flops,
     'kernel_seconds': work.kernel_seconds,
     'kernels': dataclasses.asdict(work),
