@@ -10,7 +10,10 @@ libtpu (no TPU needed):
   layer (the layer loop's stack: layers x batch x seq x d_model bf16); zerojax's default plan
   and MaxText's setting;
 - `--remat offload_layer_inputs`: the same recomputation, that stack written to host memory
-  during the forward pass and read back a block at a time during the backward.
+  during the forward pass and read back a block at a time during the backward;
+- `--remat full` again with the compiler's latency-hiding scheduler held to 70% and 60% of HBM
+  (`--compiler-option xla_tpu_scheduler_percent_shared_memory_limit=N`): the same program,
+  scheduled to gather the next layer's weights less far ahead.
 
 Each program's device memory is read two ways: the plan's peak (the compiler's own peak of live
 bytes where the program holds nothing in host memory; for a program that does, the compiler's
@@ -25,7 +28,8 @@ results for the same compiler are in --out, each v5e row's searched policy is pl
     python benchmarks/bench_memory.py [--rows 32B,64B] [--out benchmarks/results] [--reuse]
 
 Writes memory_v5e.libtpu-VERSION.json and memory_v5e.md (every compiler's rows). About a minute
-of compiling per program on a 2-core machine, two programs per row.
+of compiling per program on a 2-core machine, four programs per row (`--reuse` keeps those of
+the committed JSON whose command is unchanged).
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ from bench_maxtext import (  # noqa: E402
 )
 
 REMATS = ('full', 'offload_layer_inputs')
+# `full` again with the TPU compiler's latency-hiding scheduler held to these percentages of HBM
+# (its `xla_tpu_scheduler_percent_shared_memory_limit`): the same program, scheduled to prefetch
+# the next layer's gathered weights less far ahead.
+SCHEDULER_LIMITS = (70, 60)
+SCHEDULER_OPTION = 'xla_tpu_scheduler_percent_shared_memory_limit'
 
 
 def rows() -> list[tuple[str, str, list[str]]]:
@@ -84,7 +93,8 @@ def device_space_bytes(dump: str) -> int:
 
 
 def plan(flags: list[str], remat: str) -> dict:
-  """One plan's figures, compiled afresh with the compiler's buffer assignment dumped."""
+  """One plan's figures, compiled afresh with the compiler's buffer assignment dumped (`flags`
+  may name compiler options)."""
   with tempfile.TemporaryDirectory() as tmp:
     dump, out = os.path.join(tmp, 'dump'), os.path.join(tmp, 'plan.json')
     cmd = [sys.executable, '-m', 'zerojax', 'plan', *flags, '--remat', remat, '--no-cache',
@@ -113,6 +123,18 @@ def plan(flags: list[str], remat: str) -> dict:
     }
 
 
+def plan_or_reuse(flags: list[str], remat: str, old: dict | None) -> dict:
+  """`plan(flags, remat)`, or `old` where it is the same command (`--reuse`)."""
+  command = 'python -m zerojax plan ' + ' '.join([*flags, '--remat', remat])
+  if old and old['command'] == command:
+    print(f'  {command[-80:]}: reusing the committed plan', flush=True)
+    return old
+  p = plan(flags, remat)
+  print(f'  {command[-80:]}: peak {p["peak_gib"]:.2f} GiB, device space'
+        f' {p["device_space_gib"]:.2f} GiB, step {p["predicted_step_seconds"]:.2f} s', flush=True)  # fmt: skip
+  return p
+
+
 def searched_policies(out: str, tag: str) -> dict[str, str]:
   """The policy `bench_recompute.py`'s search picked for each v5e row with this compiler, where
   its results are in `out` (their memory is planned too)."""
@@ -123,18 +145,27 @@ def searched_policies(out: str, tag: str) -> dict[str, str]:
     return {r['row']: r['searched']['remat'] for r in json.load(f)['rows'] if r['searched']}
 
 
+def _limited(row: dict, limit: int) -> str:
+  """A row's `full` with the scheduler held to `limit`% of HBM, as the table gives it."""
+  p = row.get('scheduler_limited', {}).get(str(limit))
+  return '—' if p is None else f'{p["device_space_gib"]:.2f} ({p["predicted_step_seconds"]:.2f} s)'
+
+
 def table(out: str) -> list[str]:
   """Every compiler's rows in `out`."""
   lines = [
     "Memory at MaxText's settings (full rematerialisation, its attention), per chip"
     " (`benchmarks/bench_memory.py`). Device space: the compiler's buffer assignment for"
     " HBM, fragmentation included, host buffers not. MaxText's peaks are issue 53's"
-    " (libtpu 0.0.42), not compiled here. Host link: 32 GB/s assumed (v5e's is not published).",
+    " (libtpu 0.0.42), not compiled here. Host link: 32 GB/s assumed (v5e's is not published)."
+    ' Scheduler at N%: `full` compiled with the latency-hiding scheduler held to N% of HBM'
+    f' (`{SCHEDULER_OPTION}`): device space GiB (predicted step s); — where not planned.',
     '',
     '| row | compiler | MaxText peak GiB | full: peak GiB | full: device space GiB |'
     ' offload_layer_inputs: device space GiB | host GB/step | step full s | step offloaded s |'
-    ' searched policy | searched: device space GiB | searched step s |',
-    '|---|---|---|---|---|---|---|---|---|---|---|---|',
+    ' searched policy | searched: device space GiB | searched step s |'
+    + ''.join(f' full, scheduler at {n}% |' for n in SCHEDULER_LIMITS),
+    '|---|---|---|---|---|---|---|---|---|---|---|---|' + '---|' * len(SCHEDULER_LIMITS),
   ]
   for name in sorted(os.listdir(out)):
     if not (name.startswith('memory_v5e.libtpu-') and name.endswith('.json')):
@@ -155,6 +186,7 @@ def table(out: str) -> list[str]:
         f' {full["device_space_gib"]:.2f} | {off["device_space_gib"]:.2f} |'
         f' {off["host_bytes_per_step"] / 1e9:.1f} | {full["predicted_step_seconds"]:.2f} |'
         f' {off["predicted_step_seconds"]:.2f} | {searched} |'
+        + ''.join(f' {_limited(r, n)} |' for n in SCHEDULER_LIMITS)
       )
   return lines
 
@@ -189,20 +221,20 @@ def main() -> int:
       continue
     print(f'planning {name} with {tag} ...', flush=True)
     remats = [*REMATS, *([winners[name]] if winners.get(name) not in (None, *REMATS) else [])]
-    plans = {}
-    for remat in remats:
-      old = before.get(name, {}).get('plans', {}).get(remat)
-      command = 'python -m zerojax plan ' + ' '.join([*flags, '--remat', remat])
-      if args.reuse and old and old['command'] == command:
-        plans[remat] = old
-        print(f'  {remat}: reusing {os.path.basename(path)}', flush=True)
-        continue
-      plans[remat] = p = plan(flags, remat)
-      print(f'  {remat}: peak {p["peak_gib"]:.2f} GiB, device space {p["device_space_gib"]:.2f}'
-            f' GiB, step {p["predicted_step_seconds"]:.2f} s', flush=True)  # fmt: skip
+    old = before.get(name, {})
+    reuse = old if args.reuse else {}
+    plans = {m: plan_or_reuse(flags, m, reuse.get('plans', {}).get(m)) for m in remats}
+    limited = {
+      str(limit): plan_or_reuse(
+        [*flags, '--compiler-option', f'{SCHEDULER_OPTION}={limit}'],
+        'full',
+        reuse.get('scheduler_limited', {}).get(str(limit)),
+      )
+      for limit in SCHEDULER_LIMITS
+    }
     results.append({
       'row': name, 'maxtext_peak_gib': MAXTEXT_V5E_PEAK_GIB[family], 'searched': winners.get(name),
-      'plans': plans,
+      'plans': plans, 'scheduler_limited': limited,
     })  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
   os.makedirs(args.out, exist_ok=True)

@@ -667,6 +667,13 @@ def test_the_memory_table_is_the_committed_benchmark_and_under_maxtexts_peaks():
       assert offloaded['host_bytes_per_step'] > 0
       if r['maxtext_peak_gib'] is not None:
         assert offloaded['device_space_gib'] <= r['maxtext_peak_gib'], (path.name, r['row'])
+      # `full` with the scheduler held to a share of HBM: the same program (the same matmul
+      # FLOPs), scheduled in less memory at a predicted step within 1% of the default's or faster.
+      for limit, held in r.get('scheduler_limited', {}).items():
+        assert held['fits'] and held['matmul_flops_per_chip'] == full['matmul_flops_per_chip']
+        assert f'shared_memory_limit={limit} ' in held['command']
+        assert held['predicted_step_seconds'] <= 1.01 * full['predicted_step_seconds']
+        assert held['device_space_gib'] <= full['device_space_gib'] + 0.01, (r['row'], limit)
 
 
 def test_the_readmes_table_of_maxtexts_v5p_rows_is_the_committed_benchmark():
