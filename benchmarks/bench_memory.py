@@ -92,6 +92,11 @@ def device_space_bytes(dump: str) -> int:
   return int(found.group(1))
 
 
+def command(flags: list[str], remat: str) -> str:
+  """The plan command a record names (what `--reuse` matches)."""
+  return 'python -m zerojax plan ' + ' '.join([*flags, '--remat', remat])
+
+
 def plan(flags: list[str], remat: str) -> dict:
   """One plan's figures, compiled afresh with the compiler's buffer assignment dumped (`flags`
   may name compiler options)."""
@@ -109,7 +114,7 @@ def plan(flags: list[str], remat: str) -> dict:
     traffic = result['host_traffic']
     return {
       'remat': remat,
-      'command': 'python -m zerojax plan ' + ' '.join([*flags, '--remat', remat]),
+      'command': command(flags, remat),
       'fits': result['fits'],
       'peak_gib': result['memory']['peak'] / 2**30,
       'peak_source': result['memory']['peak_source'],
@@ -125,12 +130,12 @@ def plan(flags: list[str], remat: str) -> dict:
 
 def plan_or_reuse(flags: list[str], remat: str, old: dict | None) -> dict:
   """`plan(flags, remat)`, or `old` where it is the same command (`--reuse`)."""
-  command = 'python -m zerojax plan ' + ' '.join([*flags, '--remat', remat])
-  if old and old['command'] == command:
-    print(f'  {command[-80:]}: reusing the committed plan', flush=True)
+  said = command(flags, remat)[-80:]
+  if old and old['command'] == command(flags, remat):
+    print(f'  {said}: reusing the committed plan', flush=True)
     return old
   p = plan(flags, remat)
-  print(f'  {command[-80:]}: peak {p["peak_gib"]:.2f} GiB, device space'
+  print(f'  {said}: peak {p["peak_gib"]:.2f} GiB, device space'
         f' {p["device_space_gib"]:.2f} GiB, step {p["predicted_step_seconds"]:.2f} s', flush=True)  # fmt: skip
   return p
 
@@ -221,8 +226,7 @@ def main() -> int:
       continue
     print(f'planning {name} with {tag} ...', flush=True)
     remats = [*REMATS, *([winners[name]] if winners.get(name) not in (None, *REMATS) else [])]
-    old = before.get(name, {})
-    reuse = old if args.reuse else {}
+    reuse = before.get(name, {}) if args.reuse else {}
     plans = {m: plan_or_reuse(flags, m, reuse.get('plans', {}).get(m)) for m in remats}
     limited = {
       str(limit): plan_or_reuse(
