@@ -12,8 +12,12 @@ libtpu (no TPU needed):
 - `--remat offload_layer_inputs`: the same recomputation, that stack written to host memory
   during the forward pass and read back a block at a time during the backward;
 - `--remat full` again with the compiler's latency-hiding scheduler held to 70% and 60% of HBM
-  (`--compiler-option xla_tpu_scheduler_percent_shared_memory_limit=N`): the same program,
-  scheduled to gather the next layer's weights less far ahead.
+  (`--scheduler-share N`; at the compiler's default it fills spare HBM by gathering later
+  layers' weights early): the same program, scheduled differently.
+
+And MaxText's v5p rows (bench_maxtext.py's default plans, `--remat minimal`, 95 GiB a chip)
+once more with `--scheduler-share 60`, against their committed plans: where a program needs
+most of HBM, holding the scheduler back can cost step time.
 
 Each program's device memory is read two ways: the plan's peak (the compiler's own peak of live
 bytes where the program holds nothing in host memory; for a program that does, the compiler's
@@ -28,7 +32,7 @@ results for the same compiler are in --out, each v5e row's searched policy is pl
     python benchmarks/bench_memory.py [--rows 32B,64B] [--out benchmarks/results] [--reuse]
 
 Writes memory_v5e.libtpu-VERSION.json and memory_v5e.md (every compiler's rows). About a minute
-of compiling per program on a 2-core machine, four programs per row (`--reuse` keeps those of
+of compiling per program on a 2-core machine, four or five programs per row (`--reuse` keeps those of
 the committed JSON whose command is unchanged).
 """
 
@@ -48,6 +52,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_maxtext import (  # noqa: E402
   MAXTEXT_V5E_PEAK_GIB,
+  ROWS,
   SEQ,
   V5E_ROWS,
   compiler_tag,
@@ -57,10 +62,9 @@ from bench_maxtext import (  # noqa: E402
 
 REMATS = ('full', 'offload_layer_inputs')
 # `full` again with the TPU compiler's latency-hiding scheduler held to these percentages of HBM
-# (its `xla_tpu_scheduler_percent_shared_memory_limit`): the same program, scheduled to prefetch
-# the next layer's gathered weights less far ahead.
-SCHEDULER_LIMITS = (70, 60)
-SCHEDULER_OPTION = 'xla_tpu_scheduler_percent_shared_memory_limit'
+# (`plan --scheduler-share`): the same program, scheduled to gather later layers' weights less
+# far ahead. The v5p rows are planned at the last.
+SCHEDULER_SHARES = ('70', '60')
 
 
 def rows() -> list[tuple[str, str, list[str]]]:
@@ -77,6 +81,42 @@ def rows() -> list[tuple[str, str, list[str]]]:
   out.append(('llama2-70b chunked', 'llama2-70b', llama + ['--attention-chunk', '512']))
   out.append(('llama2-70b flash', 'llama2-70b', llama + ['--attention', 'flash']))
   return out
+
+
+def v5p_rows() -> list[tuple[str, list[str]]]:
+  """(name, plan flags) of MaxText's v5p rows, as bench_maxtext.py plans them (`minimal`)."""
+  out = []
+  for name, width, heads, mlp, layers, topology, tensor, batch, _ in ROWS:
+    flags = ['--model', decoder_model(width, heads, mlp, layers), '--topology', topology,
+             '--mesh', row_mesh(topology, tensor), '--stage', '3', '--batch-per-chip',
+             str(batch), '--seq-len', str(SEQ)]  # fmt: skip
+    out.append((name, flags))
+  return out
+
+
+def v5p_held(out: str, tag: str, before: dict, reuse: bool) -> list[dict]:
+  """Each v5p row's committed plan (bench_maxtext.py's, in `out`) beside the same plan with
+  the scheduler held to the last of `SCHEDULER_SHARES`."""
+  share, rows = SCHEDULER_SHARES[-1], []
+  for name, flags in v5p_rows():
+    with open(os.path.join(out, f'maxtext_v5p_{name}.{tag}.json')) as f:
+      default = json.load(f)
+    said = default['command'].split(' --json ')[0]
+    if said != 'python -m zerojax plan ' + ' '.join(
+      [*flags, '--remat', 'minimal', '--attention', 'flash']
+    ):
+      raise SystemExit(f'v5p {name}: the committed plan is not the one held here: {said}')
+    held = plan_or_reuse(
+      [*flags, '--attention', 'flash', '--scheduler-share', share],
+      'minimal',
+      before.get(name) if reuse else None,
+    )
+    rows.append({
+      'row': name, 'share': int(share), 'default_command': said,
+      'default_peak_gib': default['memory']['peak'] / 2**30,
+      'default_step_seconds': default['predicted_seconds']['step'], 'held': held,
+    })  # fmt: skip
+  return rows
 
 
 def device_space_bytes(dump: str) -> int:
@@ -150,9 +190,9 @@ def searched_policies(out: str, tag: str) -> dict[str, str]:
     return {r['row']: r['searched']['remat'] for r in json.load(f)['rows'] if r['searched']}
 
 
-def _limited(row: dict, limit: int) -> str:
-  """A row's `full` with the scheduler held to `limit`% of HBM, as the table gives it."""
-  p = row.get('scheduler_limited', {}).get(str(limit))
+def _share(row: dict, share: str) -> str:
+  """A row's `full` at another scheduler share, as the table gives it."""
+  p = row['scheduler_shares'].get(share)
   return '—' if p is None else f'{p["device_space_gib"]:.2f} ({p["predicted_step_seconds"]:.2f} s)'
 
 
@@ -164,13 +204,13 @@ def table(out: str) -> list[str]:
     " HBM, fragmentation included, host buffers not. MaxText's peaks are issue 53's"
     " (libtpu 0.0.42), not compiled here. Host link: 32 GB/s assumed (v5e's is not published)."
     ' Scheduler at N%: `full` compiled with the latency-hiding scheduler held to N% of HBM'
-    f' (`{SCHEDULER_OPTION}`): device space GiB (predicted step s); — where not planned.',
+    ' (`--scheduler-share N`): device space GiB (predicted step s).',
     '',
     '| row | compiler | MaxText peak GiB | full: peak GiB | full: device space GiB |'
     ' offload_layer_inputs: device space GiB | host GB/step | step full s | step offloaded s |'
     ' searched policy | searched: device space GiB | searched step s |'
-    + ''.join(f' full, scheduler at {n}% |' for n in SCHEDULER_LIMITS),
-    '|---|---|---|---|---|---|---|---|---|---|---|---|' + '---|' * len(SCHEDULER_LIMITS),
+    + ''.join(f' full, scheduler at {n}% |' for n in SCHEDULER_SHARES),
+    '|---|---|---|---|---|---|---|---|---|---|---|---|' + '---|' * len(SCHEDULER_SHARES),
   ]
   for name in sorted(os.listdir(out)):
     if not (name.startswith('memory_v5e.libtpu-') and name.endswith('.json')):
@@ -191,7 +231,33 @@ def table(out: str) -> list[str]:
         f' {full["device_space_gib"]:.2f} | {off["device_space_gib"]:.2f} |'
         f' {off["host_bytes_per_step"] / 1e9:.1f} | {full["predicted_step_seconds"]:.2f} |'
         f' {off["predicted_step_seconds"]:.2f} | {searched} |'
-        + ''.join(f' {_limited(r, n)} |' for n in SCHEDULER_LIMITS)
+        + ''.join(f' {_share(r, n)} |' for n in SCHEDULER_SHARES)
+      )
+  return lines + ['', *v5p_table(out)]
+
+
+def v5p_table(out: str) -> list[str]:
+  """MaxText's v5p rows, default plan against the scheduler held back, every compiler."""
+  lines = [
+    f"MaxText's v5p rows (`--remat minimal`, 95 GiB a chip): the committed default plan"
+    f' (bench_maxtext.py) against the same plan with `--scheduler-share {SCHEDULER_SHARES[-1]}`.',
+    '',
+    '| row | compiler | default: peak GiB | default step s | held: peak GiB | held step s |'
+    ' held / default step |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  for name in sorted(os.listdir(out)):
+    if not (name.startswith('memory_v5e.libtpu-') and name.endswith('.json')):
+      continue
+    with open(os.path.join(out, name)) as f:
+      run = json.load(f)
+    for r in run.get('v5p', []):
+      held = r['held']
+      lines.append(
+        f'| {r["row"]} | {run["versions"]["libtpu"]} | {r["default_peak_gib"]:.2f} |'
+        f' {r["default_step_seconds"]:.2f} | {held["peak_gib"]:.2f} |'
+        f' {held["predicted_step_seconds"]:.2f} |'
+        f' {held["predicted_step_seconds"] / r["default_step_seconds"]:.3f} |'
       )
   return lines
 
@@ -215,10 +281,12 @@ def main() -> int:
 
   tag = compiler_tag()
   path = os.path.join(args.out, f'memory_v5e.{tag}.json')
-  before = {}
+  before, before_v5p = {}, []
   if os.path.exists(path):
     with open(path) as f:
-      before = {r['row']: r for r in json.load(f)['rows']}
+      committed = json.load(f)
+    before = {r['row']: r for r in committed['rows']}
+    before_v5p = committed.get('v5p', [])
   winners = searched_policies(args.out, tag)
   results = []
   for name, family, flags in every:
@@ -228,17 +296,15 @@ def main() -> int:
     remats = [*REMATS, *([winners[name]] if winners.get(name) not in (None, *REMATS) else [])]
     reuse = before.get(name, {}) if args.reuse else {}
     plans = {m: plan_or_reuse(flags, m, reuse.get('plans', {}).get(m)) for m in remats}
-    limited = {
-      str(limit): plan_or_reuse(
-        [*flags, '--compiler-option', f'{SCHEDULER_OPTION}={limit}'],
-        'full',
-        reuse.get('scheduler_limited', {}).get(str(limit)),
+    shares = {
+      share: plan_or_reuse(
+        [*flags, '--scheduler-share', share], 'full', reuse.get('scheduler_shares', {}).get(share)
       )
-      for limit in SCHEDULER_LIMITS
+      for share in SCHEDULER_SHARES
     }
     results.append({
       'row': name, 'maxtext_peak_gib': MAXTEXT_V5E_PEAK_GIB[family], 'searched': winners.get(name),
-      'plans': plans, 'scheduler_limited': limited,
+      'plans': plans, 'scheduler_shares': shares,
     })  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
   os.makedirs(args.out, exist_ok=True)
@@ -246,8 +312,13 @@ def main() -> int:
     # Planning some rows again keeps this compiler's others, in the rows' order.
     kept = {**before, **{r['row']: r for r in results}}
     results = [kept[name] for name, _, _ in every if name in kept]
+  if args.rows:
+    v5p = before_v5p
+  else:
+    print(f'planning the v5p rows with {tag} ...', flush=True)
+    v5p = v5p_held(args.out, tag, {r['row']: r['held'] for r in before_v5p}, args.reuse)
   with open(path, 'w') as f:
-    json.dump({'versions': versions, 'rows': results}, f, indent=2)
+    json.dump({'versions': versions, 'rows': results, 'v5p': v5p}, f, indent=2)
   lines = table(args.out)
   with open(os.path.join(args.out, 'memory_v5e.md'), 'w') as f:
     f.write('\n'.join(lines) + '\n')

@@ -112,6 +112,130 @@ def test_a_compiler_option_is_checked_before_the_step_compiles(args, code, messa
   assert 'command:' not in proc.stdout
 
 
+@pytest.mark.parametrize(
+  'args, code, message',
+  [
+    (
+      ['--scheduler-share', '60'],
+      1,
+      'error: --scheduler-share 60 is a TPU compiler setting; cpu:8 compiles with the CPU'
+      ' compiler, which has none: leave it out.',
+    ),
+    (
+      ['--search', '--scheduler-shares', '60,compiler,70'],
+      1,
+      'error: --scheduler-shares 60,70 is a TPU compiler setting; cpu:8 compiles with the CPU'
+      ' compiler, which has none: leave it out.',
+    ),
+    (
+      ['--scheduler-share', 'most'],
+      2,
+      "error: argument --scheduler-share: expected a whole percent of HBM >= 1 or 'compiler',"
+      " got 'most'",
+    ),
+    (
+      ['--search', '--scheduler-shares', '60,0'],
+      2,
+      "error: argument --scheduler-shares: expected a whole percent of HBM >= 1 or 'compiler',"
+      " got '0'",
+    ),
+    (
+      ['--compiler-option', 'xla_tpu_scheduler_percent_shared_memory_limit=70'],
+      1,
+      'error: --compiler-option xla_tpu_scheduler_percent_shared_memory_limit=70: give it as'
+      " --scheduler-share 70, the plan's own setting (reported with the line to train with; a"
+      ' search takes several as --scheduler-shares).',
+    ),
+    (
+      ['--scheduler-shares', '70'],
+      2,
+      'error: --scheduler-shares set the space of plan --search; a single plan does not read them.',
+    ),
+  ],
+)
+def test_a_scheduler_share_where_it_cannot_apply_is_refused(args, code, message):
+  """The TPU scheduler's share of HBM: a whole percent, for a TPU topology, given one way
+  (not also as the raw compiler option), and refused before anything compiles."""
+  proc = _cli('--topology', 'cpu:8', *args)
+  assert proc.returncode == code, proc.stderr[-2000:]
+  assert message in proc.stderr, proc.stderr[-2000:]
+  assert 'command:' not in proc.stdout
+
+
+def test_a_candidates_scheduler_share_is_one_more_compiler_option():
+  from zerojax._src.planner import candidates
+
+  option = candidates.SCHEDULER_OPTION
+  assert option == 'xla_tpu_scheduler_percent_shared_memory_limit'
+  held = candidates.Candidate(3, scheduler_share=70)
+  assert held.compiler_options({'xla_a': 1}) == {'xla_a': 1, option: 70}
+  assert candidates.Candidate(3).compiler_options({'xla_a': 1}) == {'xla_a': 1}
+  assert held.label().endswith(' sched:70%') and 'sched' not in candidates.Candidate(3).label()
+  space, _ = candidates.candidate_space(stages=(3,), layouts=('flat',), remat=('full',),
+                                        prefetch=(False,), scheduler_share=(None, 60, 70))  # fmt: skip
+  assert [c.scheduler_share for c in space] == [None, 60, 70]
+  with pytest.raises(ValueError) as e:
+    candidates.candidate_space(scheduler_share=(60, 0, True))
+  assert str(e.value) == (
+    "`scheduler_share`: [0, True] are not whole percents of HBM >= 1 (None: the compiler's"
+    ' default).'
+  )
+  with pytest.raises(ValueError) as e:
+    candidates.check_scheduler_shares('v5e:2x4', (60,), {option: 60})
+  assert str(e.value) == (
+    f'the compiler option {option}=60 and `scheduler_share` 60 set the same thing: give the'
+    " share alone (None for the compiler's default)."
+  )
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_a_tpu_plan_compiles_with_its_scheduler_share_and_says_so(monkeypatch, tmp_path, capsys):
+  """`--scheduler-share N` goes to the compiler beside --compiler-option's, the report gives the
+  line to train with and the JSON records it; without it (or with 'compiler') the plan compiles
+  at the compiler's default. A search takes the shares as one more dimension, and its winner's
+  lines say how to compile the step."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  import json
+
+  from zerojax._src.planner import candidates, cli, program_cache
+
+  seen, compile_program = [], program_cache.compile_program
+  monkeypatch.setattr(
+    program_cache,
+    'compile_program',
+    lambda lowered, **kw: seen.append(kw['compiler_options']) or compile_program(lowered, **kw),
+  )
+  option, out = candidates.SCHEDULER_OPTION, tmp_path / 'plan.json'
+  remat = {'xla_tpu_rematerialization_min_size_in_bytes': 33554432}
+  argv = ['plan', '--model', 'tiny', '--topology', 'v5e:2x4', '--seq-len', '64', '--no-cache']
+  argv += ['--compiler-option', 'xla_tpu_rematerialization_min_size_in_bytes=33554432']
+  assert cli.main([*argv, '--scheduler-share', '60', '--json', str(out)]) == 0
+  text = capsys.readouterr().out
+  assert seen[-1] == {**remat, option: 60}
+  assert (
+    'compiled with the TPU scheduler held to 60% of HBM: train with jax.jit(step,'
+    f" compiler_options={{'{option}': 60}}) (--scheduler-share)" in text
+  )
+  assert json.loads(out.read_text())['scheduler_share'] == 60
+  for given in ([], ['--scheduler-share', 'compiler']):
+    assert cli.main([*argv, *given, '--json', str(out)]) == 0
+    assert seen[-1] == remat
+    assert 'scheduler held' not in capsys.readouterr().out
+    assert json.loads(out.read_text())['scheduler_share'] is None
+  seen.clear()
+  search = ['plan', '--search', '--model', 'tiny', '--topology', 'v5e:2x4', '--seq-len', '64']
+  search += ['--stages', '3', '--layouts', 'flat', '--remats', 'full', '--prefetch-options', 'off']
+  assert cli.main([*search, '--no-cache', '--scheduler-shares', 'compiler,70']) == 0
+  text = capsys.readouterr().out
+  assert seen == [{}, {option: 70}]
+  assert 's3 flat b1 remat:full sched:70%' in text and 's3 flat b1 remat:full ' in text
+  held = f"# compile the step with jax.jit(train_step, compiler_options={{'{option}': 70}})"
+  (first,) = [x for x in text.splitlines() if x.startswith('  1 s3 flat')]
+  winner = text[text.index('winner (predicted, not measured):') :]
+  assert (held in winner) == ('sched:70%' in first), (first, winner)
+
+
 def test_a_single_plan_reports_its_command_and_host_traffic(tmp_path):
   """A single plan takes the offload flags, prints the command that reproduces it first, and
   reports the host link's bytes: on cpu:N by formula (XLA:CPU keeps no memory spaces),
@@ -305,7 +429,8 @@ def test_a_plan_is_a_search_of_one_and_reads_its_program_once(monkeypatch, tmp_p
   argv = ['plan', '--model', 'tiny', '--topology', 'v5e:2x4', '--seq-len', '64', '--no-cache']
   assert cli.main([*argv, '--grad', 'zerojax', '--json', str(out)]) == 0
   assert 'measured/floor' in capsys.readouterr().out
-  assert evaluated == [candidates.Candidate(3)] and len(parses) == 1
+  one = candidates.Candidate(3)
+  assert evaluated == [one] and len(parses) == 1
   plan = json.loads(out.read_text())
   parses.clear()
   target = lowering.make_target(
@@ -315,7 +440,7 @@ def test_a_plan_is_a_search_of_one_and_reads_its_program_once(monkeypatch, tmp_p
     optimizer=lambda: optax.adamw(1e-4),
     seq_len=64,
   )
-  result = evaluate(target, candidates.Candidate(3), hbm_bytes=None)
+  result = evaluate(target, one, hbm_bytes=None)
   assert result.fits and result.flops > 0 and result.ring_bytes > 0
   assert len(parses) == 1
   assert plan['predicted_seconds'] == dataclasses.asdict(result.predicted)

@@ -669,11 +669,19 @@ def test_the_memory_table_is_the_committed_benchmark_and_under_maxtexts_peaks():
         assert offloaded['device_space_gib'] <= r['maxtext_peak_gib'], (path.name, r['row'])
       # `full` with the scheduler held to a share of HBM: the same program (the same matmul
       # FLOPs), scheduled in less memory at a predicted step within 1% of the default's or faster.
-      for limit, held in r.get('scheduler_limited', {}).items():
+      assert sorted(r['scheduler_shares']) == ['60', '70']
+      for share, held in r['scheduler_shares'].items():
         assert held['fits'] and held['matmul_flops_per_chip'] == full['matmul_flops_per_chip']
-        assert f'shared_memory_limit={limit} ' in held['command']
+        assert f' --scheduler-share {share} ' in held['command']
         assert held['predicted_step_seconds'] <= 1.01 * full['predicted_step_seconds']
-        assert held['device_space_gib'] <= full['device_space_gib'] + 0.01, (r['row'], limit)
+        assert held['device_space_gib'] <= full['device_space_gib'] + 0.01, (r['row'], share)
+    # The v5p rows, whose programs need most of HBM: the same share is not free there (why it
+    # is not the default), and every row still fits.
+    v5p = json.loads(path.read_text())['v5p']
+    assert [r['row'] for r in v5p] == ['32B', '64B', '128B', '128B-512', '256B']
+    assert all(r['held']['fits'] and ' --scheduler-share 60 ' in r['held']['command'] for r in v5p)
+    slower = [r['held']['predicted_step_seconds'] / r['default_step_seconds'] for r in v5p]
+    assert max(slower) > 1.03, (path.name, slower)
 
 
 def test_the_readmes_table_of_maxtexts_v5p_rows_is_the_committed_benchmark():

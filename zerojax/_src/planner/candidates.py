@@ -1,12 +1,14 @@
 """The candidates of a plan search: one configuration to try (`Candidate`: stage, mesh layout,
-micro-batches, rematerialisation, prefetch, offload, ZeRO++, batch per chip, slices), and the
-space of them a search compiles, each combination that cannot run left out with why."""
+micro-batches, rematerialisation, prefetch, offload, ZeRO++, batch per chip, slices, the TPU
+scheduler's share of HBM), and the space of them a search compiles, each combination that
+cannot run left out with why."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from zerojax._src.options import OFFLOADS, UPDATE_ON
 from zerojax._src.planner.presets import POLICIES, REMAT
@@ -22,6 +24,14 @@ QUANTIZE = {
 
 
 LAYOUTS = ('flat', 'torus', 'hpz')
+
+# The TPU compiler's option for the share of HBM (percent) its latency-hiding scheduler plans
+# within. At the compiler's default the scheduler fills spare HBM by gathering later
+# layers' weights early; held lower, the same program holds less. A plan leaves it at the
+# compiler's default unless told: held to 60%, MaxText's v5e rows and the 70B plan peak up to
+# 1.4 GiB lower at the same predicted step, but its v5p 64B and 128B rows are predicted 5% and
+# 7% slower (benchmarks/bench_memory.py, docs/results.md "The scheduler's share of HBM").
+SCHEDULER_OPTION = 'xla_tpu_scheduler_percent_shared_memory_limit'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +54,8 @@ class Candidate:
     batch_per_chip: sequences per chip per step.
     slices: TPU slices of the topology, joined by the data-center network: an outer 'slice'
       mesh axis, data-parallel (hierarchical ZeRO: state split within each slice).
+    scheduler_share: percent of HBM the TPU compiler's latency-hiding scheduler plans within
+      (`SCHEDULER_OPTION`), or None for the compiler's default (and on CPU).
   """
 
   stage: int
@@ -56,6 +68,7 @@ class Candidate:
   quantize: str | None = None
   batch_per_chip: int = 1
   slices: int = 1
+  scheduler_share: int | None = None
 
   def label(self) -> str:
     parts = [f's{self.stage}', self.layout, f'b{self.batch_per_chip}']
@@ -64,7 +77,14 @@ class Candidate:
     parts += [f'remat:{self.remat}'] + (['prefetch'] if self.prefetch else [])
     if self.offload is not None:
       parts.append(f'offload:{self.offload}@{self.update_on}')
-    return ' '.join(parts + ([f'q:{self.quantize}'] if self.quantize is not None else []))
+    parts += [f'q:{self.quantize}'] if self.quantize is not None else []
+    return ' '.join(parts + ([f'sched:{self.scheduler_share}%'] if self.scheduler_share else []))
+
+  def compiler_options(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The options this candidate compiles with: `given` (a plan's --compiler-option) and
+    its scheduler share, as `jax.jit(..., compiler_options=...)` takes them."""
+    share = {} if self.scheduler_share is None else {SCHEDULER_OPTION: self.scheduler_share}
+    return {**(given or {}), **share}
 
   def reasons(self) -> list[str]:
     """Every reason this combination cannot run (empty: it can)."""
@@ -126,6 +146,32 @@ def default_remats(chip, preset: bool = True) -> tuple[str, ...]:
   return SEARCH_REMATS + (SEARCH_OFFLOAD_REMATS if prices_host_link(chip) else ())
 
 
+def check_scheduler_shares(
+  topology: str,
+  shares: Sequence[int | None],
+  compiler_options: dict[str, Any] | None,
+  name: str = '`scheduler_share`',
+) -> None:
+  """Refuses a scheduler share where it cannot apply: on cpu:N (no TPU compiler), or beside
+  the same option given as a compiler option. `name` is how the error names the shares.
+
+  Raises:
+    ValueError: naming the share, the topology or the option, and the fix.
+  """
+  given = ','.join(str(s) for s in shares if s is not None)
+  if given and topology.startswith('cpu:'):
+    raise ValueError(
+      f'{name} {given} is a TPU compiler setting; {topology} compiles with the CPU'
+      ' compiler, which has none: leave it out.'
+    )
+  if given and SCHEDULER_OPTION in (compiler_options or {}):
+    raise ValueError(
+      f'the compiler option {SCHEDULER_OPTION}={compiler_options[SCHEDULER_OPTION]} and'
+      f' {name} {given} set the same thing: give the share alone (None for the'
+      " compiler's default)."
+    )
+
+
 def candidate_space(
   *,
   stages: Sequence[int] = (1, 2, 3),
@@ -138,6 +184,7 @@ def candidate_space(
   quantize: Sequence[str | None] = (None,),
   batch_per_chip: Sequence[int] = (1,),
   slices: Sequence[int] = (1,),
+  scheduler_share: Sequence[int | None] = (None,),
   grid_dims: int = 2,
 ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
   """Every valid combination, and the invalid ones with the reason (for the report).
@@ -155,9 +202,14 @@ def candidate_space(
     bad = [v for v in values if v not in choices]
     if bad:
       raise ValueError(f'`{name}`: unknown {bad}; choose from {list(choices)}.')
-  bad = [s for s in slices if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+  bad = [s for s in slices if not _whole(s, 1)]
   if bad:
     raise ValueError(f'`slices`: {bad} are not whole numbers of slices >= 1.')
+  bad = [s for s in scheduler_share if s is not None and not _whole(s, 1)]
+  if bad:
+    raise ValueError(
+      f"`scheduler_share`: {bad} are not whole percents of HBM >= 1 (None: the compiler's default)."
+    )
   valid, invalid = [], []
   for combo in itertools.product(
     stages,
@@ -170,6 +222,7 @@ def candidate_space(
     quantize,
     batch_per_chip,
     slices,
+    scheduler_share,
   ):
     c = Candidate(*combo)
     why = c.invalid()
@@ -177,6 +230,10 @@ def candidate_space(
       why = 'the topology has one dimension'
     (valid.append(c) if why is None else invalid.append((c, why)))
   return valid, invalid
+
+
+def _whole(n: Any, least: int) -> bool:
+  return isinstance(n, int) and not isinstance(n, bool) and n >= least
 
 
 def why_none_valid(invalid: Sequence[tuple[Candidate, str]]) -> str:

@@ -15,10 +15,12 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from zerojax._src.options import OFFLOADS, UPDATE_ON
 from zerojax._src.planner import lowering
+from zerojax._src.planner.candidates import SCHEDULER_OPTION
 from zerojax._src.planner.lowering import GRID_AXES, SLICE, TENSOR
 
 # HBM per chip, GiB, by the topology name's prefix.
@@ -187,11 +189,11 @@ def _none_or(choices):
 # other, each is an error, not ignored.
 SEARCH_ONLY = tuple(
   'stages layouts micro_batches remats prefetch_options offloads update_ons quantizes'
-  ' batches_per_chip hbm_gib max_candidates out slice_counts'.split()
+  ' batches_per_chip hbm_gib max_candidates out slice_counts scheduler_shares'.split()
 )
 SINGLE_ONLY = tuple(
   'stage batch_per_chip no_remat remat gather_all mesh grad prefetch json offload update_on'
-  ' slices'.split()
+  ' slices scheduler_share'.split()
 )
 
 
@@ -230,6 +232,36 @@ def _compiler_option(text: str) -> tuple[str, Any]:
     except ValueError:
       pass
   return name.strip(), value
+
+
+def _share(text: str) -> int | str:
+  """A scheduler share: a whole percent of HBM >= 1, or 'compiler' (the compiler's default)."""
+  if text == 'compiler':
+    return text
+  try:
+    share = int(text)
+  except ValueError:
+    share = 0
+  if share < 1:
+    raise argparse.ArgumentTypeError(
+      f"expected a whole percent of HBM >= 1 or 'compiler', got {text!r}"
+    )
+  return share
+
+
+def _scheduler_shares(args, given: Sequence[int | str] | None, flag: str) -> tuple[int | None, ...]:
+  """The scheduler shares a plan or a search compiles with: `given` ('compiler' is None), else
+  the compiler's default alone; refused where the topology's compiler has no such option."""
+  from zerojax._src.planner import candidates
+
+  if given is None:
+    return (None,)
+  shares = tuple(None if s == 'compiler' else s for s in given)
+  try:
+    candidates.check_scheduler_shares(args.topology, shares, dict(args.compiler_options), flag)
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
+  return shares
 
 
 def _on_off(text: str) -> bool:
@@ -324,6 +356,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       quantize=args.quantizes,
       batch_per_chip=args.batches_per_chip,
       slices=args.slice_counts,
+      scheduler_share=_scheduler_shares(args, args.scheduler_shares, '--scheduler-shares'),
       grid_dims=len(target.grid),
     )
   except ValueError as e:
@@ -375,6 +408,18 @@ def _check_compiler_options(args) -> None:
 
 def cmd_plan(args) -> int:
   """One plan: a search of one candidate (`search.evaluate`), its compiled program reported."""
+  options = dict(args.compiler_options)
+  if SCHEDULER_OPTION in options:  # the plan's own setting: one way to give it
+    value = options[SCHEDULER_OPTION]
+    raise SystemExit(
+      f'error: --compiler-option {SCHEDULER_OPTION}={value}: give it as --scheduler-share'
+      f" {value}, the plan's own setting (reported with the line to train with; a search takes"
+      ' several as --scheduler-shares).'
+    )
+  if args.search:  # refused here, before anything is built, where the share cannot apply
+    _scheduler_shares(args, args.scheduler_shares, '--scheduler-shares')
+  else:
+    _scheduler_shares(args, args.scheduler_share and (args.scheduler_share,), '--scheduler-share')
   _check_compiler_options(args)
   if args.search:
     return cmd_search(args)
@@ -503,6 +548,9 @@ def _plan_target(args, start: float) -> tuple[Any, Any, int | None]:
     update_on=args.update_on,
     batch_per_chip=args.batch_per_chip,
     slices=args.slices,
+    scheduler_share=_scheduler_shares(
+      args, args.scheduler_share and (args.scheduler_share,), '--scheduler-share'
+    )[0],
   )
   _log_mesh(args, start, dict(zip(*full)), explicit)
   return target, candidate, hbm_gib
@@ -553,6 +601,12 @@ def _report_plan(args, target: Any, result: Any, hbm_gib: int | None) -> dict:
     + f' ({n} chips) | batch {args.batch_per_chip}/chip x'
     f' {lowered.batch.shape[1:]}'
   )
+  share = lowered.candidate.scheduler_share
+  if share is not None:
+    print(
+      f'compiled with the TPU scheduler held to {share}% of HBM: train with jax.jit(step,'
+      f' compiler_options={{{SCHEDULER_OPTION!r}: {share}}}) (--scheduler-share)'
+    )
   plan = lowered.plan
   sizes = {k: v for k, v in plan.bytes_per_device().items() if v or k != 'host'}
   print('plan per chip: ' + ', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in sizes.items()))
@@ -597,6 +651,7 @@ def _plan_json(args, lowered: Any, report: Any, figures: dict) -> dict:
     'topology': args.topology,
     'num_devices': lowered.mesh.devices.size,
     'batch_per_chip': args.batch_per_chip,
+    'scheduler_share': lowered.candidate.scheduler_share,
     'mesh': dict(lowered.mesh.shape),
     'gradients': f'{lowered.gradients}.value_and_grad',
     'memory': dataclasses.asdict(report.memory)
@@ -917,6 +972,15 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
   )
   p.add_argument('--json', help='also write the report as JSON here')
   p.add_argument(
+    '--scheduler-share',
+    type=_share,
+    default=None,
+    metavar='PERCENT',
+    help="the share of HBM the TPU compiler's latency-hiding scheduler plans within (compiler"
+    f' option {SCHEDULER_OPTION}; pass the same to the training run); default: the'
+    " compiler's own ('compiler'). Lower, the same program holds less HBM, and may run slower",
+  )
+  p.add_argument(
     '--compiler-option',
     dest='compiler_options',
     type=_compiler_option,
@@ -946,6 +1010,10 @@ _REMATS_HELP = (
   'what each block keeps, as --remat; default: gathers, full, minimal, none, and'
   " offload_minimal, offload_minimal_inputs where the chip's host link has figures (a --model"
   ' module:function: gathers)'
+)
+
+_SHARES_HELP = (
+  "as --scheduler-share, each a candidate (e.g. compiler,70,60); default: the compiler's"
 )
 
 
@@ -1001,6 +1069,7 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     default=(1,),
     help='TPU slices of --topology (data-parallel over the data-center network)',
   )
+  s.add_argument('--scheduler-shares', type=_csv(_share), default=None, help=_SHARES_HELP)
   s.add_argument(
     '--hbm-gib', type=float, default=None, help="device memory per chip; default the chip's"
   )

@@ -34,6 +34,7 @@ from zerojax._src.planner import cost, hlo, roofline
 from zerojax._src.planner.candidates import (
   Candidate,
   candidate_space,
+  check_scheduler_shares,
   default_remats,
   why_none_valid,
 )
@@ -257,7 +258,8 @@ def evaluate(
   result.lowered = lowered if keep else None
   if not result.status.startswith('pruned'):
     observe('lowered', result)
-    done = _compile(target, lowered, result, cache_dir, memo, compiler_options)
+    options = c.compiler_options(compiler_options)
+    done = _compile(target, lowered, result, cache_dir, memo, options)
     if done is not None:
       result.compiled = done if keep else None
       observe('compiled', result)
@@ -534,9 +536,10 @@ def search_plans(
     compiler_options: XLA or libtpu options every candidate is compiled with, as
       `jax.jit(..., compiler_options=...)` takes them.
     **space: `candidate_space`'s options (stages, layouts, micro_batches, remat,
-      prefetch, offload, update_on, quantize, batch_per_chip, slices). For a preset or a
-      `DecoderConfig`, remat defaults to `candidates.default_remats` of the chip (the
-      offloading policies where its host link has figures).
+      prefetch, offload, update_on, quantize, batch_per_chip, slices, scheduler_share). For a
+      preset or a `DecoderConfig`, remat defaults to `candidates.default_remats` of the chip
+      (the offloading policies where its host link has figures). scheduler_share: percents of
+      HBM for the TPU compiler's scheduler (`candidates.SCHEDULER_OPTION`), None its default.
 
   Returns:
     A `SearchReport`; `search_report.format_search`, `search_json`, `plot_search` and `winner_code`
@@ -565,6 +568,7 @@ def search_plans(
   )
   if not callable(model):  # a preset or a DecoderConfig: the presets' named activations
     space.setdefault('remat', default_remats(target.chip))
+  check_scheduler_shares(topology, space.get('scheduler_share', ()), compiler_options)
   candidates, invalid = candidate_space(grid_dims=len(target.grid), **space)
   if not candidates:
     raise ValueError(f'these options leave no valid candidate: {why_none_valid(invalid)}.')
