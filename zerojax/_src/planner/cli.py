@@ -605,7 +605,7 @@ def _report_plan(args, target: Any, result: Any, hbm_gib: int | None) -> dict:
   if share is not None:
     print(
       f'compiled with the TPU scheduler held to {share}% of HBM: train with jax.jit(step,'
-      f' compiler_options={{{SCHEDULER_OPTION!r}: {share}}}) (--scheduler-share)'
+      f' compiler_options={lowered.candidate.compiler_options()}) (--scheduler-share)'
     )
   plan = lowered.plan
   sizes = {k: v for k, v in plan.bytes_per_device().items() if v or k != 'host'}

@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from zerojax._src.planner import presets
-from zerojax._src.planner.candidates import QUANTIZE, SCHEDULER_OPTION
+from zerojax._src.planner.candidates import QUANTIZE
 from zerojax._src.planner.lowering import model_label, model_spec, zero_options
 from zerojax._src.planner.roofline import GiB
 from zerojax._src.planner.search import SearchReport, as_dict, phase_totals
@@ -63,10 +63,7 @@ def winner_code(report: SearchReport) -> str:
       f'# {c.batch_per_chip} sequence(s) per chip per step; layers in {loop}',
     ]
     + (
-      [
-        f'# compile the step with jax.jit(train_step, compiler_options='
-        f'{{{SCHEDULER_OPTION!r}: {c.scheduler_share}}})'
-      ]
+      [f'# compile the step with jax.jit(train_step, compiler_options={c.compiler_options()})']
       if c.scheduler_share is not None
       else []
     )
