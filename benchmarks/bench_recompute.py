@@ -205,8 +205,8 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
     ' memory in it (it compiled the program within HBM). Host link: 32 GB/s assumed, then half'
     ' and a quarter of it.'
     + (
-      f" MaxText's peaks ({_quoted_peaks()}; libtpu 0.0.42) and its program's predicted steps"
-      f" ({_quoted_steps()}, the same model) are issue 53's, not compiled here; \"vs MaxText's"
+      f" MaxText's peaks ({_quoted(MAXTEXT_V5E_PEAK_GIB, 'GiB')}; libtpu 0.0.42) and its"
+      f" program's predicted steps ({_quoted(MAXTEXT_V5E_PROGRAM_STEP_S, 's')}, the same model) are issue 53's, not compiled here; \"vs MaxText's"
       ' program" is that step over the searched plan\'s, then with the host link at half.'
       if chip == 'v5e'
       else ''
@@ -238,31 +238,28 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
         f' {s["predicted_step_seconds"]:.2f} | {s["predicted_tflops"]:.0f} |'
         f' {s["executed_over_model"]:.2f} | {peak(s)} | {s["host_bytes_per_step"] / 1e9:.1f} |'
         f' {at[0]:.2f}x | {at[1]:.2f}x | {at[2]:.2f}x |'
-        + (f' {_against_maxtext(r)} | {_under_maxtext(r)} |' if chip == 'v5e' else '')
+        + (f' {_against_maxtext(r["row"], s)} | {_under_maxtext(r)} |' if chip == 'v5e' else '')
       )
   return lines
 
 
-def _quoted_peaks() -> str:
-  """'32B 10.45 GiB, 64B 12.40': MaxText's quoted peaks of its v5e rows."""
+def _quoted(figures: dict, unit: str) -> str:
+  """'32B 10.45 GiB, 64B 12.40': issue 53's quoted MaxText figures of the v5e rows, the unit
+  once after the first."""
   rows = {r[0] for r in V5E_ROWS}
-  quoted = [(k, v) for k, v in MAXTEXT_V5E_PEAK_GIB.items() if k in rows and v is not None]
-  return ', '.join(f'{k} {v:.2f}' + (' GiB' if i == 0 else '') for i, (k, v) in enumerate(quoted))
+  quoted = [(k, v) for k, v in figures.items() if k in rows and v is not None]
+  return ', '.join(
+    f'{k} {v:.2f}' + (f' {unit}' if i == 0 else '') for i, (k, v) in enumerate(quoted)
+  )
 
 
-def _quoted_steps() -> str:
-  """'32B 15.55 s, 64B 15.85': the quoted predicted steps of MaxText's programs."""
-  quoted = [(k, v) for k, v in MAXTEXT_V5E_PROGRAM_STEP_S.items() if v is not None]
-  return ', '.join(f'{k} {v:.2f}' + (' s' if i == 0 else '') for i, (k, v) in enumerate(quoted))
-
-
-def _against_maxtext(r: dict) -> str:
-  """'1.19x / 1.19x': MaxText's program's predicted step over the searched plan's, at the
-  assumed host link and at half of it ('—': no step is quoted for the row)."""
-  step = MAXTEXT_V5E_PROGRAM_STEP_S.get(r['row'])
+def _against_maxtext(row: str, figures: dict) -> str:
+  """'1.19x / 1.19x': MaxText's program's predicted step for `row` over that of the plan of
+  `figures`, at the assumed host link and at half of it ('—': no step is quoted for the row)."""
+  step = MAXTEXT_V5E_PROGRAM_STEP_S.get(row)
   if step is None:
     return '—'
-  at = r['searched']['step_at_host_share']
+  at = figures['step_at_host_share']
   return f'{step / at["1.0"]:.2f}x / {step / at["0.5"]:.2f}x'
 
 
@@ -280,11 +277,8 @@ def _under_maxtext(r: dict) -> str:
     return 'none'
   best = min(under, key=lambda c: c['predicted_step_seconds'])
   speedup = r['default']['predicted_step_seconds'] / best['predicted_step_seconds']
-  step = MAXTEXT_V5E_PROGRAM_STEP_S.get(r['row'])
-  at = best['step_at_host_share']
-  against = (
-    '' if step is None else f"; MaxText's program {step / at['1.0']:.2f}x / {step / at['0.5']:.2f}x"
-  )
+  quoted = MAXTEXT_V5E_PROGRAM_STEP_S.get(r['row']) is not None
+  against = f"; MaxText's program {_against_maxtext(r['row'], best)}" if quoted else ''
   return f'{best["remat"]}, {best["peak_gib"]:.2f} GiB, {speedup:.2f}x{against}'
 
 
