@@ -47,6 +47,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -54,13 +55,11 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_maxtext import (  # noqa: E402
-  HEAD,
   MAXTEXT_V5E_PEAK_GIB,
   MAXTEXT_V5E_PROGRAM_STEP_S,
   ROWS,
   SEQ,
   V5E_ROWS,
-  VOCAB,
   compiler_tag,
   decoder_model,
   maxtext_flops,
@@ -119,29 +118,31 @@ def _figures(r, flops: float, chip) -> dict:
   }
 
 
-def search_row(row) -> dict:
-  """The policies of one row, compiled and ranked."""
-  from zerojax._src.planner import presets, program_cache, search
-
+def search_flags(row) -> list[str]:
+  """The flags of `python -m zerojax plan --search` that search one of MaxText's v5e rows: its
+  model and batch, ZeRO-3 over both torus axes, flash attention, every policy of `REMATS`."""
   name, width, heads, mlp, layers, topology, _, batch, published = row
-  cfg = presets.DecoderConfig(
-    vocab=VOCAB, d_model=width, n_layers=layers, n_heads=heads, n_kv_heads=heads, d_ff=mlp,
-    head_size=HEAD, seq_len=SEQ, gated=True,
-  )  # fmt: skip
+  return ['--model', decoder_model(width, heads, mlp, layers), '--topology', topology,
+          '--stages', '3', '--layouts', 'torus', '--prefetch-options', 'off',
+          '--remats', ','.join(REMATS), '--batches-per-chip', str(batch),
+          '--seq-len', str(SEQ), '--attention', 'flash']  # fmt: skip
+
+
+def search_command(row) -> str:
+  """The command line that reproduces a v5e row's search."""
+  return 'python -m zerojax plan --search ' + shlex.join(search_flags(row))
+
+
+def search_row(row) -> dict:
+  """The policies of one row, compiled and ranked by the command's own search."""
+  from zerojax._src.planner import cli, search
+
   start = time.perf_counter()
-  report = search.search_plans(
-    cfg,
-    topology,
-    attention='flash',
-    stages=(3,),
-    layouts=('torus',),
-    remat=REMATS,
-    prefetch=(False,),
-    batch_per_chip=(batch,),
-    cache_dir=program_cache.default_dir(),
-  )
+  target, space, run = cli.search_target(search_flags(row))
+  report = search.run_search(target, space, **run)
   by_remat = {r.candidate.remat: r for r in report.results}
   record = _ranked(row, report.target.chip, report.results, by_remat['full'], report.winner)
+  record['command'] = search_command(row)
   record['search_seconds'] = time.perf_counter() - start
   return record
 
@@ -167,28 +168,39 @@ def _ranked(row, chip, results, default, winner) -> dict:
   }
 
 
+def policy_flags(row, remat: str) -> list[str]:
+  """The flags of `python -m zerojax plan` that plan one of MaxText's v5p rows at its own mesh
+  with the rematerialisation policy `remat`."""
+  name, width, heads, mlp, layers, topology, tensor, batch, published = row
+  return ['--model', decoder_model(width, heads, mlp, layers), '--topology', topology,
+          '--mesh', row_mesh(topology, tensor), '--stage', '3', '--batch-per-chip', str(batch),
+          '--seq-len', str(SEQ), '--remat', remat, '--attention', 'flash']  # fmt: skip
+
+
+def plan_command(row, remat: str) -> str:
+  """The command line that reproduces a v5p row's plan with `remat`."""
+  return 'python -m zerojax plan ' + shlex.join(policy_flags(row, remat))
+
+
 def policies_row(row) -> dict:
   """One of MaxText's v5p rows at its own mesh (a tensor axis beside ZeRO, which the plan
   search's layouts do not span): each of `V5P_REMATS` through the plan's pipeline
   (`search.evaluate` on the target `python -m zerojax plan` builds from the row's flags)."""
   from zerojax._src.planner import cli, program_cache, search
 
-  name, width, heads, mlp, layers, topology, tensor, batch, published = row
-  model = decoder_model(width, heads, mlp, layers)
-  flags = ['--model', model, '--topology', topology, '--mesh', row_mesh(topology, tensor),
-           '--stage', '3', '--batch-per-chip', str(batch), '--seq-len', str(SEQ),
-           '--remat', V5P_REMATS[0], '--attention', 'flash']  # fmt: skip
   start = time.perf_counter()
-  target, candidate, hbm = cli.plan_target(flags)
+  target, candidate, hbm = cli.plan_target(policy_flags(row, V5P_REMATS[0]))
   results = []
   for remat in V5P_REMATS:
-    print(f'  {name} --remat {remat} ...', flush=True)
+    print(f'  {row[0]} --remat {remat} ...', flush=True)
     c = dataclasses.replace(candidate, remat=remat)
     results.append(search.evaluate(target, c, hbm_bytes=hbm, cache_dir=program_cache.default_dir()))
     print(f'    {results[-1].status}', flush=True)
   fitting = [r for r in results if r.fits]
   winner = min(fitting, key=lambda r: r.step_seconds) if fitting else None
   record = _ranked(row, target.chip, results, results[0], winner)
+  if winner is not None:
+    record['command'] = plan_command(row, winner.candidate.remat)
   record['search_seconds'] = time.perf_counter() - start
   return record
 
@@ -220,11 +232,12 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
     '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|'
     + ('---|---|' if chip == 'v5e' else ''),
   ]
+  runs = []
   for name in sorted(os.listdir(out)):
-    if not (name.startswith(f'recompute_{chip}.libtpu-') and name.endswith('.json')):
-      continue
-    with open(os.path.join(out, name)) as f:
-      run = json.load(f)
+    if name.startswith(f'recompute_{chip}.libtpu-') and name.endswith('.json'):
+      with open(os.path.join(out, name)) as f:
+        runs.append(json.load(f))
+  for run in runs:
     for r in run['rows']:
       d, s = r['default'], r['searched']
       peak = lambda x: f'{x["peak_gib"]:.2f}' + ('' if x['peak_reported'] else '*')
@@ -240,6 +253,21 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
         f' {at[0]:.2f}x | {at[1]:.2f}x | {at[2]:.2f}x |'
         + (f' {_against_maxtext(r["row"], s)} | {_under_maxtext(r)} |' if chip == 'v5e' else '')
       )
+  return lines + _commands(chip, runs)
+
+
+def _commands(chip: str, runs: list[dict]) -> list[str]:
+  """The commands that reproduce the table's searches (v5e) or its searched plans (v5p, one
+  per policy that won on some compiler), with the installed jax and libtpu."""
+  if chip == 'v5e':
+    lines = ['', "Each row's search (`--no-cache` compiles every candidate afresh):", '']
+    return lines + [f'- {row[0]}: `{search_command(row)}`' for row in V5E_ROWS]
+  lines = ['', "Each row's searched plan (its default: the same with `--remat minimal`):", '']
+  for row in ROWS:
+    won = sorted(
+      {r['searched']['remat'] for run in runs for r in run['rows'] if r['row'] == row[0]}
+    )
+    lines += [f'- {row[0]}: `{plan_command(row, remat)}`' for remat in won]
   return lines
 
 

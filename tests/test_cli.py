@@ -582,3 +582,29 @@ def test_plan_target_is_what_the_plan_command_plans(capsys):
   with pytest.raises(SystemExit):
     cli.plan_target(['--topology', 'v5e:2x4', '--model', 'tiny', '--remat', 'keep_nothing'])
   assert "invalid choice: 'keep_nothing'" in capsys.readouterr().err.replace('"', "'")
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_search_target_is_what_the_search_command_searches():
+  """`cli.search_target(flags)`: the target, the candidates and `search.run_search`'s other
+  arguments of `python -m zerojax plan --search FLAGS`, for a script that runs the command's
+  own search; a space over --max-candidates is refused as the command refuses it."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  from zerojax._src.planner import cli
+
+  flags = ['--topology', 'v5e:2x4', '--model', 'tiny', '--stages', '2,3', '--layouts', 'flat',
+           '--remats', 'full', '--prefetch-options', 'off', '--hbm-gib', '2']  # fmt: skip
+  target, space, run = cli.search_target(flags)
+  assert (target.topology, target.model, len(target.devices)) == ('v5e:2x4', 'tiny', 8)
+  assert [(c.stage, c.layout, c.remat, c.prefetch) for c in space] == [
+    (2, 'flat', 'full', False),
+    (3, 'flat', 'full', False),
+  ]
+  assert run['hbm_bytes'] == 2 * 2**30 and not run['measure'] and run['invalid'] == []
+  with pytest.raises(SystemExit) as info:
+    cli.search_target([*flags, '--max-candidates', '1'])
+  assert str(info.value) == (
+    'error: 2 candidates exceed --max-candidates 1; narrow the space (e.g. --stages 3'
+    ' --remats gathers) or raise the limit'
+  )

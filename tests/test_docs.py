@@ -717,3 +717,49 @@ def test_the_readmes_table_of_maxtexts_v5p_rows_is_the_committed_benchmark():
       fastest = min(c['predicted_step_seconds'] for c in fitting)
       assert searched['fits'] and searched['predicted_step_seconds'] == fastest
       assert searched['predicted_step_seconds'] <= default['predicted_step_seconds']
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_each_committed_v5e_search_is_the_command_its_table_prints():
+  """`bench_recompute.py` searches each of MaxText's v5e rows by the search of `python -m
+  zerojax plan --search FLAGS` (`cli.search_target`), and its table prints that command: the
+  same policies in the committed order, and, for the default plan and the committed winner,
+  the same lowered program (the program cache's key) as the search the committed runs made
+  from the row's decoder, written out here on its own."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  import optax
+
+  sys.path.insert(0, str(ROOT / 'benchmarks'))
+  import bench_recompute
+  from bench_maxtext import V5E_ROWS
+
+  from zerojax._src.planner import cli, lowering, presets, program_cache
+
+  written = (ROOT / 'benchmarks' / 'results' / 'recompute_v5e.md').read_text()
+  runs = [json.loads(p.read_text()) for p in ROOT.glob('benchmarks/results/recompute_v5e.*.json')]
+  for row in V5E_ROWS:
+    name, width, heads, mlp, layers, topology, _, batch, _ = row
+    assert f'`{bench_recompute.search_command(row)}`' in written, name
+    target, space, run = cli.search_target(bench_recompute.search_flags(row))
+    assert [c.remat for c in space] == list(bench_recompute.REMATS)
+    assert {(c.stage, c.layout, c.prefetch, c.batch_per_chip, c.micro_batches) for c in space} == {
+      (3, 'torus', False, batch, 1)
+    }
+    assert run['hbm_bytes'] is None and run['compiler_options'] == {}
+    records = [r for doc in runs for r in doc['rows'] if r['row'] == name]
+    assert records and all([c['remat'] for c in r['candidates']] == [c.remat for c in space]
+                           for r in records)  # fmt: skip
+    decoder = presets.DecoderConfig(
+      vocab=32000, d_model=width, n_layers=layers, n_heads=heads, n_kv_heads=heads, d_ff=mlp,
+      head_size=128, seq_len=2048, gated=True,
+    )  # fmt: skip
+    committed = lowering.make_target(
+      decoder, topology, devices=target.devices, optimizer=lambda: optax.adamw(1e-4),
+      attention='flash',
+    )  # fmt: skip
+    key = lambda t, c: program_cache.program_key(lowering.lower(t, c).lowered, t.topology)
+    for remat in {'full'} | {r['searched']['remat'] for r in records}:
+      c = next(c for c in space if c.remat == remat)
+      assert key(target, c) == key(committed, c), (name, remat)

@@ -271,7 +271,29 @@ def _on_off(text: str) -> bool:
 
 
 def cmd_search(args) -> int:
-  from zerojax._src.planner import candidates, search, search_report
+  from zerojax._src.planner import search, search_report
+
+  target, space, run = _search_setup(args)
+  print(
+    f'{len(space)} candidates ({len(run["invalid"])} combinations not valid); compiling'
+    f' for {args.topology} ({len(target.devices)} chips)',
+    flush=True,
+  )
+  report = search.run_search(target, space, **run)
+  text = f'command: {args.command_line}\n' + search_report.format_search(report)
+  print('\n' + text)
+  if args.out:
+    _write_search(args, report, text)
+  if report.winner is None:
+    print('\n' + search_report.nothing_fits(report), file=sys.stderr)
+    return 3
+  return 0
+
+
+def _search_setup(args) -> tuple[Any, list, dict]:
+  """(target, candidates, `search.run_search`'s other arguments) of `plan --search`'s flags;
+  a space with no valid candidate, or more than --max-candidates, is refused."""
+  from zerojax._src.planner import candidates
 
   devices, _ = _devices(args.topology)
   target, space, invalid = _search_space(args, devices)
@@ -284,29 +306,14 @@ def cmd_search(args) -> int:
       f'error: {len(space)} candidates exceed --max-candidates {args.max_candidates};'
       ' narrow the space (e.g. --stages 3 --remats gathers) or raise the limit'
     )
-  hbm = int(args.hbm_gib * 2**30) if args.hbm_gib else None
-  print(
-    f'{len(space)} candidates ({len(invalid)} combinations not valid); compiling'
-    f' for {args.topology} ({len(devices)} chips)',
-    flush=True,
-  )
-  report = search.run_search(
-    target,
-    space,
+  run = dict(
     invalid=invalid,
-    hbm_bytes=hbm,
+    hbm_bytes=int(args.hbm_gib * 2**30) if args.hbm_gib else None,
     measure=args.topology.startswith('cpu:'),
     cache_dir=_cache_dir(args),
     compiler_options=dict(args.compiler_options),
   )
-  text = f'command: {args.command_line}\n' + search_report.format_search(report)
-  print('\n' + text)
-  if args.out:
-    _write_search(args, report, text)
-  if report.winner is None:
-    print('\n' + search_report.nothing_fits(report), file=sys.stderr)
-    return 3
-  return 0
+  return target, space, run
 
 
 def _setup(args) -> dict:
@@ -1134,6 +1141,18 @@ def plan_target(argv: list[str]) -> tuple[Any, Any, int | None]:
   return target, candidate, None if hbm_gib is None else hbm_gib * 2**30
 
 
+def search_target(argv: list[str]) -> tuple[Any, list, dict]:
+  """What `python -m zerojax plan --search ARGV` searches: its `lowering.Target`, its
+  candidates and the other arguments it passes `search.run_search`, for a script that runs the
+  command's own search and keeps the records it needs. Bad flags exit as the command line does."""
+  parser, p = _parsers()
+  args = parser.parse_args(['plan', '--search', *argv])
+  args.command_line = 'python -m zerojax plan --search ' + shlex.join(argv)
+  _check_plan_flags(parser, p, args)
+  _configure_jax(args.topology, _most_slices(args))
+  return _search_setup(args)
+
+
 def main(argv: list[str] | None = None) -> int:
   parser, p = _parsers()
   args = parser.parse_args(argv)
@@ -1142,9 +1161,13 @@ def main(argv: list[str] | None = None) -> int:
   if args.command == 'plan':
     _check_plan_flags(parser, p, args)
 
-  most = max(getattr(args, 'slices', 1) or 1, *(getattr(args, 'slice_counts', None) or (1,)))
-  _configure_jax(getattr(args, 'topology', ''), most)
+  _configure_jax(getattr(args, 'topology', ''), _most_slices(args))
   return args.func(args)
+
+
+def _most_slices(args) -> int:
+  """The most slices the command compiles for (--slices, or the largest of --slice-counts)."""
+  return max(getattr(args, 'slices', 1) or 1, *(getattr(args, 'slice_counts', None) or (1,)))
 
 
 def _configure_jax(topology: str, slices: int = 1) -> None:
