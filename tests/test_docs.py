@@ -763,3 +763,33 @@ def test_each_committed_v5e_search_is_the_command_its_table_prints():
     for remat in {'full'} | {r['searched']['remat'] for r in records}:
       c = next(c for c in space if c.remat == remat)
       assert key(target, c) == key(committed, c), (name, remat)
+
+
+def test_the_regeneration_tool_rewrites_every_committed_tpu_result(tmp_path, monkeypatch):
+  """tools/regenerate_tpu_results.py has a step that writes each committed result of each
+  supported TPU compiler, each plan's report made again by the command it begins with, and
+  names a committed result no step writes."""
+  import shutil
+
+  sys.path.insert(0, str(ROOT / 'tools'))
+  import regenerate_tpu_results as regen
+
+  results = ROOT / 'benchmarks' / 'results'
+  versions = sorted(
+    {p.name.split('.libtpu-')[1].rsplit('.', 1)[0] for p in results.glob('*.libtpu-*')}
+  )
+  assert versions == ['0.0.42', '0.0.50']
+  for version in versions:
+    assert regen.uncovered(version) == []
+    plans = [s for s in regen.steps(version) if s.name.startswith('plan_')]
+    assert len(plans) == len(list(results.glob(f'plan_*.libtpu-{version}.txt'))) > 0
+    for step in plans:
+      (argv, report), (json_argv, _) = step.runs
+      first = (ROOT / report).read_text().splitlines()[0]
+      assert first == 'command: python ' + ' '.join(argv[1:]), step.name
+      assert json_argv[-2:] == ('--json', f'benchmarks/results/{step.name}.json')
+  copy = tmp_path / 'benchmarks' / 'results'
+  shutil.copytree(results, copy)
+  (copy / 'stray.libtpu-0.0.42.json').write_text('{}')
+  monkeypatch.setattr(regen, 'ROOT', str(tmp_path))
+  assert regen.uncovered('0.0.42') == ['benchmarks/results/stray.libtpu-0.0.42.json']

@@ -1,0 +1,208 @@
+"""Regenerates every committed TPU result for the installed jax and libtpu, in order.
+
+    python tools/regenerate_tpu_results.py [--list] [--from N] [--only N,M] [--no-cache]
+
+A change to what the planner compiles (the presets' model, a default option) moves the figures
+of every result under benchmarks/results that carries `libtpu-VERSION` in its name. This runs,
+one after the other, the benchmark scripts that write them and the recorded `command:` of each
+committed plan and search, for the libtpu installed beside this jax (run it once per supported
+end: this machine's Python for libtpu 0.0.42, `tools/newest-jax`'s root for 0.0.50). The steps
+are numbered; `--from N` resumes after an interruption, `--list` prints them and what each
+writes. Each step's output and time go to the terminal; a failed step stops the run with its
+number, so that `--from` starts there again.
+
+Compiling takes hours on a 2-core machine (the v5e-256 programs about a minute and a half each,
+the searches tens of them). Programs already compiled are read back from the planner's cache
+(`~/.cache/zerojax/programs`) unless `--no-cache` is given, which the plans and searches then
+pass on. Afterwards, `tests/test_docs.py` names each figure the documents quote that moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib.metadata
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join('benchmarks', 'results')
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """Commands (each an argv and the file its printed output goes to, or None) and the committed
+  files (globs under benchmarks/results, `{v}` the libtpu version) they write."""
+
+  name: str
+  runs: tuple[tuple[tuple[str, ...], str | None], ...]
+  writes: tuple[str, ...]
+
+
+def libtpu_version() -> str:
+  """'0.0.42' for libtpu 0.0.42.1, as the results' names carry it."""
+  try:
+    version = importlib.metadata.version('libtpu')
+  except importlib.metadata.PackageNotFoundError:
+    raise SystemExit(
+      "error: libtpu is not installed; install the tpu extra (pip install '.[tpu]')."
+    ) from None
+  return '.'.join(version.split('.')[:3])
+
+
+def _bench(name: str, script: str, writes: tuple[str, ...], *flags: str) -> Step:
+  argv = (sys.executable, os.path.join('benchmarks', script), *flags)
+  return Step(name, ((argv, None),), writes)
+
+
+def _zerojax(command: str, path: str) -> tuple[str, ...]:
+  """The argv of a recorded `python -m zerojax ...` command, run by this Python."""
+  argv = shlex.split(command)
+  if argv[:3] != ['python', '-m', 'zerojax']:
+    raise SystemExit(f'error: {path} records {command!r}, not a zerojax command.')
+  return (sys.executable, *argv[1:])
+
+
+def _recorded(version: str, prefix: str) -> list[Step]:
+  """The committed plans (prefix 'plan_') or searches ('search_') of libtpu `version`, each
+  made again by the commands it records: a plan's report (.txt) is the printed output of the
+  command its first line gives, its JSON written by the command the JSON records; a search
+  writes all three of its files (--out)."""
+  steps = []
+  for path in sorted(glob.glob(os.path.join(ROOT, RESULTS, f'{prefix}*.libtpu-{version}.json'))):
+    with open(path) as f:
+      runs = [(_zerojax(json.load(f)['command'], path), None)]
+    stem = os.path.basename(path)[: -len('.json')]
+    if prefix == 'plan_':
+      txt = os.path.join(RESULTS, stem + '.txt')
+      with open(os.path.join(ROOT, txt)) as f:
+        first = f.readline()
+      if not first.startswith('command: '):
+        raise SystemExit(f'error: {txt} does not begin with the command that wrote it.')
+      runs.insert(0, (_zerojax(first[len('command: ') :].strip(), txt), txt))
+    steps.append(Step(stem, tuple(runs), (f'{stem}.*',)))
+  return steps
+
+
+def steps(version: str) -> list[Step]:
+  """Every step, in the order their inputs need: bench_memory reads the v5p plans that
+  bench_maxtext writes."""
+  v = '{v}'
+  return [
+    _bench(
+      'bench_maxtext v5p',
+      'bench_maxtext.py',
+      (
+        f'maxtext_v5p.libtpu-{v}.json',
+        f'maxtext_v5p_[0-9]*B.libtpu-{v}.*',
+        f'maxtext_v5p_128B-512.libtpu-{v}.*',
+      ),
+    ),  # fmt: skip
+    _bench(
+      'bench_maxtext v5p, 2 slices',
+      'bench_maxtext.py',
+      (f'maxtext_v5p_slices.libtpu-{v}.json', f'maxtext_v5p_*_2slices.libtpu-{v}.*'),
+      '--slices',
+      '2',
+    ),  # fmt: skip
+    _bench(
+      'bench_maxtext v5e',
+      'bench_maxtext.py',
+      (f'maxtext_v5e.libtpu-{v}.json', f'maxtext_v5e_[0-9]*B.libtpu-{v}.*'),
+      '--chip',
+      'v5e',
+    ),  # fmt: skip
+    _bench(
+      'bench_maxtext v5e, 2-32 slices',
+      'bench_maxtext.py',
+      (f'maxtext_v5e_slices.libtpu-{v}.json', f'maxtext_v5e_*slices.libtpu-{v}.*'),
+      '--chip',
+      'v5e',
+      '--slices',
+      '2,4,8,16,32',
+    ),  # fmt: skip
+    _bench('bench_recompute v5e', 'bench_recompute.py', (f'recompute_v5e.libtpu-{v}.json',)),
+    _bench(
+      'bench_recompute v5p',
+      'bench_recompute.py',
+      (f'recompute_v5p.libtpu-{v}.json',),
+      '--chip',
+      'v5p',
+    ),  # fmt: skip
+    _bench('bench_memory', 'bench_memory.py', (f'memory_v5e.libtpu-{v}.json',)),
+    *_recorded(version, 'plan_'),
+    *_recorded(version, 'search_'),
+  ]
+
+
+def uncovered(version: str) -> list[str]:
+  """The committed results of libtpu `version` that no step writes."""
+  committed = set(glob.glob(os.path.join(ROOT, RESULTS, f'*.libtpu-{version}.*')))
+  for step in steps(version):
+    for pattern in step.writes:
+      committed -= set(glob.glob(os.path.join(ROOT, RESULTS, pattern.format(v=version))))
+  return sorted(os.path.relpath(p, ROOT) for p in committed)
+
+
+def run(step: Step, no_cache: bool) -> float:
+  """Runs one step's commands from the repository root; its time in seconds. `no_cache`
+  compiles afresh in the step's first zerojax command (the others read its programs back)."""
+  start = time.perf_counter()
+  for i, (argv, stdout_to) in enumerate(step.runs):
+    argv = [*argv, '--no-cache'] if no_cache and i == 0 and argv[1:3] == ('-m', 'zerojax') else argv
+    if stdout_to is None:
+      proc = subprocess.run(argv, cwd=ROOT)
+    else:  # the committed report is replaced only by a whole one
+      partial = os.path.join(ROOT, stdout_to + '.partial')
+      with open(partial, 'w') as out:
+        proc = subprocess.run(argv, cwd=ROOT, stdout=out)
+      if not proc.returncode:
+        os.replace(partial, os.path.join(ROOT, stdout_to))
+    if proc.returncode:
+      raise RuntimeError(f'{shlex.join(argv[1:])} exited with status {proc.returncode}')
+  return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--list', action='store_true', help='print the steps and what each writes')
+  parser.add_argument('--from', dest='first', type=int, default=1, help='start at step N')
+  parser.add_argument('--only', default=None, help='comma-separated step numbers')
+  parser.add_argument('--no-cache', action='store_true', help='compile every program afresh')
+  args = parser.parse_args(argv)
+  version = libtpu_version()
+  todo = list(enumerate(steps(version), 1))
+  missing = uncovered(version)
+  if missing:
+    raise SystemExit(f'error: no step writes these committed results: {missing}')
+  if args.list:
+    for n, step in todo:
+      print(f'{n:2d}. {step.name} (writes {", ".join(step.writes)})')
+      for argv, stdout_to in step.runs:
+        print(f'    python {shlex.join(argv[1:])}' + (f' > {stdout_to}' if stdout_to else ''))
+    return 0
+  only = {int(n) for n in args.only.split(',')} if args.only else None
+  todo = [(n, s) for n, s in todo if n >= args.first and (only is None or n in only)]
+  start = time.perf_counter()
+  for i, (n, step) in enumerate(todo, 1):
+    print(
+      f'[{time.perf_counter() - start:7.0f}s] step {n} ({i} of {len(todo)}): {step.name}',
+      flush=True,
+    )
+    try:
+      seconds = run(step, args.no_cache)
+    except RuntimeError as e:
+      print(f'step {n} ({step.name}) failed: {e}; resume with --from {n}', file=sys.stderr)
+      return 1
+    print(f'[{time.perf_counter() - start:7.0f}s] step {n} done in {seconds:.0f} s', flush=True)
+  print(f'libtpu {version}: {len(todo)} steps in {time.perf_counter() - start:.0f} s')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
