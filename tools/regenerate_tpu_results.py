@@ -37,7 +37,7 @@ RESULTS = os.path.join('benchmarks', 'results')
 @dataclasses.dataclass(frozen=True)
 class Step:
   """Commands (each an argv and the file its printed output goes to, or None) and the committed
-  files (globs under benchmarks/results, `{v}` the libtpu version) they write."""
+  files (globs under benchmarks/results) they write."""
 
   name: str
   runs: tuple[tuple[tuple[str, ...], str | None], ...]
@@ -92,7 +92,7 @@ def _recorded(version: str, prefix: str) -> list[Step]:
 def steps(version: str) -> list[Step]:
   """Every step, in the order their inputs need: bench_memory reads the v5p plans that
   bench_maxtext writes."""
-  v = '{v}'
+  v = version
   return [
     _bench(
       'bench_maxtext v5p',
@@ -102,21 +102,21 @@ def steps(version: str) -> list[Step]:
         f'maxtext_v5p_[0-9]*B.libtpu-{v}.*',
         f'maxtext_v5p_128B-512.libtpu-{v}.*',
       ),
-    ),  # fmt: skip
+    ),
     _bench(
       'bench_maxtext v5p, 2 slices',
       'bench_maxtext.py',
       (f'maxtext_v5p_slices.libtpu-{v}.json', f'maxtext_v5p_*_2slices.libtpu-{v}.*'),
       '--slices',
       '2',
-    ),  # fmt: skip
+    ),
     _bench(
       'bench_maxtext v5e',
       'bench_maxtext.py',
       (f'maxtext_v5e.libtpu-{v}.json', f'maxtext_v5e_[0-9]*B.libtpu-{v}.*'),
       '--chip',
       'v5e',
-    ),  # fmt: skip
+    ),
     _bench(
       'bench_maxtext v5e, 2-32 slices',
       'bench_maxtext.py',
@@ -125,7 +125,7 @@ def steps(version: str) -> list[Step]:
       'v5e',
       '--slices',
       '2,4,8,16,32',
-    ),  # fmt: skip
+    ),
     _bench('bench_recompute v5e', 'bench_recompute.py', (f'recompute_v5e.libtpu-{v}.json',)),
     _bench(
       'bench_recompute v5p',
@@ -133,7 +133,7 @@ def steps(version: str) -> list[Step]:
       (f'recompute_v5p.libtpu-{v}.json',),
       '--chip',
       'v5p',
-    ),  # fmt: skip
+    ),
     _bench('bench_memory', 'bench_memory.py', (f'memory_v5e.libtpu-{v}.json',)),
     *_recorded(version, 'plan_'),
     *_recorded(version, 'search_'),
@@ -145,7 +145,7 @@ def uncovered(version: str) -> list[str]:
   committed = set(glob.glob(os.path.join(ROOT, RESULTS, f'*.libtpu-{version}.*')))
   for step in steps(version):
     for pattern in step.writes:
-      committed -= set(glob.glob(os.path.join(ROOT, RESULTS, pattern.format(v=version))))
+      committed -= set(glob.glob(os.path.join(ROOT, RESULTS, pattern)))
   return sorted(os.path.relpath(p, ROOT) for p in committed)
 
 
