@@ -8,12 +8,13 @@ libtpu (no TPU needed):
 
 - `--remat full`: every block recomputed in the backward pass, its input kept in HBM for each
   layer (the layer loop's stack: layers x batch x seq x d_model bf16); zerojax's default plan
-  and MaxText's setting;
+  and MaxText's setting, compiled lean (`candidates.LEAN_REMATS`: the head gathered after the
+  layer loop, a one-hot cross-entropy, the TPU scheduler held to 60% of HBM);
 - `--remat offload_layer_inputs`: the same recomputation, that stack written to host memory
   during the forward pass and read back a block at a time during the backward;
-- `--remat full` again with the compiler's latency-hiding scheduler held to 70% and 60% of HBM
-  (`--scheduler-share N`; at the compiler's default it fills spare HBM by gathering later
-  layers' weights early): the same program, scheduled differently.
+- `--remat full` again with the compiler's latency-hiding scheduler at its own default and held
+  to 70% of HBM (`--scheduler-share compiler` and `70`; at the compiler's default it fills spare
+  HBM by gathering later layers' weights early): the same program, scheduled differently.
 
 And MaxText's v5p rows (bench_maxtext.py's default plans, `--remat minimal`, 95 GiB a chip)
 once more with `--scheduler-share 60`, against their committed plans: where a program needs
@@ -60,11 +61,15 @@ from bench_maxtext import (  # noqa: E402
   row_mesh,
 )
 
+from zerojax._src.planner import candidates  # noqa: E402
+
 REMATS = ('full', 'offload_layer_inputs')
-# `full` again with the TPU compiler's latency-hiding scheduler held to these percentages of HBM
-# (`plan --scheduler-share`): the same program, scheduled to gather later layers' weights less
-# far ahead. The v5p rows are planned at the last.
-SCHEDULER_SHARES = ('70', '60')
+# `full` again with the TPU compiler's latency-hiding scheduler at these shares of HBM (`plan
+# --scheduler-share`; the default plan's is 60): the same program, scheduled to gather later
+# layers' weights more or less far ahead.
+SCHEDULER_SHARES = ('compiler', '70')
+# The share the v5p rows (`minimal`, planned at the compiler's default) are planned at again.
+V5P_HELD_SHARE = '60'
 
 
 def rows() -> list[tuple[str, str, list[str]]]:
@@ -96,8 +101,8 @@ def v5p_rows() -> list[tuple[str, list[str]]]:
 
 def v5p_held(out: str, tag: str, before: dict, reuse: bool) -> list[dict]:
   """Each v5p row's committed plan (bench_maxtext.py's, in `out`) beside the same plan with
-  the scheduler held to the last of `SCHEDULER_SHARES`."""
-  share, rows = SCHEDULER_SHARES[-1], []
+  the scheduler held to `V5P_HELD_SHARE`."""
+  share, rows = V5P_HELD_SHARE, []
   for name, flags in v5p_rows():
     with open(os.path.join(out, f'maxtext_v5p_{name}.{tag}.json')) as f:
       default = json.load(f)
@@ -155,6 +160,8 @@ def plan(flags: list[str], remat: str) -> dict:
     return {
       'remat': remat,
       'command': command(flags, remat),
+      'lean': candidates.lean(remat),
+      'scheduler_share': result['scheduler_share'],
       'fits': result['fits'],
       'peak_gib': result['memory']['peak'] / 2**30,
       'peak_source': result['memory']['peak_source'],
@@ -169,9 +176,15 @@ def plan(flags: list[str], remat: str) -> dict:
 
 
 def plan_or_reuse(flags: list[str], remat: str, old: dict | None) -> dict:
-  """`plan(flags, remat)`, or `old` where it is the same command (`--reuse`)."""
+  """`plan(flags, remat)`, or `old` where it is the same command compiled the same way
+  (`--reuse`): lean or not as `candidates.LEAN_REMATS` now says, a record from before the
+  rule counting as not lean."""
   said = command(flags, remat)[-80:]
-  if old and old['command'] == command(flags, remat):
+  if (
+    old
+    and old['command'] == command(flags, remat)
+    and old.get('lean', False) == candidates.lean(remat)
+  ):
     print(f'  {said}: reusing the committed plan', flush=True)
     return old
   p = plan(flags, remat)
@@ -190,6 +203,10 @@ def searched_policies(out: str, tag: str) -> dict[str, str]:
     return {r['row']: r['searched']['remat'] for r in json.load(f)['rows'] if r['searched']}
 
 
+def _share_name(share: str) -> str:
+  return "the compiler's" if share == 'compiler' else f'{share}%'
+
+
 def _share(row: dict, share: str) -> str:
   """A row's `full` at another scheduler share, as the table gives it."""
   p = row['scheduler_shares'].get(share)
@@ -203,13 +220,14 @@ def table(out: str) -> list[str]:
     " (`benchmarks/bench_memory.py`). Device space: the compiler's buffer assignment for"
     " HBM, fragmentation included, host buffers not. MaxText's peaks are issue 53's"
     " (libtpu 0.0.42), not compiled here. Host link: 32 GB/s assumed (v5e's is not published)."
-    ' Scheduler at N%: `full` compiled with the latency-hiding scheduler held to N% of HBM'
-    ' (`--scheduler-share N`): device space GiB (predicted step s).',
+    ' `full` is the default plan: lean, the latency-hiding scheduler held to 60% of HBM; the'
+    " last columns compile it with the scheduler at the compiler's own share and at 70%"
+    ' (`--scheduler-share compiler`, `70`): device space GiB (predicted step s).',
     '',
     '| row | compiler | MaxText peak GiB | full: peak GiB | full: device space GiB |'
     ' offload_layer_inputs: device space GiB | host GB/step | step full s | step offloaded s |'
     ' searched policy | searched: device space GiB | searched step s |'
-    + ''.join(f' full, scheduler at {n}% |' for n in SCHEDULER_SHARES),
+    + ''.join(f' full, scheduler at {_share_name(n)} |' for n in SCHEDULER_SHARES),
     '|---|---|---|---|---|---|---|---|---|---|---|---|' + '---|' * len(SCHEDULER_SHARES),
   ]
   for name in sorted(os.listdir(out)):
@@ -240,7 +258,7 @@ def v5p_table(out: str) -> list[str]:
   """MaxText's v5p rows, default plan against the scheduler held back, every compiler."""
   lines = [
     f"MaxText's v5p rows (`--remat minimal`, 95 GiB a chip): the committed default plan"
-    f' (bench_maxtext.py) against the same plan with `--scheduler-share {SCHEDULER_SHARES[-1]}`.',
+    f' (bench_maxtext.py) against the same plan with `--scheduler-share {V5P_HELD_SHARE}`.',
     '',
     '| row | compiler | default: peak GiB | default step s | held: peak GiB | held step s |'
     ' held / default step |',

@@ -34,11 +34,14 @@ fits is the searched plan (recompute_v5p.*).
 MaxText's own programs are not compiled here: MaxText is not on the package index this project
 installs from, so its `train_compile` cannot run beside zerojax in CI or on this machine.
 
-    python benchmarks/bench_recompute.py [--chip v5e|v5p] [--rows 16B,32B,64B] [--out DIR]
+    python benchmarks/bench_recompute.py [--chip v5e|v5p] [--rows 16B,32B,64B] [--out DIR] [--reuse]
 
 Writes recompute_CHIP.libtpu-VERSION.json and recompute_CHIP.md (every compiler's rows).
 Minutes per candidate on a 2-core machine; compiled programs are kept in the planner's cache
-(`~/.cache/zerojax/programs`), so a second run reads them back.
+(`~/.cache/zerojax/programs`), so a second run reads them back. `--reuse` (v5e) keeps a
+committed candidate's figures where the row's search command is unchanged and the candidate is
+compiled as it was (not lean, `candidates.LEAN_REMATS`, then or now), compiles the others
+and ranks all of them as the search does; the record lists what it reused.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ from bench_maxtext import (  # noqa: E402
   maxtext_flops,
   row_mesh,
 )
+
+from zerojax._src.planner import candidates  # noqa: E402
 
 REMATS = (
   'full',
@@ -104,6 +109,7 @@ def _figures(r, flops: float, chip) -> dict:
     steps[share] = roofline.predict(slower, r, moved, r.host_traffic.overlapped).step
   return {
     'remat': r.candidate.remat,
+    'lean': candidates.lean(r.candidate.remat),
     'status': r.status,
     'fits': r.fits,
     'predicted_step_seconds': r.step_seconds,
@@ -133,18 +139,57 @@ def search_command(row) -> str:
   return 'python -m zerojax plan --search ' + shlex.join(search_flags(row))
 
 
-def search_row(row) -> dict:
-  """The policies of one row, compiled and ranked by the command's own search."""
+def search_row(row, before: dict | None = None) -> dict:
+  """The policies of one row, compiled and ranked by the command's own search; from `before`
+  (the committed record, `--reuse`), the candidates compiled as they were are kept."""
   from zerojax._src.planner import cli, search
 
   start = time.perf_counter()
   target, space, run = cli.search_target(search_flags(row))
-  report = search.run_search(target, space, **run)
-  by_remat = {r.candidate.remat: r for r in report.results}
-  record = _ranked(row, report.target.chip, report.results, by_remat['full'], report.winner)
-  record['command'] = search_command(row)
+  old = {}
+  # A record from before commands were recorded is this row's search with the same flags.
+  if before and before.get('command', search_command(row)) == search_command(row):
+    old = {c['remat']: c for c in before['candidates'] if not c.get('lean', False)}
+  kept = [c.remat for c in space if c.remat in old and not candidates.lean(c.remat)]
+  fresh = [c for c in space if c.remat not in kept]
+  report = search.run_search(target, fresh, **run)
+  flops = maxtext_flops(*row[1:5], row[7])
+  done = {r.candidate.remat: _candidate(r, flops, report.target.chip) for r in report.results}
+  figures = [old[c.remat] if c.remat in kept else done[c.remat] for c in space]
+  record = _record(row, figures)
+  record.update(command=search_command(row), reused=kept)
   record['search_seconds'] = time.perf_counter() - start
   return record
+
+
+def _candidate(r, flops: float, chip) -> dict:
+  """A candidate's figures, or its remat and status where nothing was priced."""
+  if r.predicted is None:
+    return {
+      'remat': r.candidate.remat,
+      'lean': candidates.lean(r.candidate.remat),
+      'status': r.status,
+    }
+  return _figures(r, flops, chip)
+
+
+def _record(row, figures: list[dict]) -> dict:
+  """A v5e row's record from its candidates' figures: the default plan (`full`) and the
+  winner as the search ranks them (the fastest that fits, then the smallest peak)."""
+  name, width, heads, mlp, layers, topology, _, batch, published = row
+  fitting = [f for f in figures if f.get('fits')]
+  winner = min(fitting, key=lambda f: (f['predicted_step_seconds'], f['peak_gib']), default=None)
+  (default,) = [f for f in figures if f['remat'] == 'full']
+  return {
+    'row': name,
+    'topology': topology,
+    'batch_per_chip': batch,
+    'published_tflops': published,
+    'maxtext_flops_per_chip': maxtext_flops(width, heads, mlp, layers, batch),
+    'default': default if default.get('fits') else {'status': default['status']},
+    'searched': winner,
+    'candidates': figures,
+  }
 
 
 def _ranked(row, chip, results, default, winner) -> dict:
@@ -315,6 +360,9 @@ def main() -> int:
   parser.add_argument('--chip', default='v5e', choices=('v5e', 'v5p'), help="MaxText's rows of")
   parser.add_argument('--rows', default=None, help='comma-separated row names (default: all)')
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
+  parser.add_argument(
+    '--reuse', action='store_true', help='v5e: keep the committed figures of unchanged candidates'
+  )
   args = parser.parse_args()
   every = V5E_ROWS if args.chip == 'v5e' else ROWS
   names = [r[0] for r in every]
@@ -326,13 +374,18 @@ def main() -> int:
   import libtpu
 
   tag = compiler_tag()
+  path = os.path.join(args.out, f'recompute_{args.chip}.{tag}.json')
+  before = {}
+  if args.reuse and os.path.exists(path):
+    with open(path) as f:
+      before = {r['row']: r for r in json.load(f)['rows']}
   rows = []
   for row in (r for r in every if r[0] in wanted):
     print(f'searching {row[0]} on {row[5]} with {tag} ...', flush=True)
-    rows.append(search_row(row) if args.chip == 'v5e' else policies_row(row))
+    rows.append(search_row(row, before.get(row[0])) if args.chip == 'v5e' else policies_row(row))
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, f'recompute_{args.chip}.{tag}.json'), 'w') as f:
+  with open(path, 'w') as f:
     json.dump({'versions': versions, 'rows': rows}, f, indent=2)
   lines = table(args.out, args.chip)
   with open(os.path.join(args.out, f'recompute_{args.chip}.md'), 'w') as f:

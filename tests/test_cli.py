@@ -192,9 +192,10 @@ def test_a_candidates_scheduler_share_is_one_more_compiler_option():
 @pytest.mark.xdist_group('libtpu')
 def test_a_tpu_plan_compiles_with_its_scheduler_share_and_says_so(monkeypatch, tmp_path, capsys):
   """`--scheduler-share N` goes to the compiler beside --compiler-option's, the report gives the
-  line to train with and the JSON records it; without it (or with 'compiler') the plan compiles
-  at the compiler's default. A search takes the shares as one more dimension, and its winner's
-  lines say how to compile the step."""
+  line to train with and the JSON records it; without it the plan under full remat (the
+  default) holds it to 60% (`candidates.LEAN_SHARE`) and says so, and under another remat, or
+  with 'compiler', compiles at the compiler's default. A search takes the shares as one more
+  dimension, and its winner's lines say how to compile the step."""
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
   import json
 
@@ -218,7 +219,11 @@ def test_a_tpu_plan_compiles_with_its_scheduler_share_and_says_so(monkeypatch, t
     f" compiler_options={{'{option}': 60}}) (--scheduler-share)" in text
   )
   assert json.loads(out.read_text())['scheduler_share'] == 60
-  for given in ([], ['--scheduler-share', 'compiler']):
+  assert cli.main([*argv, '--json', str(out)]) == 0
+  assert seen[-1] == {**remat, option: 60}
+  assert 'compiled with the TPU scheduler held to 60% of HBM' in capsys.readouterr().out
+  assert json.loads(out.read_text())['scheduler_share'] == 60
+  for given in (['--remat', 'gathers'], ['--scheduler-share', 'compiler']):
     assert cli.main([*argv, *given, '--json', str(out)]) == 0
     assert seen[-1] == remat
     assert 'scheduler held' not in capsys.readouterr().out
@@ -429,7 +434,7 @@ def test_a_plan_is_a_search_of_one_and_reads_its_program_once(monkeypatch, tmp_p
   argv = ['plan', '--model', 'tiny', '--topology', 'v5e:2x4', '--seq-len', '64', '--no-cache']
   assert cli.main([*argv, '--grad', 'zerojax', '--json', str(out)]) == 0
   assert 'measured/floor' in capsys.readouterr().out
-  one = candidates.Candidate(3)
+  one = candidates.Candidate(3, scheduler_share=candidates.LEAN_SHARE)  # full remat: lean
   assert evaluated == [one] and len(parses) == 1
   plan = json.loads(out.read_text())
   parses.clear()
@@ -474,7 +479,7 @@ def test_a_plan_whose_states_exceed_hbm_is_refused_before_it_compiles(monkeypatc
   shapes = jax.eval_shape(spec.init_fn, jax.random.key(0))
   psi = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
   assert err[-1] == (
-    's1 flat b1 remat:full: DOES NOT FIT: pruned: states alone exceed HBM (model states at rest'
+    's1 flat b1 remat:full sched:60%: DOES NOT FIT: pruned: states alone exceed HBM (model states at rest'
     f' {psi * (4 + 8 / 8) / 2**30:.2f} GiB per chip, of 16 GiB HBM)'
   )
 
@@ -582,6 +587,40 @@ def test_plan_target_is_what_the_plan_command_plans(capsys):
   with pytest.raises(SystemExit):
     cli.plan_target(['--topology', 'v5e:2x4', '--model', 'tiny', '--remat', 'keep_nothing'])
   assert "invalid choice: 'keep_nothing'" in capsys.readouterr().err.replace('"', "'")
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_full_remat_is_planned_and_searched_lean_unless_told(monkeypatch):
+  """Under --remat full (`candidates.LEAN_REMATS`) a TPU plan holds the compiler's scheduler to
+  60% of HBM and compiles the lean head; other remats keep the compiler's default; a share
+  given (or 'compiler') wins."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  from zerojax._src.planner import candidates, cli, lowering, presets
+
+  assert candidates.LEAN_REMATS == ('full',)
+
+  plan = ['--topology', 'v5e:2x4', '--model', 'tiny', '--stage', '3']
+  shares = lambda *flags: cli.plan_target([*plan, *flags])[1].scheduler_share
+  assert shares() == 60 and shares('--remat', 'full') == 60
+  assert shares('--remat', 'gathers') is None and shares('--remat', 'minimal') is None
+  assert shares('--scheduler-share', 'compiler') is None
+  assert shares('--scheduler-share', '80') == 80
+  search = ['--topology', 'v5e:2x4', '--model', 'tiny', '--stages', '3', '--layouts', 'flat',
+            '--remats', 'gathers,full', '--prefetch-options', 'off']  # fmt: skip
+  space = lambda *flags: [
+    (c.remat, c.scheduler_share) for c in cli.search_target([*search, *flags])[1]
+  ]
+  assert space() == [('gathers', None), ('full', 60)]
+  assert space('--scheduler-shares', 'compiler,70') == [
+    ('gathers', None), ('gathers', 70), ('full', None), ('full', 70),
+  ]  # fmt: skip
+  target, candidate, _ = cli.plan_target(plan)
+  seen = []
+  monkeypatch.setattr(presets, 'decoder_spec', lambda *a, **kw: seen.append(kw['lean_head']))
+  for remat in ('full', 'gathers', 'minimal'):
+    lowering.model_spec(target, dataclasses.replace(candidate, remat=remat))
+  assert seen == [True, False, False]
 
 
 @pytest.mark.tpu

@@ -251,7 +251,15 @@ def _figures():
     ('docs/results.md', f'{q8:.3f}× (int8) and {q4:.3f}× (int4) the ring'),
     ('docs/results.md', f'the step is {t8:.2f}× and {t4:.2f}× slower'),
     ('README.md', f"({demo['wall_seconds']:.0f} s on this project's 2-core machine"),
-    ('docs/results.md', f'runs for {plan["phase_seconds"]["total"]:.1f} s, compile included'),
+    (
+      'docs/results.md',
+      f'runs for {plan["phase_seconds"]["total"]:.1f} s'
+      + (
+        ' with its program read back from the cache'
+        if plan['program_source'] == 'cache'
+        else ', compile included'
+      ),
+    ),
     ('docs/results.md', f'needs {peak:.2f} GiB of the 16 GiB per chip'),
     ('docs/results.md', f'move {ratio:.2f}× the 3Ψ(N−1)/N floor'),
     ('docs/results.md', f'{100 * overlap:.0f}% of the bytes overlapping'),
@@ -583,7 +591,8 @@ def test_the_streamed_70b_plan_without_the_compilers_regathers_is_at_the_floor()
   """`plan_llama2-70b_v5e-4x8_noregather.libtpu-*`: the chunked streamed plan compiled with
   `--compiler-option xla_tpu_rematerialization_min_size_in_bytes=33554432`, on each paired
   compiler: 81 all-gathers fewer (the key and value weights' re-gathers), at or under the ZeRO
-  floor, and the same peak within a MiB; docs/results.md and the README quote it."""
+  floor, and a peak at most 64 MiB above (the weights it keeps: a layer's key and value
+  projections are 32 MiB in bf16); docs/results.md and the README quote it."""
   floor_ratio = lambda p: sum(p['collectives']['ring_bytes'].values()) / p['zero_floor_bytes']
   gib = lambda p: f'{p["memory"]["peak"] / 2**30:.2f}'
   option = 'xla_tpu_rematerialization_min_size_in_bytes'
@@ -600,7 +609,7 @@ def test_the_streamed_70b_plan_without_the_compilers_regathers_is_at_the_floor()
     gathers = lambda p: p['collectives']['counts']['all-gather']
     assert gathers(chunked) - gathers(plan) == 81, (gathers(chunked), gathers(plan))
     assert floor_ratio(plan) <= 1.0 and f'{floor_ratio(plan):.3f}' == '0.999'
-    assert plan['fits'] and abs(plan['memory']['peak'] - chunked['memory']['peak']) < 2**20
+    assert plan['fits'] and 0 <= plan['memory']['peak'] - chunked['memory']['peak'] < 64 * 2**20
     assert f'| {gib(plan)} / {gib(plan)} | 0.999 |' in results
   assert f'{gib(plan)} GiB at 0.999x' in readme and option in readme
 
@@ -679,14 +688,19 @@ def test_the_memory_table_is_the_committed_benchmark_and_under_maxtexts_peaks():
       assert offloaded['host_bytes_per_step'] > 0
       if r['maxtext_peak_gib'] is not None:
         assert offloaded['device_space_gib'] <= r['maxtext_peak_gib'], (path.name, r['row'])
-      # `full` with the scheduler held to a share of HBM: the same program (the same matmul
-      # FLOPs), scheduled in less memory at a predicted step within 1% of the default's or faster.
-      assert sorted(r['scheduler_shares']) == ['60', '70']
-      for share, held in r['scheduler_shares'].items():
-        assert held['fits'] and held['matmul_flops_per_chip'] == full['matmul_flops_per_chip']
-        assert f' --scheduler-share {share} ' in held['command']
-        assert held['predicted_step_seconds'] <= 1.01 * full['predicted_step_seconds']
-        assert held['device_space_gib'] <= full['device_space_gib'] + 0.01, (r['row'], share)
+      # The default plan, `full` compiled lean (its scheduler held to 60% of HBM): at or under
+      # MaxText's compiler peak, and against the same program at the compiler's own share and
+      # at 70% (the same matmul FLOPs) in no more memory, at a predicted step within 1% of
+      # theirs or faster.
+      assert full['lean'] and full['scheduler_share'] == 60, (path.name, r['row'])
+      if r['maxtext_peak_gib'] is not None:
+        assert full['peak_gib'] <= r['maxtext_peak_gib'], (path.name, r['row'])
+      assert sorted(r['scheduler_shares']) == ['70', 'compiler']
+      for share, other in r['scheduler_shares'].items():
+        assert other['fits'] and other['matmul_flops_per_chip'] == full['matmul_flops_per_chip']
+        assert f' --scheduler-share {share} ' in other['command']
+        assert full['predicted_step_seconds'] <= 1.01 * other['predicted_step_seconds']
+        assert full['device_space_gib'] <= other['device_space_gib'] + 0.01, (r['row'], share)
     # The v5p rows, whose programs need most of HBM: the same share is not free there (why it
     # is not the default), and every row still fits.
     v5p = json.loads(path.read_text())['v5p']
@@ -767,8 +781,9 @@ def test_each_committed_v5e_search_is_the_command_its_table_prints():
 
 def test_the_regeneration_tool_rewrites_every_committed_tpu_result(tmp_path, monkeypatch):
   """tools/regenerate_tpu_results.py has a step that writes each committed result of each
-  supported TPU compiler, each plan's report made again by the command it begins with, and
-  names a committed result no step writes."""
+  supported TPU compiler, each plan's report made again by the command it begins with, each
+  search's files moved to their committed names, and names a committed result no step
+  writes."""
   import shutil
 
   sys.path.insert(0, str(ROOT / 'tools'))
@@ -788,6 +803,18 @@ def test_the_regeneration_tool_rewrites_every_committed_tpu_result(tmp_path, mon
       first = (ROOT / report).read_text().splitlines()[0]
       assert first == 'command: python ' + ' '.join(argv[1:]), step.name
       assert json_argv[-2:] == ('--json', f'benchmarks/results/{step.name}.json')
+    # A search's --out names its files by model and topology: each is moved to its committed
+    # name, so that the two compilers' runs neither overwrite each other nor leave a stray file.
+    searches = [s for s in regen.steps(version) if s.name.startswith('search_')]
+    assert len(searches) == len(list(results.glob(f'search_*.libtpu-{version}.json'))) > 0
+    for step in searches:
+      written = step.name.removesuffix(f'.libtpu-{version}')
+      assert step.moves == tuple(
+        (f'benchmarks/results/{written}.{ext}', f'benchmarks/results/{step.name}.{ext}')
+        for ext in ('txt', 'json', 'png')
+      )
+      ((argv, _),) = step.runs
+      assert argv[-2:] == ('--out', 'benchmarks/results'), step.name
   copy = tmp_path / 'benchmarks' / 'results'
   shutil.copytree(results, copy)
   (copy / 'stray.libtpu-0.0.42.json').write_text('{}')

@@ -196,3 +196,58 @@ def test_the_layer_loop_keeps_its_stack_of_block_inputs_where_the_policy_says(re
   kept = [line for line in capsys.readouterr().out.splitlines() if 'from the argument' not in line]
   assert len(kept) == 1, kept
   assert kept[0].startswith(f'{where}{cfg.n_layers},2,{cfg.seq_len},{cfg.d_model}] output of scan')
+
+
+def test_one_hot_cross_entropy_is_the_integer_label_cross_entropy():
+  """The lean head's loss against optax's cross-entropy of integer labels, value and gradient:
+  the same per-token terms (logsumexp less the target's logit), summed over the vocabulary."""
+  import optax
+
+  logits = 4 * jax.random.normal(jax.random.key(0), (2, 16, 50))
+  targets = jax.random.randint(jax.random.key(1), (2, 16), 0, 50)
+  want = lambda z: optax.softmax_cross_entropy_with_integer_labels(z, targets).mean()
+  got = lambda z: presets.one_hot_cross_entropy(z, targets)
+  assert_close(got(logits), want(logits), reordered(50))
+  assert_close(jax.grad(got)(logits), jax.grad(want)(logits), reordered(50))
+
+
+def _lean_program(lean_head: bool, mesh):
+  """(loss, gradients, lowered text) of the tiny decoder at stage 3 over `mesh`, per layer."""
+  import zerojax
+
+  cfg = presets.PRESETS['tiny']
+  params = presets.init_decoder(cfg, jax.random.key(0))
+  ztx = zerojax.zero_stage(__import__('optax').sgd(0.1), 3, mesh=mesh)
+  plan = zerojax.plan_for(ztx, params)
+  params = jax.device_put(params, plan.params)
+  tokens = jax.random.randint(jax.random.key(1), (8, cfg.seq_len + 1), 0, cfg.vocab)
+  loss = lambda p, b: presets.decoder_loss(
+    p, b, cfg, plan=plan, compute_dtype=jnp.float32, lean_head=lean_head
+  )
+  grad_fn = jax.jit(zerojax.value_and_grad(loss, ztx, per_layer=True))
+  value, grads = grad_fn(params, tokens)
+  return value, grads, grad_fn.lower(params, tokens).as_text()
+
+
+def test_the_lean_head_keeps_the_loss_and_gathers_the_head_after_the_layer_loop(auto_mesh):
+  """`lean_head`: the same loss and gradients (to the rounding of a sum over the vocabulary in
+  another order), and in the lowered program the head's first all-gather comes after the
+  layer loop, where without it the head is gathered before the loop with the embedding."""
+  cfg = presets.PRESETS['tiny']
+  want, want_grads, plain = _lean_program(False, auto_mesh)
+  got, got_grads, lean = _lean_program(True, auto_mesh)
+  assert_close(got, want, reordered(cfg.vocab))
+  for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    assert_close(g, w, reordered(cfg.vocab + cfg.d_ff))
+  head = f'tensor<{cfg.d_model}x{cfg.vocab}xf32>'
+
+  def head_gathered_after_loop(text):
+    gathers = [
+      i for i, line in enumerate(text.splitlines()) if 'all_gather' in line and head in line
+    ]
+    loop = next(i for i, line in enumerate(text.splitlines()) if 'stablehlo.while' in line)
+    assert gathers, f'no all-gather to {head} in the program'
+    return gathers[0] > loop
+
+  assert head_gathered_after_loop(lean)
+  assert not head_gathered_after_loop(plain)

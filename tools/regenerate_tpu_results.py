@@ -36,12 +36,14 @@ RESULTS = os.path.join('benchmarks', 'results')
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-  """Commands (each an argv and the file its printed output goes to, or None) and the committed
-  files (globs under benchmarks/results) they write."""
+  """Commands (each an argv and the file its printed output goes to, or None), the committed
+  files (globs under benchmarks/results) they write, and files they write under another name,
+  moved to the committed one afterwards ((written, committed) paths from the repository root)."""
 
   name: str
   runs: tuple[tuple[tuple[str, ...], str | None], ...]
   writes: tuple[str, ...]
+  moves: tuple[tuple[str, str], ...] = ()
 
 
 def libtpu_version() -> str:
@@ -72,7 +74,8 @@ def _recorded(version: str, prefix: str) -> list[Step]:
   """The committed plans (prefix 'plan_') or searches ('search_') of libtpu `version`, each
   made again by the commands it records: a plan's report (.txt) is the printed output of the
   command its first line gives, its JSON written by the command the JSON records; a search
-  writes all three of its files (--out)."""
+  writes all three of its files (--out), named without the libtpu version, which are then moved
+  to the committed names."""
   steps = []
   for path in sorted(glob.glob(os.path.join(ROOT, RESULTS, f'{prefix}*.libtpu-{version}.json'))):
     with open(path) as f:
@@ -85,7 +88,14 @@ def _recorded(version: str, prefix: str) -> list[Step]:
       if not first.startswith('command: '):
         raise SystemExit(f'error: {txt} does not begin with the command that wrote it.')
       runs.insert(0, (_zerojax(first[len('command: ') :].strip(), txt), txt))
-    steps.append(Step(stem, tuple(runs), (f'{stem}.*',)))
+    moves = ()
+    if prefix == 'search_':  # --out names a search by its model and topology only
+      written = stem[: -len(f'.libtpu-{version}')]
+      moves = tuple(
+        (os.path.join(RESULTS, f'{written}.{ext}'), os.path.join(RESULTS, f'{stem}.{ext}'))
+        for ext in ('txt', 'json', 'png')
+      )
+    steps.append(Step(stem, tuple(runs), (f'{stem}.*',), moves))
   return steps
 
 
@@ -165,6 +175,8 @@ def run(step: Step, no_cache: bool) -> float:
         os.replace(partial, os.path.join(ROOT, stdout_to))
     if proc.returncode:
       raise RuntimeError(f'{shlex.join(argv[1:])} exited with status {proc.returncode}')
+  for written, committed in step.moves:
+    os.replace(os.path.join(ROOT, written), os.path.join(ROOT, committed))
   return time.perf_counter() - start
 
 

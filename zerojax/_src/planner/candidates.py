@@ -27,11 +27,54 @@ LAYOUTS = ('flat', 'torus', 'hpz')
 
 # The TPU compiler's option for the share of HBM (percent) its latency-hiding scheduler plans
 # within. At the compiler's default the scheduler fills spare HBM by gathering later
-# layers' weights early; held lower, the same program holds less. A plan leaves it at the
-# compiler's default unless told: held to 60%, MaxText's v5e rows and the 70B plan peak up to
-# 1.4 GiB lower at the same predicted step, but its v5p 64B and 128B rows are predicted 5% and
-# 7% slower (benchmarks/bench_memory.py, docs/results.md "The scheduler's share of HBM").
+# layers' weights early; held lower, the same program holds less.
 SCHEDULER_OPTION = 'xla_tpu_scheduler_percent_shared_memory_limit'
+
+# The remats a plan compiles lean, holding the least it can at the same step: the TPU
+# scheduler held to LEAN_SHARE percent of HBM, and the presets' head gathered after the layer
+# loop with a one-hot cross-entropy (`presets.decoder_loss(lean_head=True)`). Full
+# rematerialisation is what a plan chooses when memory is short: on MaxText's v5e rows and the
+# 70B plan, lean brings the compiler's peak under MaxText's at the same predicted step or less
+# (32B: 11.68 GiB to 9.94). Under 'minimal' on MaxText's v5p rows the same share is predicted
+# 5% to 7% slower on 64B and 128B, so the other remats keep the compiler's default
+# (benchmarks/bench_memory.py, docs/results.md "Memory at MaxText's settings").
+LEAN_REMATS = ('full',)
+LEAN_SHARE = 60
+
+
+def lean(remat: str) -> bool:
+  """Whether a plan under `remat` compiles the least-memory step (`LEAN_REMATS`)."""
+  return remat in LEAN_REMATS
+
+
+def default_scheduler_share(
+  remat: str, topology: str, compiler_options: dict[str, Any] | None = None
+) -> int | None:
+  """The scheduler share a plan or a search compiles `remat` with unless told: `LEAN_SHARE`
+  for `LEAN_REMATS` on a TPU, None (the compiler's default) otherwise, on cpu:N, or where
+  `compiler_options` sets `SCHEDULER_OPTION` itself.
+
+  >>> default_scheduler_share('full', 'v5e:16x16'), default_scheduler_share('minimal', 'v5p:4x4x4')
+  (60, None)
+  >>> print(default_scheduler_share('full', 'cpu:8'))
+  None
+  """
+  if topology.startswith('cpu:') or SCHEDULER_OPTION in (compiler_options or {}):
+    return None
+  return LEAN_SHARE if lean(remat) else None
+
+
+def with_default_shares(
+  space: Sequence[Candidate], topology: str, compiler_options: dict[str, Any] | None = None
+) -> list[Candidate]:
+  """`space` with each candidate's share set by `default_scheduler_share` (for a plan or
+  search not given any)."""
+  return [
+    dataclasses.replace(
+      c, scheduler_share=default_scheduler_share(c.remat, topology, compiler_options)
+    )
+    for c in space
+  ]
 
 
 @dataclasses.dataclass(frozen=True)

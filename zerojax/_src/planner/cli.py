@@ -249,13 +249,16 @@ def _share(text: str) -> int | str:
   return share
 
 
-def _scheduler_shares(args, given: Sequence[int | str] | None, flag: str) -> tuple[int | None, ...]:
+def _scheduler_shares(
+  args, given: Sequence[int | str] | None, flag: str
+) -> tuple[int | None, ...] | None:
   """The scheduler shares a plan or a search compiles with: `given` ('compiler' is None), else
-  the compiler's default alone; refused where the topology's compiler has no such option."""
+  None (each candidate's `candidates.default_scheduler_share`); refused where the topology's
+  compiler has no such option."""
   from zerojax._src.planner import candidates
 
   if given is None:
-    return (None,)
+    return None
   shares = tuple(None if s == 'compiler' else s for s in given)
   try:
     candidates.check_scheduler_shares(args.topology, shares, dict(args.compiler_options), flag)
@@ -344,6 +347,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       )
     args.remats = (args.remats or candidates.default_remats(None, preset=False))[:1]
     args.prefetch_options = (False,)
+  shares = _scheduler_shares(args, args.scheduler_shares, '--scheduler-shares')
   try:
     target = lowering.make_target(
       model,
@@ -363,11 +367,13 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       quantize=args.quantizes,
       batch_per_chip=args.batches_per_chip,
       slices=args.slice_counts,
-      scheduler_share=_scheduler_shares(args, args.scheduler_shares, '--scheduler-shares'),
+      scheduler_share=shares or (None,),
       grid_dims=len(target.grid),
     )
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
+  if shares is None:
+    space = candidates.with_default_shares(space, args.topology, dict(args.compiler_options))
   return target, space, invalid
 
 
@@ -546,18 +552,22 @@ def _plan_target(args, start: float) -> tuple[Any, Any, int | None]:
     gradients='zerojax' if explicit else 'jax',
     gather_all=args.gather_all,
   )
+  remat = 'none' if args.no_remat else args.remat
+  shares = _scheduler_shares(
+    args, args.scheduler_share and (args.scheduler_share,), '--scheduler-share'
+  )
   candidate = candidates.Candidate(
     args.stage,
     layout='flat' if names == ('data',) else 'torus',
-    remat='none' if args.no_remat else args.remat,
+    remat=remat,
     prefetch=args.prefetch,
     offload=args.offload,
     update_on=args.update_on,
     batch_per_chip=args.batch_per_chip,
     slices=args.slices,
-    scheduler_share=_scheduler_shares(
-      args, args.scheduler_share and (args.scheduler_share,), '--scheduler-share'
-    )[0],
+    scheduler_share=shares[0]
+    if shares
+    else candidates.default_scheduler_share(remat, args.topology),
   )
   _log_mesh(args, start, dict(zip(*full)), explicit)
   return target, candidate, hbm_gib
@@ -984,8 +994,9 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
     default=None,
     metavar='PERCENT',
     help="the share of HBM the TPU compiler's latency-hiding scheduler plans within (compiler"
-    f' option {SCHEDULER_OPTION}; pass the same to the training run); default: the'
-    " compiler's own ('compiler'). Lower, the same program holds less HBM, and may run slower",
+    f' option {SCHEDULER_OPTION}; pass the same to the training run); default: 60 under'
+    " --remat full, else the compiler's own ('compiler'). Lower, the same program holds less"
+    ' HBM, and may run slower',
   )
   p.add_argument(
     '--compiler-option',
@@ -1020,7 +1031,8 @@ _REMATS_HELP = (
 )
 
 _SHARES_HELP = (
-  "as --scheduler-share, each a candidate (e.g. compiler,70,60); default: the compiler's"
+  'as --scheduler-share, each a candidate (e.g. compiler,70,60); default: 60 for remat full,'
+  " else the compiler's"
 )
 
 

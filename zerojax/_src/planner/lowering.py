@@ -90,7 +90,7 @@ def mesh_for(target: Target, c: Candidate):
 def model_spec(target: Target, c: Candidate):
   """The `ModelSpec` a candidate compiles: the target's model with the candidate's remat and
   prefetch."""
-  from zerojax._src.planner import presets
+  from zerojax._src.planner import candidates, presets
 
   if callable(target.model):
     return target.model(c.remat, c.prefetch)
@@ -104,6 +104,7 @@ def model_spec(target: Target, c: Candidate):
     attention_chunk=target.attention_chunk,
     attention=target.attention,
     loss_chunk=target.loss_chunk,
+    lean_head=candidates.lean(c.remat),
   )
 
 

@@ -475,6 +475,7 @@ def decoder_loss(
   attention_chunk: int | None = None,
   attention: str = 'xla',
   loss_chunk: int | None = None,
+  lean_head: bool = False,
 ) -> jax.Array:
   """Next-token cross-entropy of `tokens` (batch, seq + 1).
 
@@ -508,10 +509,19 @@ def decoder_loss(
       blocks skipped, scores never in HBM; TPU, or Pallas's interpreter elsewhere).
     loss_chunk: compute the head's logits and the cross-entropy this many positions at a
       time (`chunked_cross_entropy`: one chunk's f32 logits live at a time); None: at once.
+    lean_head: gather the head only after the layer loop (its shards pass an optimization
+      barrier beside the loop's output, so the compiler cannot start the gather earlier) and
+      take each target's logit with a one-hot mask (`one_hot_cross_entropy`) rather than a
+      gather, whose backward scatters into f32 logits kept live through the step. The same
+      loss; less memory at the step's peak. `loss_chunk` has its own cross-entropy.
   """
   _check_options(remat, prefetch_next, attention, attention_chunk, loss_chunk)
   if plan is not None:
     gather_fn = plan_gather(plan, compute_dtype)
+  late_gather = gather_fn if lean_head else None
+  head = params['head']
+  if late_gather is not None:
+    params = {k: v for k, v in params.items() if k != 'head'}
   params, gather_fn = _gathered_top(params, gather_fn, per_layer)
   constrain = _no_constraint
   if plan is not None and 'tensor' in plan.mesh.axis_names and 'tensor' not in plan.axes:
@@ -534,12 +544,26 @@ def decoder_loss(
     )
   else:
     x = _layer_loop(block, x, params['layers'], gather_fn, remat)
+  if late_gather is not None:
+    x, head = jax.lax.optimization_barrier((x, head))
+    params = dict(params, head=late_gather({'head': head}, 'top', False)['head'])
   x = _rms_norm(x, params['final_norm'])
   if loss_chunk and loss_chunk < x.shape[1]:
     return chunked_cross_entropy(x, cast(params['head']), targets, loss_chunk)
   logits = (x @ cast(params['head'])).astype(jnp.float32)
+  if lean_head:
+    return one_hot_cross_entropy(logits, targets)
   logp = jax.nn.log_softmax(logits, axis=-1)
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def one_hot_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean of logsumexp(logits) - logits[target] over positions, the target's logit taken by
+  a one-hot mask: elementwise forward and backward, no gather of `logits` (batch, seq, vocab)
+  and no scatter into its gradient."""
+  vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+  picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+  return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
 
 def chunked_cross_entropy(x, head, targets, chunk: int):
@@ -625,6 +649,7 @@ def decoder_spec(
   attention_chunk: int | None = None,
   attention: str = 'xla',
   loss_chunk: int | None = None,
+  lean_head: bool = False,
 ) -> ModelSpec:
   """A `ModelSpec` for a preset in `PRESETS`, or for a `DecoderConfig` of any shape.
 
@@ -648,6 +673,7 @@ def decoder_spec(
     attention_chunk=attention_chunk,
     attention=attention,
     loss_chunk=loss_chunk,
+    lean_head=lean_head,
   )
   return ModelSpec(
     name=name,

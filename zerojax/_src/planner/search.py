@@ -37,6 +37,7 @@ from zerojax._src.planner.candidates import (
   check_scheduler_shares,
   default_remats,
   why_none_valid,
+  with_default_shares,
 )
 from zerojax._src.planner.lowering import Lowered, Target, lower, make_target
 from zerojax._src.planner.roofline import Chip, Prediction, host_transfer_bytes, predict
@@ -539,7 +540,8 @@ def search_plans(
       prefetch, offload, update_on, quantize, batch_per_chip, slices, scheduler_share). For a
       preset or a `DecoderConfig`, remat defaults to `candidates.default_remats` of the chip
       (the offloading policies where its host link has figures). scheduler_share: percents of
-      HBM for the TPU compiler's scheduler (`candidates.SCHEDULER_OPTION`), None its default.
+      HBM for the TPU compiler's scheduler (`candidates.SCHEDULER_OPTION`), None its default;
+      not given, each candidate's `candidates.default_scheduler_share`.
 
   Returns:
     A `SearchReport`; `search_report.format_search`, `search_json`, `plot_search` and `winner_code`
@@ -570,6 +572,8 @@ def search_plans(
     space.setdefault('remat', default_remats(target.chip))
   check_scheduler_shares(topology, space.get('scheduler_share', ()), compiler_options)
   candidates, invalid = candidate_space(grid_dims=len(target.grid), **space)
+  if 'scheduler_share' not in space:
+    candidates = with_default_shares(candidates, topology, compiler_options)
   if not candidates:
     raise ValueError(f'these options leave no valid candidate: {why_none_valid(invalid)}.')
   return run_search(
