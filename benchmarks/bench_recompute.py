@@ -153,10 +153,13 @@ def search_row(row, before: dict | None = None) -> dict:
   kept = [c.remat for c in space if c.remat in old and not candidates.lean(c.remat)]
   fresh = [c for c in space if c.remat not in kept]
   report = search.run_search(target, fresh, **run)
-  flops = maxtext_flops(*row[1:5], row[7])
+  flops = _row_flops(row)
   done = {r.candidate.remat: _candidate(r, flops, report.target.chip) for r in report.results}
   figures = [old[c.remat] if c.remat in kept else done[c.remat] for c in space]
-  record = _record(row, figures)
+  # Ranked as the search ranks: the fastest that fits, then the smallest peak.
+  fitting = [f for f in figures if f.get('fits')]
+  winner = min(fitting, key=lambda f: (f['predicted_step_seconds'], f['peak_gib']), default=None)
+  record = _record(row, figures, next(f for f in figures if f['remat'] == 'full'), winner)
   record.update(command=search_command(row), reused=kept)
   record['search_seconds'] = time.perf_counter() - start
   return record
@@ -173,19 +176,21 @@ def _candidate(r, flops: float, chip) -> dict:
   return _figures(r, flops, chip)
 
 
-def _record(row, figures: list[dict]) -> dict:
-  """A v5e row's record from its candidates' figures: the default plan (`full`) and the
-  winner as the search ranks them (the fastest that fits, then the smallest peak)."""
+def _row_flops(row) -> float:
+  """MaxText's model FLOPs per chip for a row."""
   name, width, heads, mlp, layers, topology, _, batch, published = row
-  fitting = [f for f in figures if f.get('fits')]
-  winner = min(fitting, key=lambda f: (f['predicted_step_seconds'], f['peak_gib']), default=None)
-  (default,) = [f for f in figures if f['remat'] == 'full']
+  return maxtext_flops(width, heads, mlp, layers, batch)
+
+
+def _record(row, figures: list[dict], default: dict, winner: dict | None) -> dict:
+  """A row's record from its candidates' figures, its default plan's and its winner's."""
+  name, width, heads, mlp, layers, topology, _, batch, published = row
   return {
     'row': name,
     'topology': topology,
     'batch_per_chip': batch,
     'published_tflops': published,
-    'maxtext_flops_per_chip': maxtext_flops(width, heads, mlp, layers, batch),
+    'maxtext_flops_per_chip': _row_flops(row),
     'default': default if default.get('fits') else {'status': default['status']},
     'searched': winner,
     'candidates': figures,
@@ -193,24 +198,14 @@ def _record(row, figures: list[dict]) -> dict:
 
 
 def _ranked(row, chip, results, default, winner) -> dict:
-  """A row's record: its default plan, the searched winner and every candidate."""
-  name, width, heads, mlp, layers, topology, _, batch, published = row
-  flops = maxtext_flops(width, heads, mlp, layers, batch)
-  return {
-    'row': name,
-    'topology': topology,
-    'batch_per_chip': batch,
-    'published_tflops': published,
-    'maxtext_flops_per_chip': flops,
-    'default': _figures(default, flops, chip) if default.fits else {'status': default.status},
-    'searched': None if winner is None else _figures(winner, flops, chip),
-    'candidates': [
-      _figures(r, flops, chip)
-      if r.predicted is not None
-      else {'remat': r.candidate.remat, 'status': r.status}
-      for r in results
-    ],
-  }
+  """A row's record from compiled results: its default plan, the searched winner and every
+  candidate."""
+  flops = _row_flops(row)
+  figures = [_candidate(r, flops, chip) for r in results]
+  by_remat = {f['remat']: f for f in figures}
+  return _record(
+    row, figures, by_remat[default.candidate.remat], winner and by_remat[winner.candidate.remat]
+  )
 
 
 def policy_flags(row, remat: str) -> list[str]:
