@@ -73,15 +73,6 @@ V5E_SLICES = {
   32: {'16B': 108.0, '32B': 119.0, '64B': 99.0},
 }
 
-# MaxText's own compiler peaks in GiB for its v5e rows and the 70B plan (libtpu 0.0.42), as the
-# project's issue 53 quotes them; MaxText is not installable here, so they are not reproduced.
-MAXTEXT_V5E_PEAK_GIB = {'16B': None, '32B': 10.45, '64B': 12.40, 'llama2-70b': 10.02}
-# The predicted step in seconds of MaxText's own program for its v5e rows, compiled on libtpu
-# 0.0.42 and priced by this project's step-time model, as issue 53 quotes it (the same model
-# prices zerojax's default plan of the 32B row at 15.01 s and of 64B at 14.74, as the issue
-# says); not reproduced here, for the same reason.
-MAXTEXT_V5E_PROGRAM_STEP_S = {'16B': None, '32B': 15.55, '64B': 15.85}
-
 # Per chip family: its rows, their figures on several slices and MaxText's rematerialisation.
 CHIPS = {
   'v5p': (ROWS, V5P_SLICES, 'minimal'),

@@ -25,9 +25,9 @@ bytes where the program holds nothing in host memory; for a program that does, t
 figures count host memory too, so the plan reports arguments + outputs - aliased +
 temporaries), and the compiler's buffer assignment for the device's memory space (the total
 of its dumped memory-usage report, `Memory Space: default`: every device buffer, fragmentation
-included, host buffers not). MaxText's compiler peaks (libtpu 0.0.42: 32B 10.45 GiB, 64B 12.40,
-llama2-70b 10.02) are the figures quoted in the project's issue 53; MaxText is not on the package
-index this project installs from, so they are not reproduced here. Where `bench_recompute.py`'s
+included, host buffers not). Each row's MaxText peak is that of MaxText's own program for it,
+compiled by MaxText on the same compiler (`bench_maxtext_program.py`, committed beside these
+results; '—' on a compiler MaxText does not run with). Where `bench_recompute.py`'s
 results for the same compiler are in --out, each v5e row's searched policy is planned too.
 
     python benchmarks/bench_memory.py [--rows 32B,64B] [--out benchmarks/results] [--reuse]
@@ -51,8 +51,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import maxtext_table  # noqa: E402
 from bench_maxtext import (  # noqa: E402
-  MAXTEXT_V5E_PEAK_GIB,
   ROWS,
   SEQ,
   V5E_ROWS,
@@ -218,8 +218,9 @@ def table(out: str) -> list[str]:
   lines = [
     "Memory at MaxText's settings (full rematerialisation, its attention), per chip"
     " (`benchmarks/bench_memory.py`). Device space: the compiler's buffer assignment for"
-    " HBM, fragmentation included, host buffers not. MaxText's peaks are issue 53's"
-    " (libtpu 0.0.42), not compiled here. Host link: 32 GB/s assumed (v5e's is not published)."
+    " HBM, fragmentation included, host buffers not. MaxText's peak: its own program's, compiled"
+    " by MaxText (`bench_maxtext_program.py`; the 70B at the plan's settings), '—' on a compiler"
+    " MaxText does not run with. Host link: 32 GB/s assumed (v5e's is not published)."
     ' `full` is the default plan: lean, the latency-hiding scheduler held to 60% of HBM; the'
     " last columns compile it with the scheduler at the compiler's own share and at 70%"
     ' (`--scheduler-share compiler`, `70`): device space GiB (predicted step s).',
@@ -235,9 +236,11 @@ def table(out: str) -> list[str]:
       continue
     with open(os.path.join(out, name)) as f:
       run = json.load(f)
+    compiled = maxtext_table.programs(out, run['versions']['libtpu'], 'v5e')
     for r in run['rows']:
       full, off = r['plans']['full'], r['plans']['offload_layer_inputs']
-      maxtext = '—' if r['maxtext_peak_gib'] is None else f'{r["maxtext_peak_gib"]:.2f}'
+      peak = maxtext_table.peak_gib(compiled.get(r['row'].split(' ')[0]))
+      maxtext = '—' if peak is None else f'{peak:.2f}'
       won = r.get('searched') and r['plans'].get(r['searched'])
       searched = (
         f'{r["searched"]} | {won["device_space_gib"]:.2f} | {won["predicted_step_seconds"]:.2f}'
@@ -321,7 +324,7 @@ def main() -> int:
       for share in SCHEDULER_SHARES
     }
     results.append({
-      'row': name, 'maxtext_peak_gib': MAXTEXT_V5E_PEAK_GIB[family], 'searched': winners.get(name),
+      'row': name, 'searched': winners.get(name),
       'plans': plans, 'scheduler_shares': shares,
     })  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}

@@ -57,9 +57,8 @@ import time
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(__file__))
 
+import maxtext_table  # noqa: E402
 from bench_maxtext import (  # noqa: E402
-  MAXTEXT_V5E_PEAK_GIB,
-  MAXTEXT_V5E_PROGRAM_STEP_S,
   ROWS,
   SEQ,
   V5E_ROWS,
@@ -257,9 +256,10 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
     ' memory in it (it compiled the program within HBM). Host link: 32 GB/s assumed, then half'
     ' and a quarter of it.'
     + (
-      f" MaxText's peaks ({_quoted(MAXTEXT_V5E_PEAK_GIB, 'GiB')}; libtpu 0.0.42) and its"
-      f" program's predicted steps ({_quoted(MAXTEXT_V5E_PROGRAM_STEP_S, 's')}, the same model) are issue 53's, not compiled here; \"vs MaxText's"
-      ' program" is that step over the searched plan\'s, then with the host link at half.'
+      " MaxText's peak and step: its own program's for the row, compiled by MaxText on the same"
+      " compiler and priced by the same model (`bench_maxtext_program.py`; '—' on a compiler"
+      ' MaxText does not run with); "vs MaxText\'s program" is that step over the searched'
+      " plan's, then with the host link at half."
       if chip == 'v5e'
       else ''
     ),
@@ -278,8 +278,10 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
       with open(os.path.join(out, name)) as f:
         runs.append(json.load(f))
   for run in runs:
+    compiled = maxtext_table.programs(out, run['versions']['libtpu'], chip)
     for r in run['rows']:
       d, s = r['default'], r['searched']
+      program = compiled.get(r['row'])
       peak = lambda x: f'{x["peak_gib"]:.2f}' + ('' if x['peak_reported'] else '*')
       at = [
         d['predicted_step_seconds'] / s['step_at_host_share'][k] for k in ('1.0', '0.5', '0.25')
@@ -291,7 +293,11 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
         f' {s["predicted_step_seconds"]:.2f} | {s["predicted_tflops"]:.0f} |'
         f' {s["executed_over_model"]:.2f} | {peak(s)} | {s["host_bytes_per_step"] / 1e9:.1f} |'
         f' {at[0]:.2f}x | {at[1]:.2f}x | {at[2]:.2f}x |'
-        + (f' {_against_maxtext(r["row"], s)} | {_under_maxtext(r)} |' if chip == 'v5e' else '')
+        + (
+          f' {_against_maxtext(program, s)} | {_under_maxtext(r, program)} |'
+          if chip == 'v5e'
+          else ''
+        )
       )
   return lines + _commands(chip, runs)
 
@@ -311,33 +317,28 @@ def _commands(chip: str, runs: list[dict]) -> list[str]:
   return lines
 
 
-def _quoted(figures: dict, unit: str) -> str:
-  """'32B 10.45 GiB, 64B 12.40': issue 53's quoted MaxText figures of the v5e rows, the unit
-  once after the first."""
-  rows = {r[0] for r in V5E_ROWS}
-  quoted = [(k, v) for k, v in figures.items() if k in rows and v is not None]
-  return ', '.join(
-    f'{k} {v:.2f}' + (f' {unit}' if i == 0 else '') for i, (k, v) in enumerate(quoted)
-  )
+def _step(program: dict | None) -> float | None:
+  """MaxText's compiled program's predicted step (None: not compiled, or it did not fit)."""
+  return program.get('step_seconds') if program else None
 
 
-def _against_maxtext(row: str, figures: dict) -> str:
-  """'1.19x / 1.19x': MaxText's program's predicted step for `row` over that of the plan of
-  `figures`, at the assumed host link and at half of it ('—': no step is quoted for the row)."""
-  step = MAXTEXT_V5E_PROGRAM_STEP_S.get(row)
+def _against_maxtext(program: dict | None, figures: dict) -> str:
+  """'1.19x / 1.19x': the predicted step of MaxText's compiled `program` over that of the plan
+  of `figures`, at the assumed host link and at half of it ('—': no program of MaxText's)."""
+  step = _step(program)
   if step is None:
     return '—'
   at = figures['step_at_host_share']
   return f'{step / at["1.0"]:.2f}x / {step / at["0.5"]:.2f}x'
 
 
-def _under_maxtext(r: dict) -> str:
-  """The fastest candidate whose peak is at or under MaxText's own compiler peak for the row,
-  and its speedup over the default plan, then over MaxText's program where its step is quoted
-  (at the assumed host link and at half of it; '—': no MaxText peak is quoted for the row). For a
-  program holding host memory the peak is the plan's upper bound (`bench_memory.py` reads the
-  device's share from the compiler's buffer assignment: lower on every row it planned)."""
-  cap = MAXTEXT_V5E_PEAK_GIB.get(r['row'])
+def _under_maxtext(r: dict, program: dict | None) -> str:
+  """The fastest candidate whose peak is at or under the peak of MaxText's compiled `program`
+  for the row, and its speedup over the default plan, then over MaxText's program (at the
+  assumed host link and at half of it; '—': no program of MaxText's). For a program holding
+  host memory the peak is the plan's upper bound (`bench_memory.py` reads the device's share
+  from the compiler's buffer assignment: lower on every row it planned)."""
+  cap = maxtext_table.peak_gib(program)
   if cap is None:
     return '—'
   under = [c for c in r['candidates'] if c.get('fits') and c['peak_gib'] <= cap]
@@ -345,9 +346,10 @@ def _under_maxtext(r: dict) -> str:
     return 'none'
   best = min(under, key=lambda c: c['predicted_step_seconds'])
   speedup = r['default']['predicted_step_seconds'] / best['predicted_step_seconds']
-  quoted = MAXTEXT_V5E_PROGRAM_STEP_S.get(r['row']) is not None
-  against = f"; MaxText's program {_against_maxtext(r['row'], best)}" if quoted else ''
-  return f'{best["remat"]}, {best["peak_gib"]:.2f} GiB, {speedup:.2f}x{against}'
+  return (
+    f'{best["remat"]}, {best["peak_gib"]:.2f} GiB, {speedup:.2f}x;'
+    f" MaxText's program {_against_maxtext(program, best)}"
+  )
 
 
 def main() -> int:

@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -656,12 +657,12 @@ def _table_is_rendered_from_the_runs(chip: str) -> None:
   assert bench_recompute.table(str(results), chip) == written
 
 
-def test_the_readmes_table_of_maxtexts_rows_is_the_committed_benchmark():
-  """The README's table against MaxText's v5e rows is `bench_recompute.py`'s, row for row, and
+def test_the_table_of_maxtexts_v5e_rows_is_the_committed_benchmark():
+  """docs/results.md's table of MaxText's v5e rows is `bench_recompute.py`'s, row for row, and
   each committed row holds what the table claims: the default plan is full rematerialisation
   (MaxText's setting), the searched plan fits and is no slower than it, also with the host
   link at half its assumed bandwidth."""
-  runs = _committed_table_in('recompute_v5e.md', 'README.md', 'recompute_v5e.libtpu-*.json')
+  runs = _committed_table_in('recompute_v5e.md', 'docs/results.md', 'recompute_v5e.libtpu-*.json')
   _table_is_rendered_from_the_runs('v5e')
   for path in runs:
     for r in json.loads(path.read_text())['rows']:
@@ -675,26 +676,36 @@ def test_the_readmes_table_of_maxtexts_rows_is_the_committed_benchmark():
 def test_the_memory_table_is_the_committed_benchmark_and_under_maxtexts_peaks():
   """docs/results.md's memory table is `bench_memory.py`'s, row for row, and each committed row
   holds what it claims: with the layer inputs offloaded, the device memory space of the
-  compiler's buffer assignment is under MaxText's compiler peak (where one is quoted), the
-  recomputation is `full`'s (the same matmul FLOPs), and the host link carries the stack of
-  block inputs each way."""
+  compiler's buffer assignment is under the peak of MaxText's own program for the row (where
+  MaxText compiled it, `bench_maxtext_program.py`), the recomputation is `full`'s (the same
+  matmul FLOPs), and the host link carries the stack of block inputs each way."""
+  sys.path.insert(0, str(ROOT / 'benchmarks'))
+  import maxtext_table
+
+  results = str(ROOT / 'benchmarks' / 'results')
   runs = _committed_table_in('memory_v5e.md', 'docs/results.md', 'memory_v5e.libtpu-*.json')
+  compared = []
   for path in runs:
-    for r in json.loads(path.read_text())['rows']:
+    run = json.loads(path.read_text())
+    compiled = maxtext_table.programs(results, run['versions']['libtpu'], 'v5e')
+    for r in run['rows']:
       full, offloaded = r['plans']['full'], r['plans']['offload_layer_inputs']
+      maxtext = maxtext_table.peak_gib(compiled.get(r['row'].split(' ')[0]))
       assert full['fits'] and offloaded['fits'], (path.name, r['row'])
       assert offloaded['matmul_flops_per_chip'] == full['matmul_flops_per_chip']
       assert offloaded['device_space_gib'] < full['device_space_gib']
       assert offloaded['host_bytes_per_step'] > 0
-      if r['maxtext_peak_gib'] is not None:
-        assert offloaded['device_space_gib'] <= r['maxtext_peak_gib'], (path.name, r['row'])
+      if maxtext is not None:
+        assert offloaded['device_space_gib'] <= maxtext, (path.name, r['row'])
       # The default plan, `full` compiled lean (its scheduler held to 60% of HBM): at or under
-      # MaxText's compiler peak, and against the same program at the compiler's own share and
-      # at 70% (the same matmul FLOPs) in no more memory, at a predicted step within 1% of
-      # theirs or faster.
+      # MaxText's compiler peak on every row but 16B (150 MiB over, docs/results.md), and
+      # against the same program at the compiler's own share and at 70% (the same matmul
+      # FLOPs) in no more memory, at a predicted step within 1% of theirs or faster.
       assert full['lean'] and full['scheduler_share'] == 60, (path.name, r['row'])
-      if r['maxtext_peak_gib'] is not None:
-        assert full['peak_gib'] <= r['maxtext_peak_gib'], (path.name, r['row'])
+      if maxtext is not None:
+        compared.append(r['row'])
+        limit = maxtext + (0.15 if r['row'] == '16B' else 0.0)
+        assert full['peak_gib'] <= limit, (path.name, r['row'], full['peak_gib'], maxtext)
       assert sorted(r['scheduler_shares']) == ['70', 'compiler']
       for share, other in r['scheduler_shares'].items():
         assert other['fits'] and other['matmul_flops_per_chip'] == full['matmul_flops_per_chip']
@@ -703,15 +714,18 @@ def test_the_memory_table_is_the_committed_benchmark_and_under_maxtexts_peaks():
         assert full['device_space_gib'] <= other['device_space_gib'] + 0.01, (r['row'], share)
     # The v5p rows, whose programs need most of HBM: the same share is not free there (why it
     # is not the default), and every row still fits.
-    v5p = json.loads(path.read_text())['v5p']
+    v5p = run['v5p']
     assert [r['row'] for r in v5p] == ['32B', '64B', '128B', '128B-512', '256B']
     assert all(r['held']['fits'] and ' --scheduler-share 60 ' in r['held']['command'] for r in v5p)
     slower = [r['held']['predicted_step_seconds'] / r['default_step_seconds'] for r in v5p]
     assert max(slower) > 1.03, (path.name, slower)
+  # MaxText's programs were compiled for every row on one compiler at least.
+  rows = ['16B', '32B', '64B', 'llama2-70b chunked', 'llama2-70b flash']
+  assert sorted(set(compared)) == sorted(rows)
 
 
-def test_the_readmes_table_of_maxtexts_v5p_rows_is_the_committed_benchmark():
-  """The README's v5p table is `bench_recompute.py --chip v5p`'s, row for row: the default plan
+def test_the_table_of_maxtexts_v5p_rows_is_the_committed_benchmark():
+  """docs/results.md's v5p table is `bench_recompute.py --chip v5p`'s, row for row: the default plan
   is MaxText's `minimal`, every policy of the script was planned at the row's mesh, and the
   searched plan is the fastest that fits (no slower than the default at the assumed host
   link; the table shows where half of it undoes that)."""
@@ -720,7 +734,7 @@ def test_the_readmes_table_of_maxtexts_v5p_rows_is_the_committed_benchmark():
   sys.path.insert(0, str(ROOT / 'benchmarks'))
   import bench_recompute
 
-  runs = _committed_table_in('recompute_v5p.md', 'README.md', 'recompute_v5p.libtpu-*.json')
+  runs = _committed_table_in('recompute_v5p.md', 'docs/results.md', 'recompute_v5p.libtpu-*.json')
   _table_is_rendered_from_the_runs('v5p')
   for path in runs:
     for r in json.loads(path.read_text())['rows']:
@@ -791,7 +805,7 @@ def test_the_regeneration_tool_rewrites_every_committed_tpu_result(tmp_path, mon
 
   results = ROOT / 'benchmarks' / 'results'
   versions = sorted(
-    {p.name.split('.libtpu-')[1].rsplit('.', 1)[0] for p in results.glob('*.libtpu-*')}
+    {re.search(r'\.libtpu-(\d+\.\d+\.\d+)\.', p.name).group(1) for p in results.glob('*.libtpu-*')}
   )
   assert versions == ['0.0.42', '0.0.50']
   for version in versions:

@@ -99,6 +99,16 @@ def _recorded(version: str, prefix: str) -> list[Step]:
   return steps
 
 
+def _maxtext_programs(version: str) -> list[Step]:
+  """MaxText's own programs, where they were compiled with this compiler: priced again by this
+  checkout's model from their committed HLO (compiling them again needs MaxText, beside the
+  newest end: `tools/maxtext-root python benchmarks/bench_maxtext_program.py`)."""
+  if not os.path.exists(os.path.join(ROOT, RESULTS, f'maxtext_program.libtpu-{version}.json')):
+    return []
+  writes = (f'maxtext_program.libtpu-{version}.json', f'maxtext_program_*.libtpu-{version}.hlo.gz')
+  return [_bench('MaxText programs, priced again', 'bench_maxtext_program.py', writes, '--reprice')]
+
+
 def steps(version: str) -> list[Step]:
   """Every step, in the order their inputs need: bench_memory reads the v5p plans that
   bench_maxtext writes."""
@@ -145,6 +155,7 @@ def steps(version: str) -> list[Step]:
       'v5p',
     ),
     _bench('bench_memory', 'bench_memory.py', (f'memory_v5e.libtpu-{v}.json',)),
+    *_maxtext_programs(version),
     *_recorded(version, 'plan_'),
     *_recorded(version, 'search_'),
   ]

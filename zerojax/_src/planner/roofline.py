@@ -274,9 +274,9 @@ def host_transfer_bytes(c: Any, host_bytes: int, param_bytes: int) -> float:
   Streamed to the device for the update (`update_on='device'`): the offloaded
   state comes down and goes back up. Updated on the host (or streamed):
   gradient shards go down and the new parameters or updates come up (the
-  parameters' size each way).
+  parameters' size each way). None (no candidate: a program compiled elsewhere): 0.
   """
-  if c.offload in (None, 'none'):
+  if c is None or c.offload in (None, 'none'):
     return 0.0
   return 2.0 * (host_bytes if c.update_on == 'device' else param_bytes)
 

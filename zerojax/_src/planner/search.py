@@ -337,15 +337,38 @@ def price(target: Target, lowered: Lowered, done: Any) -> Priced:
   report = report_lib.step_report(
     done.program, plan=lowered.plan, bytes_per_param=lowered.unit, hlo_text=program
   )
-  work = program_cost(target.chip, program)
-  step = roofline.StepCost.of(report.collectives, work)
   c, plan = lowered.candidate, lowered.plan
   traffic = host_traffic(
     program, c, plan.bytes_per_device()['host'], updated_param_bytes(plan, c.stage)
   )
+  return _priced(target.chip, report, program, traffic)
+
+
+def price_program(chip: Chip | None, memory: Any, text: str) -> Priced:
+  """The figures of a step compiled elsewhere (another library's program: no zerojax plan, so
+  no ZeRO floors), by the same analysis `price` gives a candidate: the compiler's `memory`
+  (`report.memory_stats` of the compiled program), the collectives, the kernels' work and the
+  host transfers counted in its optimized HLO `text`, and the step predicted for `chip` (None:
+  not timed).
+
+  Raises:
+    ValueError: the host link's figures are missing where the program moves bytes over it.
+  """
+  from zerojax._src.planner import report as report_lib
+
+  program = hlo.Program.parse(text)
+  report = report_lib.StepReport(memory, hlo.count_collectives(program))
+  # No plan: every byte over the host link is counted in the program, none by formula.
+  traffic = host_traffic(program, None, 0, 0)
+  return _priced(chip, report, program, traffic)
+
+
+def _priced(chip: Chip | None, report: Any, program: hlo.Program, traffic: HostTraffic) -> Priced:
+  work = program_cost(chip, program)
+  step = roofline.StepCost.of(report.collectives, work)
   predicted = None
-  if target.chip is not None:
-    predicted = predict(target.chip, step, traffic.moved, traffic.overlapped)
+  if chip is not None:
+    predicted = predict(chip, step, traffic.moved, traffic.overlapped)
   return Priced(report, program, work, step, traffic, predicted)
 
 
