@@ -27,6 +27,14 @@ What it changes in MaxText to run, none of which alters the compiled program:
 - the compiled program is taken from `train_compile.jit_and_compile`, wrapped to keep what it
   returns (MaxText prints the program's memory and cost analysis but does not return it).
 
+And one that does, where the compiler leaves no choice: a libtpu flag of the script that libtpu
+refuses for the chip (FAILED_PRECONDITION, "Please disable it with NAME=false") is set as it asks
+and the row compiled again in a new process, and every other row of that chip with it; the
+record names the flag and what libtpu said. On v5p, libtpu 0.0.50 refuses the scripts'
+`--xla_tpu_enable_async_collective_fusion=true` ("Continuation fusion for AllGather ... is not
+supported/recommended on platforms other than TPU v5e"). A row whose program does not fit HBM is
+recorded as such, with what the compiler needed.
+
 Writes, per compiler (`--out`, default benchmarks/results):
 - maxtext_program.libtpu-V.json: per row, the MaxText command, the compiler's memory figures,
   the step's figures and the predicted step by part, MaxText's model FLOPs and the TFLOP/s
@@ -90,6 +98,7 @@ def maxtext_topology(topology: str) -> str:
 
 
 def rows() -> list[Row]:
+  """Every row this compiles, in the order of its results."""
   out = []
   for chip, table in (('v5e', V5E_ROWS), ('v5p', ROWS)):
     for name, width, heads, mlp, layers, topology, _, batch, published in table:
