@@ -138,11 +138,12 @@ def table(out: str) -> list[str]:
     " jax >= 0.11.1, so only the newest CI end's compiler is reached.",
     '',
     '| row | compiler | batch/chip | published TFLOP/s | MaxText: step s | MaxText: peak GiB |'
-    ' MaxText: executed/model | zerojax default: step s | default: peak GiB | default vs MaxText |'
+    ' MaxText: executed/model | zerojax default: step s | default: peak GiB |'
+    ' default: executed/model | default vs MaxText |'
     ' searched policy (of candidates) | searched step s | searched peak GiB |'
     ' searched executed/model | host GB/step | searched vs MaxText | at 1/2 host link |'
     ' search at 1/2 host link |',
-    '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|',
+    '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|',
   ]
   for r in comparisons(out):
     if r['maxtext_status'] != 'fits':
@@ -175,6 +176,7 @@ def table(out: str) -> list[str]:
       *maxtext,
       _f(r.get('default_step')),
       _f(r.get('default_peak_gib')),
+      _f(r.get('default_executed_over_model')),
       _f(r.get('default_vs_maxtext'), '.2f', 'x'),
       *searched,
     ]
