@@ -303,6 +303,11 @@ def record(row: Row, argv, flags, seconds, memory, priced) -> dict:
     predicted=dataclasses.asdict(priced.predicted),
     host_traffic=dataclasses.asdict(priced.host_traffic),
     step_seconds=step,
+    # What the HLO does not determine (MaxText's splash attention kernels state no cost: their
+    # time is a lower bound, so is the step's).
+    uncertain=list(priced.work.uncertain),
+    unpriced_kernels=priced.work.unpriced_kernels,
+    unpriced_seconds=priced.work.unpriced_seconds,
     predicted_tflops=model / step / 1e12 if model else None,
     executed_over_model=priced.step.flops / model if model else None,
   )

@@ -134,7 +134,9 @@ def table(out: str) -> list[str]:
     " MaxText's predicted step over zerojax's (above 1: zerojax is faster); the searched plan's"
     " at the host link the chip table assumes, then at half of it, then the search's pick were"
     " the link at half. Peaks are the compiler's, per chip; * is a peak with host memory in"
-    " it (the program holds host buffers; the device's share is not reported). MaxText needs"
+    " it (the program holds host buffers; the device's share is not reported). MaxText's steps"
+    ' are lower bounds: its splash attention kernels state no cost, so the model charges them'
+    " their bytes at HBM bandwidth and none of their FLOPs (each record's `uncertain`). MaxText needs"
     " jax >= 0.11.1, so only the newest CI end's compiler is reached.",
     '',
     '| row | compiler | batch/chip | published TFLOP/s | MaxText: step s | MaxText: peak GiB |'

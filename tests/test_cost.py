@@ -215,3 +215,32 @@ def test_the_compilers_no_estimate_sentinel_costs_the_kernels_roofline():
   c = cost.program_cost(text, clock_hz=1e9, peak_flops=1e12, hbm_bandwidth=1e9)
   assert (c.kernels, c.estimated_kernels) == (1, 0)
   assert c.kernel_seconds == pytest.approx(2 * 64 * 64 * 4 / 1e9)
+
+
+def test_a_tpu_kernel_costs_what_it_states_and_one_that_states_nothing_is_said_and_counted():
+  """A Pallas kernel's stated cost (`pl.CostEstimate`) is its FLOPs at the roofline; one that
+  states none (MaxText's splash attention) is costed at its bytes over HBM bandwidth, its
+  FLOPs uncounted, and the count says so: the kernels' time is then a lower bound."""
+  stated = _module(
+    '  %a = bf16[1024]{0} parameter(0)',
+    '  ROOT %flash.3 = bf16[1024]{0} custom-call(%a), custom_call_target="tpu_custom_call",'
+    ' backend_config={"custom_call_config": {"cost_estimate":{"flops":"4000000000",'
+    '"transcendentals":"0","bytes_accessed":"4096"}}}',
+  )
+  c = cost.program_cost(stated, **KW)
+  assert c.matmul_flops == 4e9 and c.kernel_seconds == 4e9 / 1e12
+  assert c.unpriced_kernels == 0 and c.uncertain == ()
+  silent = _module(
+    '  %a = bf16[1024]{0} parameter(0)',
+    '  ROOT %splash_mha_fwd.7 = bf16[1024]{0} custom-call(%a),'
+    ' custom_call_target="tpu_custom_call"',
+  )
+  with pytest.warns(cost.CostCountWarning) as said:
+    c = cost.program_cost(silent, **KW)
+  assert c.matmul_flops == 0 and c.unpriced_kernels == 1
+  assert c.unpriced_seconds == c.kernel_seconds == 4096 / 1e9  # its operand and result bytes
+  assert str(said[0].message) == (
+    'program_cost: 1 runs per step of TPU custom kernels that state no cost (splash_mha_fwd: no'
+    ' pl.CostEstimate and no compiler estimate) are costed at their bytes over HBM bandwidth,'
+    " 0.000 s, their FLOPs uncounted: the kernels' time is a lower bound for them."
+  )

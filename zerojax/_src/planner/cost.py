@@ -46,6 +46,9 @@ _DIMS = re.compile(r'\[([\d,]*)\]')
 # A Pallas kernel's own cost (`pl.CostEstimate`), which the TPU compiler writes into the
 # custom call's config and does not estimate itself.
 _KERNEL_COST = re.compile(r'"cost_estimate":\{"flops":"(\d+)",[^}]*"bytes_accessed":"(\d+)"')
+# A TPU custom kernel (Pallas / Mosaic), whose FLOPs the HLO shows only where it states them.
+_TPU_KERNEL = 'custom_call_target="tpu_custom_call"'
+_NUMBERED = re.compile(r'\.\d+$')
 # Instructions that launch nothing of their own.
 _FREE = frozenset(
   {
@@ -90,6 +93,11 @@ class ProgramCost:
       bytes it sends, the kernel seconds scheduled between it and its done (what can hide
       it), and how often it runs per step (loops times their trip counts). None for a
       program with none.
+    unpriced_kernels: runs per step of TPU custom kernels (Pallas) that state no cost and
+      carry no compiler estimate: each is costed at the bytes of its operands and results
+      over HBM bandwidth, its FLOPs uncounted, so `kernel_seconds` is a lower bound for them
+      (`uncertain` names them).
+    unpriced_seconds: the part of `kernel_seconds` those runs were costed at.
   """
 
   matmul_flops: float
@@ -101,6 +109,8 @@ class ProgramCost:
   estimated_kernels: int
   uncertain: tuple[str, ...] = ()
   dcn_windows: tuple[tuple[int, float, int], ...] | None = None
+  unpriced_kernels: int = 0
+  unpriced_seconds: float = 0.0
 
 
 def _shape(type_str: str) -> tuple[int, ...]:
@@ -161,6 +171,8 @@ class _Tally:
   matmul: float = 0.0
   kernels: int = 0
   estimated_kernels: int = 0
+  unpriced: int = 0  # runs of TPU custom kernels that state no cost
+  unpriced_seconds: float = 0.0
 
   def add(self, other: _Tally, mult: int) -> None:
     for f in dataclasses.fields(self):
@@ -182,6 +194,7 @@ class _Walk:
     self.clock_hz, self.peak_flops, self.hbm_bandwidth = clock_hz, peak_flops, hbm_bandwidth
     self.flops_memo: dict = {}
     self.uncertain: list[str] = []
+    self.unpriced_names: set[str] = set()  # TPU custom kernels that state no cost
 
   def instrs(self, name: str) -> dict:
     return self.program.instructions(name)
@@ -231,6 +244,10 @@ class _Walk:
       moved += sum(hlo.type_bytes(types.get(o, '')) for o in operands)
       seconds = max(flops / self.peak_flops, moved / self.hbm_bandwidth)
       tally.roofline += seconds
+      if op == 'custom-call' and _TPU_KERNEL in line:
+        tally.unpriced += 1
+        tally.unpriced_seconds += seconds
+        self.unpriced_names.add(_NUMBERED.sub('', hlo.instruction_name(line)))
     tally.flops += flops
     tally.kernels += 1
     if flops:
@@ -364,6 +381,13 @@ def program_cost(
   walk = _Walk(program, clock_hz, peak_flops, hbm_bandwidth)
   total = _Tally()
   walk.visit(walk.entry, (), total)
+  if walk.unpriced_names:
+    walk.uncertain.append(
+      f'{total.unpriced} runs per step of TPU custom kernels that state no cost'
+      f' ({", ".join(sorted(walk.unpriced_names))}: no pl.CostEstimate and no compiler'
+      f' estimate) are costed at their bytes over HBM bandwidth, {total.unpriced_seconds:.3f} s,'
+      " their FLOPs uncounted: the kernels' time is a lower bound for them"
+    )
   for reason in walk.uncertain:
     warnings.warn(f'program_cost: {reason}.', CostCountWarning, stacklevel=2)
   return ProgramCost(
@@ -376,4 +400,6 @@ def program_cost(
     estimated_kernels=total.estimated_kernels,
     uncertain=tuple(walk.uncertain),
     dcn_windows=tuple(walk.dcn_windows(walk.entry)) if program.crosses_slices else None,
+    unpriced_kernels=total.unpriced,
+    unpriced_seconds=total.unpriced_seconds,
   )
