@@ -364,6 +364,8 @@ def price_program(chip: Chip | None, memory: Any, text: str) -> Priced:
 
 
 def _priced(chip: Chip | None, report: Any, program: hlo.Program, traffic: HostTraffic) -> Priced:
+  """`price`'s and `price_program`'s common end: the kernels' work, the step-time model's
+  figures and the step predicted for `chip` (None: not timed)."""
   work = program_cost(chip, program)
   step = roofline.StepCost.of(report.collectives, work)
   predicted = None
