@@ -68,7 +68,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_maxtext import ROWS, V5E_ROWS, chip_count, maxtext_flops  # noqa: E402
+from bench_maxtext import ROWS, V5E_ROWS, chip_count, compiler_tag, maxtext_flops  # noqa: E402
 
 GiB = 2**30
 OUTPUT = 'base_output_directory='
@@ -231,11 +231,16 @@ def compile_row(row: Row, out: str, tag: str, changed: dict[str, str]) -> dict:
     f.write(text)
 
   from zerojax._src.planner import report as report_lib
-  from zerojax._src.planner import roofline, search
 
   memory = report_lib.memory_stats(compiled)
-  priced = search.price_program(roofline.CHIPS[row.chip], memory, text)
-  return record(row, argv, flags, seconds, memory, priced)
+  return record(row, argv, flags, seconds, memory, price(row, memory, text))
+
+
+def price(row: Row, memory, text: str):
+  """`row`'s program priced by zerojax's analysis for its chip (`search.price_program`)."""
+  from zerojax._src.planner import roofline, search
+
+  return search.price_program(roofline.CHIPS[row.chip], memory, text)
 
 
 def reprice(out: str, tag: str) -> int:
@@ -243,7 +248,6 @@ def reprice(out: str, tag: str) -> int:
   MaxText needed: the HLO and the compiler's memory figures are committed) and rewrites their
   figures; the number of programs priced."""
   from zerojax._src.planner import report as report_lib
-  from zerojax._src.planner import roofline, search
 
   path = os.path.join(out, f'maxtext_program.{tag}.json')
   with open(path) as f:
@@ -257,7 +261,7 @@ def reprice(out: str, tag: str) -> int:
     with gzip.open(hlo_path(out, row, tag), 'rt') as f:
       text = f.read()
     memory = report_lib.MemoryStats(**rec['memory'])
-    priced = search.price_program(roofline.CHIPS[row.chip], memory, text)
+    priced = price(row, memory, text)
     fresh = record(
       row, ['base.yml'], rec['libtpu_init_args'], rec['compile_seconds'], memory, priced
     )
@@ -320,10 +324,6 @@ def hlo_path(out: str, row: Row, tag: str) -> str:
 def versions() -> dict:
   names = ('maxtext', 'jax', 'jaxlib', 'libtpu', 'flax')
   return {n: importlib.metadata.version(n) for n in names}
-
-
-def compiler_tag() -> str:
-  return 'libtpu-' + '.'.join(importlib.metadata.version('libtpu').split('.')[:3])
 
 
 def main() -> int:

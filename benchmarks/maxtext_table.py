@@ -67,11 +67,11 @@ def comparisons(out: str) -> list[dict]:
     if os.path.exists(found):
       memory = {f'v5e {r["row"]}': r for r in _load(found)['rows']}
     for m in program['rows']:
-      records.append(_compare(version, program['versions'], m, zerojax, memory))
+      records.append(_compare(program['versions'], m, zerojax, memory))
   return records
 
 
-def _compare(version: str, versions: dict, m: dict, zerojax: dict, memory: dict) -> dict:
+def _compare(versions: dict, m: dict, zerojax: dict, memory: dict) -> dict:
   rec = dict(
     row=m['row'],
     compiler=versions['libtpu'],
