@@ -9,16 +9,19 @@ libtpu (no TPU needed):
 - `--remat full`: every block recomputed in the backward pass, its input kept in HBM for each
   layer (the layer loop's stack: layers x batch x seq x d_model bf16); zerojax's default plan
   and MaxText's setting, compiled lean (`candidates.LEAN_REMATS`: the head gathered after the
-  layer loop, a one-hot cross-entropy, the TPU scheduler held to 60% of HBM);
+  layer loop, a one-hot cross-entropy, the TPU scheduler held to `candidates.LEAN_SHARE`,
+  55%, of HBM);
 - `--remat offload_layer_inputs`: the same recomputation, that stack written to host memory
   during the forward pass and read back a block at a time during the backward;
 - `--remat full` again with the compiler's latency-hiding scheduler at its own default and held
-  to 70% of HBM (`--scheduler-share compiler` and `70`; at the compiler's default it fills spare
-  HBM by gathering later layers' weights early): the same program, scheduled differently.
+  to 70%, 60% and 50% of HBM (`--scheduler-share compiler`, `70`, `60`, `50`; at the compiler's
+  default it fills spare HBM by gathering later layers' weights early): the same program,
+  scheduled differently. The default share is the largest of these at which every row peaks at
+  or under MaxText's program (`candidates.LEAN_SHARE`; tests/test_docs.py holds it to that).
 
 And MaxText's v5p rows (bench_maxtext.py's default plans, `--remat minimal`, 95 GiB a chip)
-once more with `--scheduler-share 60`, against their committed plans: where a program needs
-most of HBM, holding the scheduler back can cost step time.
+once more with the full-remat plan's share (`--scheduler-share 55`), against their committed
+plans: where a program needs most of HBM, holding the scheduler back can cost step time.
 
 Each program's device memory is read two ways: the plan's peak (the compiler's own peak of live
 bytes where the program holds nothing in host memory; for a program that does, the compiler's
@@ -65,11 +68,11 @@ from zerojax._src.planner import candidates  # noqa: E402
 
 REMATS = ('full', 'offload_layer_inputs')
 # `full` again with the TPU compiler's latency-hiding scheduler at these shares of HBM (`plan
-# --scheduler-share`; the default plan's is 60): the same program, scheduled to gather later
-# layers' weights more or less far ahead.
-SCHEDULER_SHARES = ('compiler', '70')
+# --scheduler-share`; the default plan's is `candidates.LEAN_SHARE`): the same program,
+# scheduled to gather later layers' weights more or less far ahead.
+SCHEDULER_SHARES = ('compiler', '70', '60', '50')
 # The share the v5p rows (`minimal`, planned at the compiler's default) are planned at again.
-V5P_HELD_SHARE = '60'
+V5P_HELD_SHARE = str(candidates.LEAN_SHARE)
 
 
 def rows() -> list[tuple[str, str, list[str]]]:
@@ -175,15 +178,25 @@ def plan(flags: list[str], remat: str) -> dict:
     }
 
 
+def scheduler_share(flags: list[str], remat: str) -> int | None:
+  """The scheduler share a plan of `flags` under `remat` compiles with: the one given, else
+  the planner's default for the remat (`candidates.default_scheduler_share`)."""
+  if '--scheduler-share' in flags:
+    given = flags[flags.index('--scheduler-share') + 1]
+    return None if given == 'compiler' else int(given)
+  return candidates.default_scheduler_share(remat, flags[flags.index('--topology') + 1])
+
+
 def plan_or_reuse(flags: list[str], remat: str, old: dict | None) -> dict:
   """`plan(flags, remat)`, or `old` where it is the same command compiled the same way
-  (`--reuse`): lean or not as `candidates.LEAN_REMATS` now says, a record from before the
-  rule counting as not lean."""
+  (`--reuse`): lean or not as `candidates.LEAN_REMATS` now says (a record from before the
+  rule counting as not lean), at the scheduler share the planner now gives it."""
   said = command(flags, remat)[-80:]
   if (
     old
     and old['command'] == command(flags, remat)
     and old.get('lean', False) == candidates.lean(remat)
+    and old.get('scheduler_share') == scheduler_share(flags, remat)
   ):
     print(f'  {said}: reusing the committed plan', flush=True)
     return old
@@ -221,9 +234,11 @@ def table(out: str) -> list[str]:
     " HBM, fragmentation included, host buffers not. MaxText's peak: its own program's, compiled"
     " by MaxText (`bench_maxtext_program.py`; the 70B at the plan's settings), '—' on a compiler"
     " MaxText does not run with. Host link: 32 GB/s assumed (v5e's is not published)."
-    ' `full` is the default plan: lean, the latency-hiding scheduler held to 60% of HBM; the'
-    " last columns compile it with the scheduler at the compiler's own share and at 70%"
-    ' (`--scheduler-share compiler`, `70`): device space GiB (predicted step s).',
+    f' `full` is the default plan: lean, the latency-hiding scheduler held to'
+    f' {candidates.LEAN_SHARE}% of HBM; the last columns compile it with the scheduler at the'
+    " compiler's own share and at "
+    + ', '.join(f'{n}%' for n in SCHEDULER_SHARES[1:])
+    + ' (`--scheduler-share`): device space GiB (predicted step s).',
     '',
     '| row | compiler | MaxText peak GiB | full: peak GiB | full: device space GiB |'
     ' offload_layer_inputs: device space GiB | host GB/step | step full s | step offloaded s |'

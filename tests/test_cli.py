@@ -193,7 +193,7 @@ def test_a_candidates_scheduler_share_is_one_more_compiler_option():
 def test_a_tpu_plan_compiles_with_its_scheduler_share_and_says_so(monkeypatch, tmp_path, capsys):
   """`--scheduler-share N` goes to the compiler beside --compiler-option's, the report gives the
   line to train with and the JSON records it; without it the plan under full remat (the
-  default) holds it to 60% (`candidates.LEAN_SHARE`) and says so, and under another remat, or
+  default) holds it to `candidates.LEAN_SHARE` and says so, and under another remat, or
   with 'compiler', compiles at the compiler's default. A search takes the shares as one more
   dimension, and its winner's lines say how to compile the step."""
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
@@ -220,9 +220,10 @@ def test_a_tpu_plan_compiles_with_its_scheduler_share_and_says_so(monkeypatch, t
   )
   assert json.loads(out.read_text())['scheduler_share'] == 60
   assert cli.main([*argv, '--json', str(out)]) == 0
-  assert seen[-1] == {**remat, option: 60}
-  assert 'compiled with the TPU scheduler held to 60% of HBM' in capsys.readouterr().out
-  assert json.loads(out.read_text())['scheduler_share'] == 60
+  lean = candidates.LEAN_SHARE
+  assert seen[-1] == {**remat, option: lean}
+  assert f'compiled with the TPU scheduler held to {lean}% of HBM' in capsys.readouterr().out
+  assert json.loads(out.read_text())['scheduler_share'] == lean
   for given in (['--remat', 'gathers'], ['--scheduler-share', 'compiler']):
     assert cli.main([*argv, *given, '--json', str(out)]) == 0
     assert seen[-1] == remat
@@ -464,7 +465,7 @@ def test_a_plan_whose_states_exceed_hbm_is_refused_before_it_compiles(monkeypatc
 
   import jax
 
-  from zerojax._src.planner import cli, presets, program_cache
+  from zerojax._src.planner import candidates, cli, presets, program_cache
 
   def never(*args, **kwargs):
     raise AssertionError('compiled a plan that cannot fit')
@@ -479,7 +480,7 @@ def test_a_plan_whose_states_exceed_hbm_is_refused_before_it_compiles(monkeypatc
   shapes = jax.eval_shape(spec.init_fn, jax.random.key(0))
   psi = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
   assert err[-1] == (
-    's1 flat b1 remat:full sched:60%: DOES NOT FIT: pruned: states alone exceed HBM (model states at rest'
+    f's1 flat b1 remat:full sched:{candidates.LEAN_SHARE}%: DOES NOT FIT: pruned: states alone exceed HBM (model states at rest'
     f' {psi * (4 + 8 / 8) / 2**30:.2f} GiB per chip, of 16 GiB HBM)'
   )
 
@@ -593,8 +594,8 @@ def test_plan_target_is_what_the_plan_command_plans(capsys):
 @pytest.mark.xdist_group('libtpu')
 def test_full_remat_is_planned_and_searched_lean_unless_told(monkeypatch):
   """Under --remat full (`candidates.LEAN_REMATS`) a TPU plan holds the compiler's scheduler to
-  60% of HBM and compiles the lean head; other remats keep the compiler's default; a share
-  given (or 'compiler') wins."""
+  `candidates.LEAN_SHARE` of HBM and compiles the lean head; other remats keep the compiler's
+  default; a share given (or 'compiler') wins."""
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
   from zerojax._src.planner import candidates, cli, lowering, presets
 
@@ -602,7 +603,8 @@ def test_full_remat_is_planned_and_searched_lean_unless_told(monkeypatch):
 
   plan = ['--topology', 'v5e:2x4', '--model', 'tiny', '--stage', '3']
   shares = lambda *flags: cli.plan_target([*plan, *flags])[1].scheduler_share
-  assert shares() == 60 and shares('--remat', 'full') == 60
+  lean = candidates.LEAN_SHARE
+  assert shares() == lean and shares('--remat', 'full') == lean
   assert shares('--remat', 'gathers') is None and shares('--remat', 'minimal') is None
   assert shares('--scheduler-share', 'compiler') is None
   assert shares('--scheduler-share', '80') == 80
@@ -611,7 +613,7 @@ def test_full_remat_is_planned_and_searched_lean_unless_told(monkeypatch):
   space = lambda *flags: [
     (c.remat, c.scheduler_share) for c in cli.search_target([*search, *flags])[1]
   ]
-  assert space() == [('gathers', None), ('full', 60)]
+  assert space() == [('gathers', None), ('full', lean)]
   assert space('--scheduler-shares', 'compiler,70') == [
     ('gathers', None), ('gathers', 70), ('full', None), ('full', 70),
   ]  # fmt: skip

@@ -20,7 +20,7 @@ from typing import Any
 
 from zerojax._src.options import OFFLOADS, UPDATE_ON
 from zerojax._src.planner import lowering
-from zerojax._src.planner.candidates import SCHEDULER_OPTION
+from zerojax._src.planner.candidates import LEAN_SHARE, SCHEDULER_OPTION
 from zerojax._src.planner.lowering import GRID_AXES, SLICE, TENSOR
 
 # HBM per chip, GiB, by the topology name's prefix.
@@ -994,7 +994,7 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
     default=None,
     metavar='PERCENT',
     help="the share of HBM the TPU compiler's latency-hiding scheduler plans within (compiler"
-    f' option {SCHEDULER_OPTION}; pass the same to the training run); default: 60 under'
+    f' option {SCHEDULER_OPTION}; pass the same to the training run); default: {LEAN_SHARE} under'
     " --remat full, else the compiler's own ('compiler'). Lower, the same program holds less"
     ' HBM, and may run slower',
   )
@@ -1031,8 +1031,8 @@ _REMATS_HELP = (
 )
 
 _SHARES_HELP = (
-  'as --scheduler-share, each a candidate (e.g. compiler,70,60); default: 60 for remat full,'
-  " else the compiler's"
+  'as --scheduler-share, each a candidate (e.g. compiler,70,60); default:'
+  f" {LEAN_SHARE} for remat full, else the compiler's"
 )
 
 
