@@ -9,8 +9,8 @@ libtpu (no TPU needed):
 - `--remat full`: every block recomputed in the backward pass, its input kept in HBM for each
   layer (the layer loop's stack: layers x batch x seq x d_model bf16); zerojax's default plan
   and MaxText's setting, compiled lean (`candidates.LEAN_REMATS`: the head gathered after the
-  layer loop, a one-hot cross-entropy, the TPU scheduler held to `candidates.LEAN_SHARE`,
-  55%, of HBM);
+  layer loop, a one-hot cross-entropy, the TPU scheduler held to `candidates.LEAN_SHARE`
+  percent of HBM);
 - `--remat offload_layer_inputs`: the same recomputation, that stack written to host memory
   during the forward pass and read back a block at a time during the backward;
 - `--remat full` again with the compiler's latency-hiding scheduler at its own default and held
@@ -20,8 +20,9 @@ libtpu (no TPU needed):
   or under MaxText's program (`candidates.LEAN_SHARE`; tests/test_docs.py holds it to that).
 
 And MaxText's v5p rows (bench_maxtext.py's default plans, `--remat minimal`, 95 GiB a chip)
-once more with the full-remat plan's share (`--scheduler-share 55`), against their committed
-plans: where a program needs most of HBM, holding the scheduler back can cost step time.
+once more with the full-remat plan's share (`--scheduler-share` `candidates.LEAN_SHARE`),
+against their committed plans: where a program needs most of HBM, holding the scheduler back
+can cost step time.
 
 Each program's device memory is read two ways: the plan's peak (the compiler's own peak of live
 bytes where the program holds nothing in host memory; for a program that does, the compiler's
