@@ -53,6 +53,65 @@ def test_prefetch_with_a_named_policy_is_left_out_with_why():
   }
 
 
+def test_a_tensor_axis_is_searched_beside_the_flat_layout_with_jax_gradients():
+  valid, invalid = candidates.candidate_space(
+    stages=(3,), layouts=('flat', 'torus'), remat=('minimal',), prefetch=(False,),
+    micro_batches=(1, 2), tensor=(1, 4), batch_per_chip=(2,), chips=16,
+  )  # fmt: skip
+  assert [c.label() for c in valid] == [
+    's3 flat b2 remat:minimal',
+    's3 flat t4 b2 remat:minimal',
+    's3 flat b2 mb2 remat:minimal',
+    's3 torus b2 remat:minimal',
+    's3 torus b2 mb2 remat:minimal',
+  ]
+  side = "a tensor axis sits beside the 'flat' layout"
+  grads = (
+    'a tensor axis takes gradients through jax.value_and_grad: no prefetch, micro-batches'
+    " or update_on='stream' (those are zerojax.value_and_grad's)"
+  )
+  assert {c.label(): why for c, why in invalid} == {
+    's3 flat t4 b2 mb2 remat:minimal': grads,
+    's3 torus t4 b2 remat:minimal': side,
+    's3 torus t4 b2 mb2 remat:minimal': side,
+  }
+  target = lowering.Target('cpu:8', (), (8,), None, 'tiny', optax.adamw)
+  assert lowering.gradients(target, valid[1]) == 'jax'
+  assert lowering.gradients(target, valid[0]) == target.gradients == 'zerojax'
+
+
+@pytest.mark.parametrize('size', [0, 3, 32, 2.0])
+def test_a_tensor_size_that_does_not_divide_the_slice_is_refused(size):
+  with pytest.raises(ValueError) as err:
+    candidates.candidate_space(tensor=(1, size), chips=16)
+  assert str(err.value) == (
+    f'`tensor`: [{size!r}] are not whole sizes >= 1 that divide the 16 chips of a slice'
+    ' (1: no tensor axis).'
+  )
+
+
+@pytest.mark.parametrize('chips', [1, 2, 4, 6, 8, 12, 16, 64, 128, 256, 512])
+def test_the_tensor_axis_groups_neighbouring_chips_for_every_divisor(chips):
+  # The mesh rule over device counts and every tensor size that divides them: 'data' outer,
+  # the tensor axis innermost over runs of neighbouring devices, every device once.
+  devices = tuple(range(chips))  # stand-ins: the rule only orders them
+  target = lowering.Target(f'cpu:{chips}', devices, (chips,), None, 'tiny', optax.adamw)
+  for tensor in (t for t in range(1, chips + 1) if chips % t == 0):
+    shape, names = lowering.mesh_shape(target, candidates.Candidate(3, tensor=tensor))
+    if tensor == 1:
+      assert (shape, names) == ((chips,), ('data',))
+    else:
+      assert (shape, names) == ((chips // tensor, tensor), ('data', lowering.TENSOR))
+
+
+def test_the_tensor_axis_of_a_mesh_runs_over_neighbouring_devices():
+  devices = tuple(jax.devices())
+  target = lowering.Target('cpu:8', devices, (len(devices),), None, 'tiny', optax.adamw)
+  mesh, names = lowering.mesh_for(target, candidates.Candidate(3, tensor=2))
+  assert names == ('data', 'tensor') and dict(mesh.shape) == {'data': 4, 'tensor': 2}
+  assert [list(row) for row in mesh.devices] == [list(devices[i : i + 2]) for i in (0, 2, 4, 6)]
+
+
 @pytest.mark.parametrize('chip', [None, *roofline.CHIPS])
 def test_a_search_tries_the_policies_unless_told_and_offloads_where_the_host_link_is_priced(chip):
   spec = roofline.CHIPS.get(chip)
@@ -104,6 +163,30 @@ def test_search_on_the_cpu_mesh_compiles_ranks_and_measures(tmp_path):
   assert (tmp_path / 'search.png').stat().st_size > 1000
   text = search_report.format_search(report)
   assert 'pred/meas' in text and 'winner (predicted, not measured):' in text
+
+
+@pytest.mark.slow
+def test_a_searched_tensor_axis_compiles_the_program_of_the_plan_with_that_mesh(tmp_path):
+  # A plan is a search of one: `--mesh data=4,tensor=2` and the search's 't2' candidate are
+  # the same program, so the same collectives and FLOPs.
+  report = zerojax.inspect.search_plans(
+    'tiny', 'cpu:8', progress=False, stages=(3,), layouts=('flat',), remat=('minimal',),
+    prefetch=(False,), tensor=(1, 2),
+  )  # fmt: skip
+  by_tensor = {r.candidate.tensor: r for r in report.results}
+  assert sorted(by_tensor) == [1, 2] and all(r.fits for r in report.results)
+  searched = by_tensor[2]
+  out = tmp_path / 'plan.json'
+  done = _cli(
+    '--model', 'tiny', '--topology', 'cpu:8', '--mesh', 'data=4,tensor=2', '--stage', '3',
+    '--remat', 'minimal', '--json', str(out),
+  )  # fmt: skip
+  assert done.returncode == 0, done.stderr
+  plan = json.loads(out.read_text())
+  assert plan['gradients'] == 'jax.value_and_grad' and plan['mesh'] == {'data': 4, 'tensor': 2}
+  assert plan['matmul_flops_per_chip'] == searched.flops
+  assert sum(plan['collectives']['ring_bytes'].values()) == searched.ring_bytes
+  assert searched.ring_bytes != by_tensor[1].ring_bytes  # and not the program without it
 
 
 @pytest.mark.slow

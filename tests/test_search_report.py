@@ -40,6 +40,7 @@ def _report(candidate, mixed_precision=False):
     (candidates.Candidate(2, offload='opt_state', update_on='host', micro_batches=2), True),
     (candidates.Candidate(3, quantize='w8g4', remat='full'), False),
     (candidates.Candidate(3, layout='hpz'), False),
+    (candidates.Candidate(3, remat='minimal', tensor=2), False),
   ],
 )
 def test_the_winners_lines_run_as_pasted(candidate, mixed):
@@ -48,8 +49,15 @@ def test_the_winners_lines_run_as_pasted(candidate, mixed):
   code = search_report.winner_code(report)
   namespace = {'jax': jax, 'optax': optax, 'zerojax': zerojax, 'lr': 1e-3}
   namespace['loss_fn'] = lambda params, batch: 0.0
+  namespace['param_specs'] = None  # the model's tensor-parallel specs, where it has a tensor axis
   exec(code, namespace)  # the mesh, the wrapped optimizer and the gradient function
   config = zerojax.config_of(namespace['tx'])
+  mesh = namespace['mesh']
+  if candidate.tensor > 1:  # ZeRO over 'data', the compiler's collectives over 'tensor'
+    assert dict(mesh.shape) == {'data': 8 // candidate.tensor, 'tensor': candidate.tensor}
+    assert config.options.axis == 'data' and 'grad_fn = jax.value_and_grad(loss_fn)' in code
+  else:
+    assert 'zerojax.value_and_grad(loss_fn, tx' in code
   assert config.stage == candidate.stage
   assert config.options.offload == candidate.offload
   assert (config.options.quantize is None) == (candidate.quantize is None)

@@ -1,6 +1,6 @@
 """The candidates of a plan search: one configuration to try (`Candidate`: stage, mesh layout,
-micro-batches, rematerialisation, prefetch, offload, ZeRO++, batch per chip, slices, the TPU
-scheduler's share of HBM), and the space of them a search compiles, each combination that
+tensor-parallel degree, micro-batches, rematerialisation, prefetch, offload, ZeRO++, batch per
+chip, slices, the TPU scheduler's share of HBM), and the space of them a search compiles, each combination that
 cannot run left out with why."""
 
 from __future__ import annotations
@@ -101,6 +101,10 @@ class Candidate:
       mesh axis, data-parallel (hierarchical ZeRO: state split within each slice).
     scheduler_share: percent of HBM the TPU compiler's latency-hiding scheduler plans within
       (`SCHEDULER_OPTION`), or None for the compiler's default (and on CPU).
+    tensor: the size of a tensor-parallel mesh axis (Megatron-style: heads, MLP columns,
+      vocabulary) beside the 'flat' layout's ZeRO axis, innermost, so each group of `tensor`
+      neighbouring chips splits every layer; 1: none. The step takes its gradients through
+      `jax.value_and_grad` (the compiler places the tensor-parallel collectives).
   """
 
   stage: int
@@ -114,9 +118,11 @@ class Candidate:
   batch_per_chip: int = 1
   slices: int = 1
   scheduler_share: int | None = None
+  tensor: int = 1
 
   def label(self) -> str:
-    parts = [f's{self.stage}', self.layout, f'b{self.batch_per_chip}']
+    parts = [f's{self.stage}', self.layout] + ([f't{self.tensor}'] if self.tensor > 1 else [])
+    parts += [f'b{self.batch_per_chip}']
     parts += [f'x{self.slices} slices'] if self.slices > 1 else []
     parts += [f'mb{self.micro_batches}'] if self.micro_batches > 1 else []
     parts += [f'remat:{self.remat}'] + (['prefetch'] if self.prefetch else [])
@@ -160,6 +166,13 @@ class Candidate:
       (
         self.slices > 1 and self.update_on == 'stream',
         "update_on='stream' sends gradient shards down before they are summed across slices",
+      ),
+      (self.tensor > 1 and self.layout != 'flat', "a tensor axis sits beside the 'flat' layout"),
+      (
+        self.tensor > 1
+        and (self.prefetch or self.micro_batches > 1 or self.update_on == 'stream'),
+        'a tensor axis takes gradients through jax.value_and_grad: no prefetch, micro-batches'
+        " or update_on='stream' (those are zerojax.value_and_grad's)",
       ),
     ]
     return [why for broken, why in rules if broken]
@@ -230,9 +243,12 @@ def candidate_space(
   batch_per_chip: Sequence[int] = (1,),
   slices: Sequence[int] = (1,),
   scheduler_share: Sequence[int | None] = (None,),
+  tensor: Sequence[int] = (1,),
   grid_dims: int = 2,
+  chips: int | None = None,
 ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
   """Every valid combination, and the invalid ones with the reason (for the report).
+  `chips` (the chips of one slice) is what each `tensor` size must divide.
 
   Raises:
     ValueError: an unknown value, naming the option and the choices.
@@ -250,6 +266,13 @@ def candidate_space(
   bad = [s for s in slices if not _whole(s, 1)]
   if bad:
     raise ValueError(f'`slices`: {bad} are not whole numbers of slices >= 1.')
+  bad = [t for t in tensor if not _whole(t, 1) or (chips is not None and chips % t)]
+  if bad:
+    raise ValueError(
+      f'`tensor`: {bad} are not whole sizes >= 1'
+      + (f' that divide the {chips} chips of a slice' if chips is not None else '')
+      + ' (1: no tensor axis).'
+    )
   bad = [s for s in scheduler_share if s is not None and not _whole(s, 1)]
   if bad:
     raise ValueError(
@@ -268,6 +291,7 @@ def candidate_space(
     batch_per_chip,
     slices,
     scheduler_share,
+    tensor,
   ):
     c = Candidate(*combo)
     why = c.invalid()

@@ -188,8 +188,8 @@ def _none_or(choices):
 # `plan` flags that only a --search reads, and those only a single plan reads: given to the
 # other, each is an error, not ignored.
 SEARCH_ONLY = tuple(
-  'stages layouts micro_batches remats prefetch_options offloads update_ons quantizes'
-  ' batches_per_chip hbm_gib max_candidates out slice_counts scheduler_shares'.split()
+  'stages layouts tensor_sizes micro_batches remats prefetch_options offloads update_ons'
+  ' quantizes batches_per_chip hbm_gib max_candidates out slice_counts scheduler_shares'.split()
 )
 SINGLE_ONLY = tuple(
   'stage batch_per_chip no_remat remat gather_all mesh grad prefetch json offload update_on'
@@ -368,7 +368,9 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       batch_per_chip=args.batches_per_chip,
       slices=args.slice_counts,
       scheduler_share=shares or (None,),
+      tensor=args.tensor_sizes,
       grid_dims=len(target.grid),
+      chips=len(target.devices),
     )
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
@@ -1052,6 +1054,14 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     default=('flat', 'torus'),
     help='flat (one ZeRO axis), torus (one per torus dimension), hpz (torus, stage-3'
     ' parameters split within the last axis)',
+  )
+  s.add_argument(
+    '--tensor-sizes',
+    type=_csv(_positive_int),
+    default=(1,),
+    help="sizes of a tensor-parallel axis beside the flat layout's ZeRO axis (Megatron-style:"
+    ' heads, MLP columns, vocabulary; gradients through jax.value_and_grad); 1: none. Each'
+    ' must divide the chips of a slice',
   )
   s.add_argument('--micro-batches', type=_csv(int), default=(1,), help='micro-batches per step')
   s.add_argument('--remats', type=_csv(str), default=None, help=_REMATS_HELP)

@@ -70,14 +70,22 @@ class Target:
     return self.axis_names or GRID_AXES[: len(self.grid)]
 
 
+def mesh_shape(target: Target, c: Candidate) -> tuple[tuple[int, ...], tuple[str, ...]]:
+  """(the shape, the axis names) of one slice's mesh for the candidate: 'flat' one ZeRO axis
+  over every chip, with a tensor axis of `c.tensor` innermost (runs of neighbouring chips)
+  where it has one; 'torus' and 'hpz' the target's grid."""
+  if c.layout == 'flat' and c.tensor > 1:
+    return (len(target.devices) // c.tensor, c.tensor), ('data', TENSOR)
+  if c.layout == 'flat':
+    return (len(target.devices),), ('data',)
+  return tuple(target.grid), target.names()
+
+
 def mesh_for(target: Target, c: Candidate):
   """(the candidate's mesh, the names of one slice's axes: ZeRO's and the tensor axis)."""
   from jax.sharding import AxisType, Mesh
 
-  if c.layout == 'flat':
-    shape, names = (len(target.devices),), ('data',)
-  else:
-    shape, names = target.grid, target.names()
+  shape, names = mesh_shape(target, c)
   devices = target.devices_for(c.slices)
   # Several slices: an outer 'slice' axis (data-parallel) over whole slices.
   full = ((c.slices, *shape), (SLICE, *names)) if c.slices > 1 else (shape, names)
@@ -212,10 +220,16 @@ def _abstract_state(target: Target, c: Candidate, spec: Any, mesh: Any, zero_axe
   return state, transform.plan_for(state.tx, state.params)
 
 
+def gradients(target: Target, c: Candidate) -> str:
+  """How the candidate's step takes gradients: 'jax' where it has a tensor axis (the compiler
+  places the tensor-parallel collectives), else the target's."""
+  return 'jax' if c.tensor > 1 else target.gradients
+
+
 def _gradient_fn(target: Target, c: Candidate, spec: Any, state: Any, plan: Any):
   """(params, batch) -> (loss, gradients), through zerojax's or jax's value_and_grad."""
   loss = lambda p, b: spec.loss_fn(p, b, plan)
-  if target.gradients == 'jax':
+  if gradients(target, c) == 'jax':
     return lambda p, b: jax.value_and_grad(lambda q: loss(q, b))(p)
   from zerojax._src import grad as grad_lib
 
@@ -269,7 +283,9 @@ def lower(target: Target, c: Candidate) -> Lowered:
     unit = jnp.dtype(target.compute_dtype).itemsize
   else:
     unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
-  return Lowered(c, spec, mesh, state, plan, batch, unit, target.gradients, traced, lowered, phases)
+  return Lowered(
+    c, spec, mesh, state, plan, batch, unit, gradients(target, c), traced, lowered, phases
+  )
 
 
 def make_target(

@@ -1,9 +1,9 @@
 """Plan search: which ZeRO configuration for this model on this slice, answered before launch.
 
-Every candidate (stage, mesh layout, micro-batches, rematerialisation, prefetch,
-offload, quantization, batch per chip) is first checked against theory (its
-model states at rest against HBM, its offloaded state against host memory),
-and the survivors are compiled ahead of time for the real topology. Each
+Every candidate (stage, mesh layout, tensor-parallel degree, micro-batches,
+rematerialisation, prefetch, offload, quantization, batch per chip) is first
+checked against theory (its model states at rest against HBM, its offloaded
+state against host memory), and the survivors are compiled ahead of time for the real topology. Each
 compiled program gives its own peak memory and collectives (ring bytes against
 the ZeRO floor, bytes overlapped with compute); its FLOPs are counted on the
 compiled program per chip with every loop iteration (XLA's cost analysis,
@@ -562,7 +562,8 @@ def search_plans(
     compiler_options: XLA or libtpu options every candidate is compiled with, as
       `jax.jit(..., compiler_options=...)` takes them.
     **space: `candidate_space`'s options (stages, layouts, micro_batches, remat,
-      prefetch, offload, update_on, quantize, batch_per_chip, slices, scheduler_share). For a
+      prefetch, offload, update_on, quantize, batch_per_chip, slices, scheduler_share, tensor:
+      sizes of a tensor-parallel axis beside the 'flat' layout's ZeRO axis). For a
       preset or a `DecoderConfig`, remat defaults to `candidates.default_remats` of the chip
       (the offloading policies where its host link has figures). scheduler_share: percents of
       HBM for the TPU compiler's scheduler (`candidates.SCHEDULER_OPTION`), None its default;
@@ -596,7 +597,9 @@ def search_plans(
   if not callable(model):  # a preset or a DecoderConfig: the presets' named activations
     space.setdefault('remat', default_remats(target.chip))
   check_scheduler_shares(topology, space.get('scheduler_share', ()), compiler_options)
-  candidates, invalid = candidate_space(grid_dims=len(target.grid), **space)
+  candidates, invalid = candidate_space(
+    grid_dims=len(target.grid), chips=len(target.devices), **space
+  )
   if 'scheduler_share' not in space:
     candidates = with_default_shares(candidates, topology, compiler_options)
   if not candidates:

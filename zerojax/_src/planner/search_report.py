@@ -8,7 +8,7 @@ import math
 
 from zerojax._src.planner import presets
 from zerojax._src.planner.candidates import QUANTIZE
-from zerojax._src.planner.lowering import model_label, model_spec, zero_options
+from zerojax._src.planner.lowering import TENSOR, mesh_shape, model_label, model_spec, zero_options
 from zerojax._src.planner.roofline import GiB
 from zerojax._src.planner.search import SearchReport, as_dict, phase_totals
 
@@ -19,18 +19,13 @@ def winner_code(report: SearchReport) -> str:
   if r is None:
     return '# no candidate fits'
   c, t = r.candidate, report.target
-  if c.layout == 'flat':
-    mesh = f"mesh = jax.make_mesh(({len(t.devices)},), ('data',))"
-    names = ('data',)
-  else:
-    names = ('x', 'y', 'z')[: len(t.grid)]
-    mesh = f'mesh = jax.make_mesh({tuple(t.grid)}, {names})'
-  if c.slices > 1:
-    # Several slices: an outer data-parallel 'slice' axis (on TPU, build it with
-    # mesh_utils.create_hybrid_device_mesh; the axis across slices is found from the devices).
-    shape = (len(t.devices),) if c.layout == 'flat' else tuple(t.grid)
-    mesh = f'mesh = jax.make_mesh({(c.slices, *shape)}, {("slice", *names)})'
-  options = zero_options(c, names, model_spec(t, c).stacked)
+  shape, names = mesh_shape(t, c)
+  # Several slices: an outer data-parallel 'slice' axis (on TPU, build it with
+  # mesh_utils.create_hybrid_device_mesh; the axis across slices is found from the devices).
+  full = ((c.slices, *shape), ('slice', *names)) if c.slices > 1 else (shape, names)
+  mesh = f'mesh = jax.make_mesh({full[0]}, {full[1]})'
+  zero_names = tuple(n for n in names if n != TENSOR)
+  options = zero_options(c, zero_names, model_spec(t, c).stacked)
   args = [f'stage={c.stage}', 'mesh=mesh', f'axis={options.axis!r}']
   if options.replica_axis is not None:
     args.append(f'replica_axis={options.replica_axis!r}')
@@ -43,6 +38,8 @@ def winner_code(report: SearchReport) -> str:
   if options.quantize is not None:
     q = QUANTIZE[c.quantize]
     args.append(f'quantize=zerojax.Quantize(weights={q["weights"]!r}, grads={q["grads"]!r})')
+  if c.tensor > 1:
+    args.append('param_specs=param_specs')
   inner = 'optax.adamw(lr)'
   if t.mixed_precision:
     inner = f'zerojax.mixed_precision({inner})'
@@ -53,15 +50,29 @@ def winner_code(report: SearchReport) -> str:
     if c.prefetch
     else f'a scanned layer loop with {remat}'
   )
+  if c.tensor > 1:  # the compiler places the tensor-parallel collectives
+    grad = 'grad_fn = jax.value_and_grad(loss_fn)'
+  else:
+    grad = (
+      f'grad_fn = zerojax.value_and_grad(loss_fn, tx, per_layer={c.stage >= 2 and c.layout != "hpz"}'
+      + (f', micro_batches={c.micro_batches}' if c.micro_batches > 1 else '')
+      + ')'
+    )
   return '\n'.join(
     [
       mesh,
       f'tx = zerojax.zero_stage({inner}, {", ".join(args)})',
-      f'grad_fn = zerojax.value_and_grad(loss_fn, tx, per_layer={c.stage >= 2 and c.layout != "hpz"}'
-      + (f', micro_batches={c.micro_batches}' if c.micro_batches > 1 else '')
-      + ')',
+      grad,
       f'# {c.batch_per_chip} sequence(s) per chip per step; layers in {loop}',
     ]
+    + (
+      [
+        f'# param_specs: PartitionSpecs over {TENSOR!r} that split each layer Megatron-style'
+        ' (heads, MLP columns, vocabulary)'
+      ]
+      if c.tensor > 1
+      else []
+    )
     + (
       [f'# compile the step with jax.jit(train_step, compiler_options={c.compiler_options()})']
       if c.scheduler_share is not None
