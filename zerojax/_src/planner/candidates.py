@@ -169,8 +169,7 @@ class Candidate:
       ),
       (self.tensor > 1 and self.layout != 'flat', "a tensor axis sits beside the 'flat' layout"),
       (
-        self.tensor > 1
-        and (self.prefetch or self.micro_batches > 1 or self.update_on == 'stream'),
+        self.tensor > 1 and (self.prefetch or self.micro_batches > 1 or self.update_on == 'stream'),
         'a tensor axis takes gradients through jax.value_and_grad: no prefetch, micro-batches'
         " or update_on='stream' (those are zerojax.value_and_grad's)",
       ),
