@@ -25,20 +25,20 @@ GB/s: PCIe Gen4 x16, not published for v5e), since that figure is not a citation
 
 With `--chip v5p` it takes MaxText's v5p rows instead (32B and 64B on 64 chips with a tensor
 axis of 4, 128B on 128 and 256 chips and 256B on 512 with one of 8; MaxText runs them with
-`minimal`, zerojax's default plan of them too). The plan search's layouts have no tensor axis,
-so each of `V5P_REMATS` (`minimal`; `save_qkv_attention` and `none`, which keep more in the
-chip's 95 GiB; `offload_minimal` and `save_attention_offload_minimal`) is planned at the row's
-own mesh through the same pipeline (`cli.plan_target`, `search.evaluate`), and the fastest that
-fits is the searched plan (recompute_v5p.*).
+`minimal`, zerojax's default plan of them too, at the row's own mesh). The search there is
+`python -m zerojax plan --search` over each of `V5P_REMATS` (`minimal`; `save_qkv_attention`
+and `none`, which keep more in the chip's 95 GiB; `offload_minimal` and
+`save_attention_offload_minimal`) at the row's tensor axis and at half of it (`--layouts flat
+--tensor-sizes`: ZeRO over the other chips), the fastest that fits the searched plan.
 
-MaxText's own programs are not compiled here: MaxText is not on the package index this project
-installs from, so its `train_compile` cannot run beside zerojax in CI or on this machine.
+MaxText's own programs are compiled by `bench_maxtext_program.py` (MaxText's `train_compile`,
+beside the newest CI end); `maxtext_table.py` sets these plans beside them.
 
     python benchmarks/bench_recompute.py [--chip v5e|v5p] [--rows 16B,32B,64B] [--out DIR] [--reuse]
 
 Writes recompute_CHIP.libtpu-VERSION.json and recompute_CHIP.md (every compiler's rows).
 Minutes per candidate on a 2-core machine; compiled programs are kept in the planner's cache
-(`~/.cache/zerojax/programs`), so a second run reads them back. `--reuse` (v5e) keeps a
+(`~/.cache/zerojax/programs`), so a second run reads them back. `--reuse` keeps a
 committed candidate's figures where the row's search command is unchanged and the candidate is
 compiled as it was (not lean, `candidates.LEAN_REMATS`, then or now), compiles the others
 and ranks all of them as the search does; the record lists what it reused.
@@ -65,7 +65,6 @@ from bench_maxtext import (  # noqa: E402
   compiler_tag,
   decoder_model,
   maxtext_flops,
-  row_mesh,
 )
 
 from zerojax._src.planner import candidates  # noqa: E402
@@ -108,6 +107,8 @@ def _figures(r, flops: float, chip) -> dict:
     steps[share] = roofline.predict(slower, r, moved, r.host_traffic.overlapped).step
   return {
     'remat': r.candidate.remat,
+    'tensor': r.candidate.tensor,
+    'policy': policy(r.candidate),
     'lean': candidates.lean(r.candidate.remat),
     'status': r.status,
     'fits': r.fits,
@@ -123,43 +124,67 @@ def _figures(r, flops: float, chip) -> dict:
   }
 
 
-def search_flags(row) -> list[str]:
-  """The flags of `python -m zerojax plan --search` that search one of MaxText's v5e rows: its
-  model and batch, ZeRO-3 over both torus axes, flash attention, every policy of `REMATS`."""
+def tensor_sizes(row) -> tuple[int, ...]:
+  """The tensor axes a v5p row's search tries: half the row's own (MaxText's), then its own."""
+  tensor = row[6]
+  return tuple(sorted({max(1, tensor // 2), tensor}))
+
+
+def search_flags(row, chip: str = 'v5e') -> list[str]:
+  """The flags of `python -m zerojax plan --search` that search one of MaxText's rows: its
+  model and batch and flash attention; on v5e ZeRO-3 over both torus axes and every policy of
+  `REMATS`, on v5p ZeRO-3 beside a tensor axis of each of `tensor_sizes` and every policy of
+  `V5P_REMATS`."""
   name, width, heads, mlp, layers, topology, _, batch, published = row
-  return ['--model', decoder_model(width, heads, mlp, layers), '--topology', topology,
-          '--stages', '3', '--layouts', 'torus', '--prefetch-options', 'off',
-          '--remats', ','.join(REMATS), '--batches-per-chip', str(batch),
-          '--seq-len', str(SEQ), '--attention', 'flash']  # fmt: skip
+  common = ['--model', decoder_model(width, heads, mlp, layers), '--topology', topology,
+            '--stages', '3']  # fmt: skip
+  if chip == 'v5e':
+    space = ['--layouts', 'torus', '--prefetch-options', 'off', '--remats', ','.join(REMATS)]
+  else:
+    space = ['--layouts', 'flat', '--tensor-sizes', ','.join(map(str, tensor_sizes(row))),
+             '--prefetch-options', 'off', '--remats', ','.join(V5P_REMATS)]  # fmt: skip
+  return common + space + ['--batches-per-chip', str(batch), '--seq-len', str(SEQ),
+                           '--attention', 'flash']  # fmt: skip
 
 
-def search_command(row) -> str:
-  """The command line that reproduces a v5e row's search."""
-  return 'python -m zerojax plan --search ' + shlex.join(search_flags(row))
+def search_command(row, chip: str = 'v5e') -> str:
+  """The command line that reproduces a row's search."""
+  return 'python -m zerojax plan --search ' + shlex.join(search_flags(row, chip))
 
 
-def search_row(row, before: dict | None = None) -> dict:
-  """The policies of one row, compiled and ranked by the command's own search; from `before`
+def policy(c) -> str:
+  """A candidate's name in the tables: its remat, and its tensor axis where it has one."""
+  return c.remat if c.tensor == 1 else f'{c.remat}, tensor {c.tensor}'
+
+
+def search_row(row, before: dict | None = None, chip: str = 'v5e') -> dict:
+  """The candidates of one row, compiled and ranked by the command's own search; from `before`
   (the committed record, `--reuse`), the candidates compiled as they were are kept."""
   from zerojax._src.planner import cli, search
 
   start = time.perf_counter()
-  target, space, run = cli.search_target(search_flags(row))
+  command = search_command(row, chip)
+  target, space, run = cli.search_target(search_flags(row, chip))
   old = {}
   # A record from before commands were recorded is this row's search with the same flags.
-  if before and before.get('command', search_command(row)) == search_command(row):
-    old = {c['remat']: c for c in before['candidates'] if not c.get('lean', False)}
-  kept = [c.remat for c in space if c.remat in old and not candidates.lean(c.remat)]
-  fresh = [c for c in space if c.remat not in kept]
+  if before and before.get('command', command) == command:
+    old = {
+      maxtext_table.policy_name(c): c for c in before['candidates'] if not c.get('lean', False)
+    }
+  kept = [policy(c) for c in space if policy(c) in old and not candidates.lean(c.remat)]
+  fresh = [c for c in space if policy(c) not in kept]
   report = search.run_search(target, fresh, **run)
   flops = _row_flops(row)
-  done = {r.candidate.remat: _candidate(r, flops, report.target.chip) for r in report.results}
-  figures = [old[c.remat] if c.remat in kept else done[c.remat] for c in space]
+  done = {policy(r.candidate): _candidate(r, flops, report.target.chip) for r in report.results}
+  figures = [old[policy(c)] if policy(c) in kept else done[policy(c)] for c in space]
   # Ranked as the search ranks: the fastest that fits, then the smallest peak.
   fitting = [f for f in figures if f.get('fits')]
   winner = min(fitting, key=lambda f: (f['predicted_step_seconds'], f['peak_gib']), default=None)
-  record = _record(row, figures, next(f for f in figures if f['remat'] == 'full'), winner)
-  record.update(command=search_command(row), reused=kept)
+  # The default plan: MaxText's own setting (v5e `full`; v5p `minimal` at the row's mesh).
+  mine = ('full', 1) if chip == 'v5e' else ('minimal', row[6])
+  default = next(f for f in figures if (f['remat'], f.get('tensor', 1)) == mine)
+  record = _record(row, figures, default, winner)
+  record.update(command=command, reused=kept)
   record['search_seconds'] = time.perf_counter() - start
   return record
 
@@ -169,6 +194,8 @@ def _candidate(r, flops: float, chip) -> dict:
   if r.predicted is None:
     return {
       'remat': r.candidate.remat,
+      'tensor': r.candidate.tensor,
+      'policy': policy(r.candidate),
       'lean': candidates.lean(r.candidate.remat),
       'status': r.status,
     }
@@ -194,54 +221,6 @@ def _record(row, figures: list[dict], default: dict, winner: dict | None) -> dic
     'searched': winner,
     'candidates': figures,
   }
-
-
-def _ranked(row, chip, results, default, winner) -> dict:
-  """A row's record from compiled results: its default plan, the searched winner and every
-  candidate."""
-  flops = _row_flops(row)
-  figures = [_candidate(r, flops, chip) for r in results]
-  by_remat = {f['remat']: f for f in figures}
-  return _record(
-    row, figures, by_remat[default.candidate.remat], winner and by_remat[winner.candidate.remat]
-  )
-
-
-def policy_flags(row, remat: str) -> list[str]:
-  """The flags of `python -m zerojax plan` that plan one of MaxText's v5p rows at its own mesh
-  with the rematerialisation policy `remat`."""
-  name, width, heads, mlp, layers, topology, tensor, batch, published = row
-  return ['--model', decoder_model(width, heads, mlp, layers), '--topology', topology,
-          '--mesh', row_mesh(topology, tensor), '--stage', '3', '--batch-per-chip', str(batch),
-          '--seq-len', str(SEQ), '--remat', remat, '--attention', 'flash']  # fmt: skip
-
-
-def plan_command(row, remat: str) -> str:
-  """The command line that reproduces a v5p row's plan with `remat`."""
-  return 'python -m zerojax plan ' + shlex.join(policy_flags(row, remat))
-
-
-def policies_row(row) -> dict:
-  """One of MaxText's v5p rows at its own mesh (a tensor axis beside ZeRO, which the plan
-  search's layouts do not span): each of `V5P_REMATS` through the plan's pipeline
-  (`search.evaluate` on the target `python -m zerojax plan` builds from the row's flags)."""
-  from zerojax._src.planner import cli, program_cache, search
-
-  start = time.perf_counter()
-  target, candidate, hbm = cli.plan_target(policy_flags(row, V5P_REMATS[0]))
-  results = []
-  for remat in V5P_REMATS:
-    print(f'  {row[0]} --remat {remat} ...', flush=True)
-    c = dataclasses.replace(candidate, remat=remat)
-    results.append(search.evaluate(target, c, hbm_bytes=hbm, cache_dir=program_cache.default_dir()))
-    print(f'    {results[-1].status}', flush=True)
-  fitting = [r for r in results if r.fits]
-  winner = min(fitting, key=lambda r: r.step_seconds) if fitting else None
-  record = _ranked(row, target.chip, results, results[0], winner)
-  if winner is not None:
-    record['command'] = plan_command(row, winner.candidate.remat)
-  record['search_seconds'] = time.perf_counter() - start
-  return record
 
 
 def table(out: str, chip: str = 'v5e') -> list[str]:
@@ -289,7 +268,7 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
       lines.append(
         f'| {r["row"]} | {run["versions"]["libtpu"]} | {r["published_tflops"]:.0f} |'
         f' {d["predicted_step_seconds"]:.2f} | {d["predicted_tflops"]:.0f} |'
-        f' {d["executed_over_model"]:.2f} | {peak(d)} | {s["remat"]} (of {len(r["candidates"])}) |'
+        f' {d["executed_over_model"]:.2f} | {peak(d)} | {maxtext_table.policy_name(s)} (of {len(r["candidates"])}) |'
         f' {s["predicted_step_seconds"]:.2f} | {s["predicted_tflops"]:.0f} |'
         f' {s["executed_over_model"]:.2f} | {peak(s)} | {s["host_bytes_per_step"] / 1e9:.1f} |'
         f' {at[0]:.2f}x | {at[1]:.2f}x | {at[2]:.2f}x |'
@@ -303,18 +282,10 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
 
 
 def _commands(chip: str, runs: list[dict]) -> list[str]:
-  """The commands that reproduce the table's searches (v5e) or its searched plans (v5p, one
-  per policy that won on some compiler), with the installed jax and libtpu."""
-  if chip == 'v5e':
-    lines = ['', "Each row's search (`--no-cache` compiles every candidate afresh):", '']
-    return lines + [f'- {row[0]}: `{search_command(row)}`' for row in V5E_ROWS]
-  lines = ['', "Each row's searched plan (its default: the same with `--remat minimal`):", '']
-  for row in ROWS:
-    won = sorted(
-      {r['searched']['remat'] for run in runs for r in run['rows'] if r['row'] == row[0]}
-    )
-    lines += [f'- {row[0]}: `{plan_command(row, remat)}`' for remat in won]
-  return lines
+  """The commands that reproduce the table's searches, with the installed jax and libtpu."""
+  rows = V5E_ROWS if chip == 'v5e' else ROWS
+  lines = ['', "Each row's search (`--no-cache` compiles every candidate afresh):", '']
+  return lines + [f'- {row[0]}: `{search_command(row, chip)}`' for row in rows]
 
 
 def _step(program: dict | None) -> float | None:
@@ -347,7 +318,7 @@ def _under_maxtext(r: dict, program: dict | None) -> str:
   best = min(under, key=lambda c: c['predicted_step_seconds'])
   speedup = r['default']['predicted_step_seconds'] / best['predicted_step_seconds']
   return (
-    f'{best["remat"]}, {best["peak_gib"]:.2f} GiB, {speedup:.2f}x;'
+    f'{maxtext_table.policy_name(best)}, {best["peak_gib"]:.2f} GiB, {speedup:.2f}x;'
     f" MaxText's program {_against_maxtext(program, best)}"
   )
 
@@ -358,7 +329,7 @@ def main() -> int:
   parser.add_argument('--rows', default=None, help='comma-separated row names (default: all)')
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
   parser.add_argument(
-    '--reuse', action='store_true', help='v5e: keep the committed figures of unchanged candidates'
+    '--reuse', action='store_true', help='keep the committed figures of unchanged candidates'
   )
   args = parser.parse_args()
   every = V5E_ROWS if args.chip == 'v5e' else ROWS
@@ -379,7 +350,7 @@ def main() -> int:
   rows = []
   for row in (r for r in every if r[0] in wanted):
     print(f'searching {row[0]} on {row[5]} with {tag} ...', flush=True)
-    rows.append(search_row(row, before.get(row[0])) if args.chip == 'v5e' else policies_row(row))
+    rows.append(search_row(row, before.get(row[0]), args.chip))
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
   os.makedirs(args.out, exist_ok=True)
   with open(path, 'w') as f:

@@ -91,13 +91,14 @@ def _compare(versions: dict, m: dict, zerojax: dict, memory: dict) -> dict:
       rec.update(default_step=full['predicted_step_seconds'], default_peak_gib=full['peak_gib'])
   elif z is not None and z['batch_per_chip'] == m['batch_per_chip']:
     d, s = z['default'], z['searched']
+    # bench_memory plans v5e rows, whose searches have no tensor axis: keyed by the remat.
     device = memory.get(m['row'], {}).get('plans', {}).get(s['remat'], {}).get('device_space_gib')
     rec.update(
       default_remat=d['remat'],
       default_step=d['predicted_step_seconds'],
       default_peak_gib=d['peak_gib'],
       default_executed_over_model=d['executed_over_model'],
-      searched_remat=s['remat'],
+      searched_remat=policy_name(s),
       candidates=len(z['candidates']),
       searched_step=s['predicted_step_seconds'],
       searched_step_at=s['step_at_host_share'],
@@ -115,10 +116,16 @@ def _compare(versions: dict, m: dict, zerojax: dict, memory: dict) -> dict:
   if step is not None and 'searched_step' in rec:
     rec['searched_vs_maxtext'] = {k: step / rec['searched_step_at'][k] for k in HOST_SHARES}
     best = rec['best_at_half']
-    rec['best_at_half_vs_maxtext'] = (best['remat'], step / best['step_at_host_share']['0.5'])
+    rec['best_at_half_vs_maxtext'] = (policy_name(best), step / best['step_at_host_share']['0.5'])
   if step is not None and 'default_step' in rec:
     rec['default_vs_maxtext'] = step / rec['default_step']
   return rec
+
+
+def policy_name(figures: dict) -> str:
+  """A searched candidate's name: its remat, and its tensor axis where the search tried one
+  (records from before that: the remat)."""
+  return figures.get('policy', figures['remat'])
 
 
 def _f(x, fmt: str = '.2f', suffix: str = '') -> str:

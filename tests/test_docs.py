@@ -736,21 +736,31 @@ def test_the_memory_table_is_the_committed_benchmark_and_under_maxtexts_peaks():
 
 def test_the_table_of_maxtexts_v5p_rows_is_the_committed_benchmark():
   """docs/results.md's v5p table is `bench_recompute.py --chip v5p`'s, row for row: the default plan
-  is MaxText's `minimal`, every policy of the script was planned at the row's mesh, and the
-  searched plan is the fastest that fits (no slower than the default at the assumed host
-  link; the table shows where half of it undoes that)."""
+  is MaxText's `minimal` at the row's mesh, every policy of the script was searched at the
+  row's tensor axis and at half of it by the command the table prints, and the searched plan
+  is the fastest that fits (no slower than the default at the assumed host link; the table
+  shows where half of it undoes that)."""
   import sys
 
   sys.path.insert(0, str(ROOT / 'benchmarks'))
   import bench_recompute
+  from bench_maxtext import ROWS
 
   runs = _committed_table_in('recompute_v5p.md', 'docs/results.md', 'recompute_v5p.libtpu-*.json')
   _table_is_rendered_from_the_runs('v5p')
+  written = (ROOT / 'benchmarks' / 'results' / 'recompute_v5p.md').read_text()
+  rows = {row[0]: row for row in ROWS}
   for path in runs:
     for r in json.loads(path.read_text())['rows']:
-      default, searched = r['default'], r['searched']
-      assert [c['remat'] for c in r['candidates']] == list(bench_recompute.V5P_REMATS)
-      assert default['remat'] == 'minimal' and default['fits'], (path.name, r['row'])
+      default, searched, row = r['default'], r['searched'], rows[r['row']]
+      assert r['command'] == bench_recompute.search_command(row, 'v5p')
+      assert f'`{r["command"]}`' in written, r['row']
+      tensors = sorted({max(1, row[6] // 2), row[6]})
+      assert [(c['remat'], c['tensor']) for c in r['candidates']] == [
+        (remat, t) for remat in bench_recompute.V5P_REMATS for t in tensors
+      ]
+      assert (default['remat'], default['tensor']) == ('minimal', row[6]), r['row']
+      assert default['fits'], (path.name, r['row'])
       fitting = [c for c in r['candidates'] if c.get('fits')]
       fastest = min(c['predicted_step_seconds'] for c in fitting)
       assert searched['fits'] and searched['predicted_step_seconds'] == fastest
