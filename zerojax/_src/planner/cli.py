@@ -1038,15 +1038,8 @@ _SHARES_HELP = (
 )
 
 
-def _search_arguments(p: argparse.ArgumentParser) -> None:
-  """`plan --search` and the space it searches."""
-  from zerojax._src.planner import candidates
-
-  s = p.add_argument_group(
-    'plan search (--search)',
-    'compile every combination of these for the topology and rank them by predicted step time',
-  )
-  s.add_argument('--search', action='store_true', help='search the space below instead of one plan')
+def _layout_space(s) -> None:
+  """`plan --search`'s stages and mesh layouts."""
   s.add_argument('--stages', type=_csv(int), default=(1, 2, 3), help='ZeRO stages')
   s.add_argument(
     '--layouts',
@@ -1063,6 +1056,18 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     ' heads, MLP columns, vocabulary; gradients through jax.value_and_grad); 1: none. Each'
     ' must divide the chips of a slice',
   )
+
+
+def _search_arguments(p: argparse.ArgumentParser) -> None:
+  """`plan --search` and the space it searches."""
+  from zerojax._src.planner import candidates
+
+  s = p.add_argument_group(
+    'plan search (--search)',
+    'compile every combination of these for the topology and rank them by predicted step time',
+  )
+  s.add_argument('--search', action='store_true', help='search the space below instead of one plan')
+  _layout_space(s)
   s.add_argument('--micro-batches', type=_csv(int), default=(1,), help='micro-batches per step')
   s.add_argument('--remats', type=_csv(str), default=None, help=_REMATS_HELP)
   s.add_argument(

@@ -23,23 +23,6 @@ def winner_code(report: SearchReport) -> str:
   # Several slices: an outer data-parallel 'slice' axis (on TPU, build it with
   # mesh_utils.create_hybrid_device_mesh; the axis across slices is found from the devices).
   full = ((c.slices, *shape), ('slice', *names)) if c.slices > 1 else (shape, names)
-  mesh = f'mesh = jax.make_mesh({full[0]}, {full[1]})'
-  zero_names = tuple(n for n in names if n != TENSOR)
-  options = zero_options(c, zero_names, model_spec(t, c).stacked)
-  args = [f'stage={c.stage}', 'mesh=mesh', f'axis={options.axis!r}']
-  if options.replica_axis is not None:
-    args.append(f'replica_axis={options.replica_axis!r}')
-  if options.param_axis is not None:
-    args.append(f'param_axis={options.param_axis!r}')
-  if options.offload is not None:
-    args += [f'offload={options.offload!r}', f'update_on={options.update_on!r}']
-  if options.stacked is not None:
-    args.append(f'stacked={options.stacked!r}')
-  if options.quantize is not None:
-    q = QUANTIZE[c.quantize]
-    args.append(f'quantize=zerojax.Quantize(weights={q["weights"]!r}, grads={q["grads"]!r})')
-  if c.tensor > 1:
-    args.append('param_specs=param_specs')
   inner = 'optax.adamw(lr)'
   if t.mixed_precision:
     inner = f'zerojax.mixed_precision({inner})'
@@ -58,27 +41,43 @@ def winner_code(report: SearchReport) -> str:
       + (f', micro_batches={c.micro_batches}' if c.micro_batches > 1 else '')
       + ')'
     )
-  return '\n'.join(
-    [
-      mesh,
-      f'tx = zerojax.zero_stage({inner}, {", ".join(args)})',
-      grad,
-      f'# {c.batch_per_chip} sequence(s) per chip per step; layers in {loop}',
-    ]
-    + (
-      [
-        f'# param_specs: PartitionSpecs over {TENSOR!r} that split each layer Megatron-style'
-        ' (heads, MLP columns, vocabulary)'
-      ]
-      if c.tensor > 1
-      else []
+  lines = [
+    f'mesh = jax.make_mesh({full[0]}, {full[1]})',
+    f'tx = zerojax.zero_stage({inner}, {", ".join(_zero_stage_args(report, names))})',
+    grad,
+    f'# {c.batch_per_chip} sequence(s) per chip per step; layers in {loop}',
+  ]
+  if c.tensor > 1:
+    lines.append(
+      f'# param_specs: PartitionSpecs over {TENSOR!r} that split each layer Megatron-style'
+      ' (heads, MLP columns, vocabulary)'
     )
-    + (
-      [f'# compile the step with jax.jit(train_step, compiler_options={c.compiler_options()})']
-      if c.scheduler_share is not None
-      else []
+  if c.scheduler_share is not None:
+    lines.append(
+      f'# compile the step with jax.jit(train_step, compiler_options={c.compiler_options()})'
     )
-  )
+  return '\n'.join(lines)
+
+
+def _zero_stage_args(report: SearchReport, names: tuple[str, ...]) -> list[str]:
+  """The winner's `zerojax.zero_stage` arguments after the optimizer, over mesh axes `names`."""
+  c, t = report.winner.candidate, report.target
+  options = zero_options(c, tuple(n for n in names if n != TENSOR), model_spec(t, c).stacked)
+  args = [f'stage={c.stage}', 'mesh=mesh', f'axis={options.axis!r}']
+  if options.replica_axis is not None:
+    args.append(f'replica_axis={options.replica_axis!r}')
+  if options.param_axis is not None:
+    args.append(f'param_axis={options.param_axis!r}')
+  if options.offload is not None:
+    args += [f'offload={options.offload!r}', f'update_on={options.update_on!r}']
+  if options.stacked is not None:
+    args.append(f'stacked={options.stacked!r}')
+  if options.quantize is not None:
+    q = QUANTIZE[c.quantize]
+    args.append(f'quantize=zerojax.Quantize(weights={q["weights"]!r}, grads={q["grads"]!r})')
+  if c.tensor > 1:
+    args.append('param_specs=param_specs')
+  return args
 
 
 def _gib(n: float) -> str:
