@@ -813,6 +813,48 @@ def test_each_committed_v5e_search_is_the_command_its_table_prints():
       assert key(target, c) == key(committed, c), (name, remat)
 
 
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_each_committed_v5p_search_is_its_command_and_its_plans_are_single_plans():
+  """`bench_recompute.py --chip v5p` searches each of MaxText's v5p rows by `python -m zerojax
+  plan --search FLAGS` (a tensor axis of MaxText's size and of half of it): the committed records
+  hold the command's candidates in its order, and the default plan and the committed winners
+  lower to the same program (the program cache's key) as the single plan of that mesh and policy,
+  `--mesh data=N,tensor=T --remat R`: a plan is a search of one."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  sys.path.insert(0, str(ROOT / 'benchmarks'))
+  import bench_recompute
+  from bench_maxtext import ROWS, chip_count, decoder_model
+
+  from zerojax._src.planner import cli, lowering, program_cache
+
+  runs = [json.loads(p.read_text()) for p in ROOT.glob('benchmarks/results/recompute_v5p.*.json')]
+  assert runs
+  key = lambda t, c: program_cache.program_key(lowering.lower(t, c).lowered, t.topology)
+  for row in ROWS:
+    name, width, heads, mlp, layers, topology, tensor, batch, _ = row
+    target, space, run = cli.search_target(bench_recompute.search_flags(row, 'v5p'))
+    assert run['hbm_bytes'] is None and run['compiler_options'] == {}
+    records = [r for doc in runs for r in doc['rows'] if r['row'] == name]
+    assert records and all(
+      [(c['remat'], c['tensor']) for c in r['candidates']] == [(c.remat, c.tensor) for c in space]
+      for r in records
+    )
+    picked = {('minimal', tensor)} | {
+      (r['searched']['remat'], r['searched']['tensor']) for r in records
+    }
+    for remat, t in sorted(picked):
+      c = next(c for c in space if (c.remat, c.tensor) == (remat, t))
+      single, one, _ = cli.plan_target(
+        ['--model', decoder_model(width, heads, mlp, layers), '--topology', topology,
+         '--mesh', f'data={chip_count(topology) // t},tensor={t}', '--stage', '3',
+         '--batch-per-chip', str(batch), '--seq-len', '2048', '--remat', remat,
+         '--attention', 'flash']
+      )  # fmt: skip
+      assert key(target, c) == key(single, one), (name, remat, t)
+
+
 def test_the_regeneration_tool_rewrites_every_committed_tpu_result(tmp_path, monkeypatch):
   """tools/regenerate_tpu_results.py has a step that writes each committed result of each
   supported TPU compiler, each plan's report made again by the command it begins with, each

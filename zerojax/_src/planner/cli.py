@@ -1157,8 +1157,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 def plan_target(argv: list[str]) -> tuple[Any, Any, int | None]:
   """What `python -m zerojax plan ARGV` plans: its `lowering.Target`, its one `Candidate` and
   the chips' HBM in bytes (None: the chip's), for a script that evaluates other candidates on
-  the same target with `search.evaluate` (a remat policy at a tensor-parallel mesh, which
-  `--search`'s layouts do not span). Bad flags exit as the command line does."""
+  the same target with `search.evaluate` (the same plan at other scheduler shares, say). Bad
+  flags exit as the command line does."""
   parser, p = _parsers()
   args = parser.parse_args(['plan', *argv])
   args.command_line = 'python -m zerojax plan ' + shlex.join(argv)
