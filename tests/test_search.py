@@ -112,6 +112,19 @@ def test_the_tensor_axis_of_a_mesh_runs_over_neighbouring_devices():
   assert [list(row) for row in mesh.devices] == [list(devices[i : i + 2]) for i in (0, 2, 4, 6)]
 
 
+def test_a_tensor_axis_the_model_cannot_split_is_a_failed_candidate_that_says_why():
+  report = zerojax.inspect.search_plans(
+    'tiny', 'cpu:8', progress=False, stages=(3,), layouts=('flat',), remat=('full',),
+    prefetch=(False,), tensor=(8,),
+  )  # fmt: skip
+  (result,) = report.results
+  assert report.winner is None and not result.fits
+  assert result.status == (
+    'failed: LayoutError: a tensor axis of 8 does not divide n_heads=4, n_kv_heads=4: pick a'
+    ' tensor size that divides each (e.g. a divisor of 4), or drop the tensor axis.'
+  )
+
+
 @pytest.mark.parametrize('chip', [None, *roofline.CHIPS])
 def test_a_search_tries_the_policies_unless_told_and_offloads_where_the_host_link_is_priced(chip):
   spec = roofline.CHIPS.get(chip)

@@ -1,7 +1,7 @@
 """The candidates of a plan search: one configuration to try (`Candidate`: stage, mesh layout,
 tensor-parallel degree, micro-batches, rematerialisation, prefetch, offload, ZeRO++, batch per
-chip, slices, the TPU scheduler's share of HBM), and the space of them a search compiles, each combination that
-cannot run left out with why."""
+chip, slices, the TPU scheduler's share of HBM), and the space of them a search compiles, each
+combination that cannot run left out with why."""
 
 from __future__ import annotations
 

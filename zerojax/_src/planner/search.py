@@ -3,13 +3,14 @@
 Every candidate (stage, mesh layout, tensor-parallel degree, micro-batches,
 rematerialisation, prefetch, offload, quantization, batch per chip) is first
 checked against theory (its model states at rest against HBM, its offloaded
-state against host memory), and the survivors are compiled ahead of time for the real topology. Each
-compiled program gives its own peak memory and collectives (ring bytes against
-the ZeRO floor, bytes overlapped with compute); its FLOPs are counted on the
-compiled program per chip with every loop iteration (XLA's cost analysis,
-also reported, counts a loop body once); the step-time model (`roofline`)
-turns the program's kernels, collectives and host transfers into a *predicted*
-step time. The ranking is by predicted time among the candidates that fit.
+state against host memory), and the survivors are compiled ahead of time for the
+real topology. Each compiled program gives its own peak memory and collectives
+(ring bytes against the ZeRO floor, bytes overlapped with compute); its FLOPs
+are counted on the compiled program per chip with every loop iteration (XLA's
+cost analysis, also reported, counts a loop body once); the step-time model
+(`roofline`) turns the program's kernels, collectives and host transfers into a
+*predicted* step time. The ranking is by predicted time among the candidates
+that fit.
 
 Predicted is not measured: kernels take the TPU compiler's own cycle estimates,
 collectives the ICI bandwidth one torus axis gets, less what the compiler
