@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -99,6 +100,10 @@ class ShardedLeaf:
     replicas: data-parallel mesh axes (`Options.replica_axis`, e.g. across TPU
       slices) over which the gather's backward also sums the reduce-scattered
       gradient, in the dtype it was gathered in; () leaves that to the caller.
+    free: its layout over the mesh axes the region leaves to the compiler (a
+      tensor-parallel axis), for the `ndim` dimensions; None where it is split
+      over none. Its collectives then run manual over those axes too (see
+      `on_free_axes`).
 
   Outside a gather it is not an array, and says so:
 
@@ -118,6 +123,7 @@ class ShardedLeaf:
   quantize: Any = dataclasses.field(default=None, metadata=dict(static=True))
   sink: jax.Array | None = None
   replicas: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+  free: PartitionSpec | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def replace(self, **changes) -> ShardedLeaf:
     return dataclasses.replace(self, **changes)
@@ -132,24 +138,34 @@ class ShardedLeaf:
     dim = self.dim - sliced
     if dim < 0:
       raise layer_axis_split(self.path, self.axes, self.dim)
-    q = self.quantize
     if self.sink is not None:
       x = to_sink(x, self.sink)
+    free = None if self.free is None else PartitionSpec(*tuple(self.free)[sliced:])
     if self.whole is not None:
-      grads_q = q if q is not None and q.grads is not None else None
-      x = _summed_in_backward(x, self.replicas) if self.replicas else x
-      return _whole_with_scattered_grad(x, self.whole, dim, self.axes, dtype, grads_q)
+      collect = functools.partial(self._scattered_grad, dim=dim, dtype=dtype)
+      return on_free_axes(collect, free, x, self.whole)
+    collect = functools.partial(self._all_gather, dim=dim, dtype=dtype)
+    return checkpoint_name(on_free_axes(collect, free, x), GATHERED)
+
+  def _all_gather(self, x: jax.Array, *, dim: int, dtype: Any) -> jax.Array:
+    """The gather's collectives on this device's part (ZeRO++ quantized if asked)."""
+    q = self.quantize
     if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
       x = x.astype(dtype)
     if self.replicas:
       x = _summed_in_backward(x, self.replicas)
     if q is not None and q.weights is not None:
-      whole = quantize_lib.quantized_all_gather(x, self.axes, dim, q)
-    elif q is not None:
-      whole = quantize_lib.all_gather_with_quantized_grad(x, self.axes, dim, q)
-    else:
-      whole = all_gather_axes(x, self.axes, dim)
-    return checkpoint_name(whole, GATHERED)
+      return quantize_lib.quantized_all_gather(x, self.axes, dim, q)
+    if q is not None:
+      return quantize_lib.all_gather_with_quantized_grad(x, self.axes, dim, q)
+    return all_gather_axes(x, self.axes, dim)
+
+  def _scattered_grad(self, x: jax.Array, whole: jax.Array, *, dim: int, dtype: Any):
+    """Stage 2: `whole`, whose gradient is reduce-scattered into `x`'s place."""
+    q = self.quantize
+    grads_q = q if q is not None and q.grads is not None else None
+    x = _summed_in_backward(x, self.replicas) if self.replicas else x
+    return _whole_with_scattered_grad(x, whole, dim, self.axes, dtype, grads_q)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -266,6 +282,38 @@ def gather_manual(tree: Any, dtype: Any = None) -> Any:
     return x
 
   return jax.tree.map(one, tree, is_leaf=is_sharded_leaf)
+
+
+def free_spec(
+  spec: PartitionSpec, manual: tuple[str, ...], dim: int | None
+) -> PartitionSpec | None:
+  """`spec` over the mesh axes not in `manual`, or None where it splits over none of them, or
+  where one shares dimension `dim` (the one the manual collectives split) with a manual axis."""
+  names = lambda e: tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a is not None)
+  entries = [tuple(a for a in names(e) if a not in manual) for e in spec]
+  if not any(entries) or (dim is not None and dim < len(entries) and entries[dim]):
+    return None
+  return PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries))
+
+
+def on_free_axes(fn: Callable[..., jax.Array], spec: PartitionSpec | None, *xs: jax.Array):
+  """`fn(*xs)`, collectives over the manual (ZeRO) axes, run manual over the axes `spec`
+  splits `xs` over that are not manual here (a tensor-parallel axis the compiler places).
+
+  Inside `jax.shard_map` over the ZeRO axes only, XLA makes the operand of an all-gather or a
+  reduce-scatter over those axes whole over the other axes first: a parameter split over a
+  tensor axis would be gathered whole on every chip. Manual over both, each chip gathers only
+  its own tensor part, and the result leaves split over the tensor axis as it came in. `fn`
+  keeps every dimension `spec` splits (it gathers or scatters another).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  used = {a for e in spec or () for a in (e if isinstance(e, tuple) else (e,)) if a is not None}
+  free = used - set(mesh.manual_axes)
+  if not free:
+    return fn(*xs)
+  return jax.shard_map(
+    fn, mesh=mesh, in_specs=(spec,) * len(xs), out_specs=spec, axis_names=free, check_vma=False
+  )(*xs)
 
 
 def _manual(axes: tuple[str, ...]) -> bool:

@@ -18,7 +18,10 @@ What the per-device parts mean for the whole batch (scalar means,
 `WeightedMean`s, per-row aux, random keys) is `reduction`'s. Every decision
 about a parameter leaf (where it is split at rest and as a gradient, who
 gathers it, its quantization) is made once, in `LeafRoute`, before tracing.
-Other mesh axes (tensor parallelism) stay under the compiler's control.
+Other mesh axes (tensor parallelism) stay under the compiler's control, but for
+each leaf's own collectives: those run manual over the tensor axes the leaf is
+split over too (`gather.on_free_axes`), so that a chip gathers and reduce-scatters
+only its tensor part (XLA would otherwise make the operand whole over them first).
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ class LeafRoute:
     quantize: the ZeRO++ `Quantize` of its collectives, or None.
     acc_shape: this device's gradient accumulator.
     acc_dtype: the accumulator's dtype.
+    free: its layout at rest over the mesh axes left to the compiler (a tensor axis), or None;
+      its collectives run manual over those too (`gather.on_free_axes`).
+    grad_free: the same for its gradient.
   """
 
   path: str
@@ -94,6 +100,8 @@ class LeafRoute:
   quantize: Any
   acc_shape: tuple[int, ...]
   acc_dtype: Any
+  free: PartitionSpec | None = None
+  grad_free: PartitionSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +153,9 @@ def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any
     if stage >= 2 and scatter is not None:
       acc_shape[scatter[0]] //= mesh_lib.axes_size(config.mesh, scatter[1])
     model_split = (gather if stage == 3 else scatter) if per_layer else None
+    manual = config.replica_axes + axes
+    free = gather_lib.free_spec(rest.spec, manual, (model_split or gather or (None,))[0])
+    grad_free = gather_lib.free_spec(grad.spec, manual, (scatter or (None,))[0])
     routes.append(
       LeafRoute(
         f'params{jax.tree_util.keystr(path)}',
@@ -156,6 +167,8 @@ def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any
         q,
         tuple(acc_shape),
         reduce_dtype or x.dtype,
+        free,
+        grad_free,
       )
     )
   return tuple(routes), plan
@@ -197,10 +210,13 @@ def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], l
           # With one micro-batch the gather's backward also sums the shard over the replica
           # axes, in the dtype it was reduce-scattered in (the compute dtype, at stage 3).
           replicas=r.replica_axes if r.micro_batches == 1 else (),
+          free=route.free,
         )
       )
     elif route.gather is not None:
-      leaf = gather_lib.ShardedLeaf(x, *route.gather, x.ndim, route.path, quantize=route.quantize)
+      leaf = gather_lib.ShardedLeaf(
+        x, *route.gather, x.ndim, route.path, quantize=route.quantize, free=route.free
+      )
       leaves.append(leaf.gather())
     else:
       leaves.append(x)
@@ -381,9 +397,12 @@ def _reduce_micro(r: Routes, route: LeafRoute, g: jax.Array) -> jax.Array:
   once after the loop.
   """
   if r.stage >= 2 and route.scatter is not None and route.model_split is None:
-    g = _reduce_scatter(route, g, r.axes)
-    if r.micro_batches == 1:
-      g = _across_replicas(r, g)
+
+    def reduce(g):
+      g = _reduce_scatter(route, g, r.axes)
+      return _across_replicas(r, g) if r.micro_batches == 1 else g
+
+    g = gather_lib.on_free_axes(reduce, route.grad_free, g)
   return g
 
 
@@ -417,10 +436,14 @@ def _psum_in_slices(x: jax.Array, axes: Any) -> jax.Array:
 def _reduce_final(r: Routes, route: LeafRoute, acc: jax.Array) -> jax.Array:
   """After the loop: stage 1 reduce-scatters its full buffer; whole leaves are all-reduced."""
   if route.scatter is not None and r.stage >= 2:
-    return acc if r.micro_batches == 1 else _across_replicas(r, acc)
+    if r.micro_batches == 1:
+      return acc
+    return gather_lib.on_free_axes(functools.partial(_across_replicas, r), route.grad_free, acc)
   if route.scatter is not None and r.stage == 1:
-    return _across_replicas(r, _reduce_scatter(route, acc, r.axes))
-  return _psum_in_slices(acc, _axis_arg(r.all_axes))
+    reduce = lambda g: _across_replicas(r, _reduce_scatter(route, g, r.axes))
+    return gather_lib.on_free_axes(reduce, route.grad_free, acc)
+  whole = functools.partial(_psum_in_slices, axes=_axis_arg(r.all_axes))
+  return gather_lib.on_free_axes(whole, route.grad_free, acc)
 
 
 def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, scale):

@@ -589,6 +589,13 @@ def _log_mesh(args, start: float, mesh: dict[str, int], explicit: bool) -> None:
   )
 
 
+def _narrow(dtype: str) -> bool:
+  """Whether `dtype` (a --compute-dtype) is narrower than 32 bits."""
+  import jax.numpy as jnp
+
+  return jnp.dtype(dtype).itemsize < 4
+
+
 def _gradients(args, names: tuple[str, ...]) -> bool:
   """Whether the plan takes gradients through zerojax.value_and_grad (else jax's)."""
   stream = args.update_on == 'stream'
@@ -597,14 +604,16 @@ def _gradients(args, names: tuple[str, ...]) -> bool:
       'error: --update-on stream writes gradients to host memory from inside'
       " zerojax.value_and_grad's layer loop; drop --grad jax (or use --grad zerojax)."
     )
-  if TENSOR in names:
-    if args.grad == 'zerojax' or stream:
+  if TENSOR in names:  # auto: jax's, where the compiler places every collective
+    explicit = args.grad == 'zerojax' or stream
+    if explicit and args.topology.startswith('cpu:') and _narrow(args.compute_dtype):
       raise SystemExit(
-        f'error: a mesh with a {TENSOR!r} axis takes gradients through jax.value_and_grad'
-        ' (the compiler places the tensor-parallel collectives); drop --grad zerojax and'
-        ' --update-on stream, or the tensor axis.'
+        f'error: on CPU, zerojax.value_and_grad beside a {TENSOR!r} axis with'
+        f' {args.compute_dtype} matmuls makes the XLA CPU compiler abort (its all-reduce'
+        ' promotion fails on the low-precision all-reduces inside the region manual over the'
+        ' ZeRO axes); add --compute-dtype float32, or drop --grad zerojax. TPU compiles it.'
       )
-    return False
+    return explicit
   return args.grad == 'zerojax' or (args.grad == 'auto' and (len(names) > 1 or stream))
 
 
@@ -918,8 +927,9 @@ def _layout_arguments(p: argparse.ArgumentParser) -> None:
     default='auto',
     choices=('auto', 'jax', 'zerojax'),
     help='how gradients are taken: jax.value_and_grad (the compiler places the reduction),'
-    ' zerojax.value_and_grad (explicit per-layer reduce-scatters), or auto: zerojax on a'
-    ' multi-axis mesh, jax otherwise',
+    ' zerojax.value_and_grad (explicit per-layer reduce-scatters; beside a tensor axis, each'
+    ' chip gathers only its tensor part), or auto: zerojax on a multi-axis mesh without a'
+    " 'tensor' axis, jax otherwise",
   )
   p.add_argument(
     '--prefetch',

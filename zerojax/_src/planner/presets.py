@@ -270,6 +270,11 @@ def tensor_constraint(plan: plan_lib.ZeroPlan, tensor: str = 'tensor'):
   }
 
   def constrain(x, kind: str):
+    # Inside zerojax.value_and_grad the ZeRO axes are manual: the constraint names the rest.
+    manual = tuple(getattr(jax.sharding.get_abstract_mesh(), 'manual_axes', ()))
+    if manual:
+      spec = gather.free_spec(specs[kind], manual, None) or P()
+      return jax.lax.with_sharding_constraint(x, spec)
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(plan.mesh, specs[kind]))
 
   return constrain
@@ -304,6 +309,8 @@ def _flash_attention(plan: plan_lib.ZeroPlan | None):
   free = [a for a in mesh.axis_names if a not in manual]
   if not free:
     return attend
+  if manual:  # nested in zerojax.value_and_grad's shard_map: the context's mesh
+    mesh = jax.sharding.get_abstract_mesh()
   tensor = 'tensor' if 'tensor' in free and 'tensor' not in plan.axes else None
   batch = tuple(a for a in free if a != tensor) or None
   spec = jax.sharding.PartitionSpec(batch, None, tensor, None)

@@ -1,0 +1,143 @@
+"""zerojax.value_and_grad beside a tensor-parallel axis: each chip gathers only its own part.
+
+Inside `jax.shard_map` over the ZeRO axis alone, XLA makes the operand of an all-gather or a
+reduce-scatter over it whole over the other mesh axes first, so a parameter split over a
+tensor axis would be gathered whole on every chip. zerojax runs those collectives manual over
+the tensor axis too. Each test compiles the step on a faked CPU mesh and reads the program:
+no collective over the tensor axis's device groups moves a parameter, and the gradients
+equal `jax.value_and_grad`'s.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _tolerance import EPS32, assert_close
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+from zerojax._src import jaxprs
+
+D, F, ROWS = 16, 32, 16
+
+
+def _mesh(data: int, tensor: int):
+  devices = np.array(jax.devices()[: data * tensor]).reshape(data, tensor)
+  return jax.sharding.Mesh(devices, ('data', 'tensor'), axis_types=(AxisType.Auto,) * 2)
+
+
+def _params():
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  return {
+    'w_in': jax.random.normal(k1, (D, F), jnp.float32) / 4,
+    'w_out': jax.random.normal(k2, (F, D), jnp.float32) / 4,
+    'norm': 1 + jax.random.normal(k3, (D,), jnp.float32) / 8,
+  }
+
+
+# Megatron-style: the MLP's columns, then its rows, over the tensor axis.
+SPECS = {'w_in': P(None, 'tensor'), 'w_out': P('tensor', None), 'norm': P()}
+
+
+def _loss(p, b):
+  h = jnp.tanh((b['x'] * p['norm']) @ p['w_in'])
+  return jnp.mean((h @ p['w_out'] - b['y']) ** 2)
+
+
+def _tensor_groups(mesh) -> set[tuple[int, ...]]:
+  """The device groups of the tensor axis, as positions in the mesh's device order."""
+  ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+  return {frozenset(int(i) for i in row) for row in ids}
+
+
+def _collectives(text: str) -> list[tuple[str, str, str]]:
+  """(op, result type, replica groups) of every all-gather and reduce-scatter."""
+  pat = re.compile(r'= (\S+) (all-gather|reduce-scatter)(?:-start)?\(.*?replica_groups=(\S+)')
+  return [(m.group(2), m.group(1), m.group(3)) for m in pat.finditer(text)]
+
+
+def _groups(text: str, n: int) -> set[tuple[int, ...]]:
+  """Replica groups written as {{0,1},{2,3}} or as iota [a,b]<=[n] (with an optional T())."""
+  if text.startswith('{'):
+    return {frozenset(int(i) for i in g.split(',')) for g in re.findall(r'\{([\d,]+)\}', text)}
+  m = re.match(r'\[(\d+),(\d+)\]<=\[([\d,]+)\](T\(([\d,]+)\))?', text)
+  dims = [int(x) for x in m.group(3).split(',')]
+  ids = np.arange(n).reshape(dims)
+  if m.group(5):
+    ids = ids.transpose([int(x) for x in m.group(5).split(',')])
+  return {frozenset(int(i) for i in row) for row in ids.reshape(int(m.group(1)), int(m.group(2)))}
+
+
+@pytest.mark.parametrize('stage', [1, 2, 3])
+@pytest.mark.parametrize('shape', [(4, 2), (2, 4), (2, 2)])
+@pytest.mark.parametrize('per_layer', [False, True])
+def test_parameters_are_gathered_over_the_zero_axis_only(stage, shape, per_layer):
+  if per_layer and stage < 2:
+    pytest.skip('per_layer is for stages 2-3')
+  mesh = _mesh(*shape)
+  tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh, param_specs=SPECS)
+  plan = zerojax.plan_for(tx, _params())
+  params = jax.device_put(_params(), plan.params)
+  rows = NamedSharding(mesh, P('data'))
+  rng = np.random.default_rng(0)
+  b = {
+    'x': jax.device_put(rng.normal(size=(ROWS, D)).astype(np.float32), rows),
+    'y': jax.device_put(rng.normal(size=(ROWS, D)).astype(np.float32), rows),
+  }
+  loss_fn = _loss
+  if per_layer:  # the model gathers its own (split) parameters where it uses them
+    loss_fn = lambda p, b: _loss(zerojax.gather(p, tx), b)
+  compiled = jax.jit(zerojax.value_and_grad(loss_fn, tx, per_layer=per_layer)).lower(params, b)
+  compiled = compiled.compile()
+  loss, grads = compiled(params, b)
+  want_loss, want = jax.jit(jax.value_and_grad(_loss))(_params(), b)
+  assert_close(loss, want_loss, EPS32 * 64)
+  for k in want:
+    assert_close(grads[k], want[k], EPS32 * 256, f'gradient of {k}')
+  tensor = _tensor_groups(mesh)
+  text = compiled.as_text()
+  found = _collectives(text)
+  assert found, 'the step has no all-gather or reduce-scatter to read'
+  n = mesh.devices.size
+  over_tensor = [c for c in found if _groups(c[2], n) & tensor and shape[1] > 1]
+  assert not over_tensor, f'collectives over the tensor axis: {over_tensor}'
+
+
+def test_a_layer_loop_gathers_each_layer_again_in_the_backward_pass():
+  """Under `zerojax.recompute_gathers` the tensor-manual gather is still a gather: not saved
+  for the backward pass (one all-gather per split leaf and layer each way)."""
+  mesh = _mesh(4, 2)
+  layers, specs = 3, {'w_in': P(None, None, 'tensor'), 'w_out': P(None, 'tensor', None)}
+  tx = zerojax.zero_stage(
+    optax.sgd(0.1), 3, mesh=mesh, param_specs=specs, stacked={'w_in': True, 'w_out': True}
+  )
+  key = jax.random.key(1)
+  params = {
+    'w_in': jax.random.normal(key, (layers, D, F), jnp.float32) / 4,
+    'w_out': jax.random.normal(key, (layers, F, D), jnp.float32) / 4,
+  }
+  plan = zerojax.plan_for(tx, params)
+  layouts = plan.params
+
+  def loss(p, b):
+    def block(x, w):
+      w = zerojax.gather(w, tx, layouts=layouts, scanned=True)
+      return x + jnp.tanh(x @ w['w_in']) @ w['w_out'], None
+
+    block = jax.checkpoint(block, policy=zerojax.recompute_gathers)
+    x, _ = jax.lax.scan(block, b['x'], p)
+    return jnp.mean(x**2)
+
+  b = {'x': jax.device_put(np.ones((ROWS, D), np.float32), NamedSharding(mesh, P('data')))}
+  placed = jax.device_put(params, plan.params)
+  grad_fn = zerojax.value_and_grad(loss, tx, per_layer=True)
+  outside, inside = jaxprs.count_gathers(jax.make_jaxpr(grad_fn)(placed, b).jaxpr)
+  assert (outside, inside) == (0, 2 * len(params))
+  got = jax.jit(grad_fn)(placed, b)[1]
+  want = jax.jit(jax.grad(loss))(params, {'x': np.ones((ROWS, D), np.float32)})
+  for k in want:
+    assert_close(got[k], want[k], EPS32 * 256, f'gradient of {k}')
