@@ -23,6 +23,8 @@ import zerojax
 from zerojax._src import jaxprs
 
 D, F, ROWS = 16, 32, 16
+# The single-layer losses here gather outside a layer loop on purpose.
+pytestmark = pytest.mark.filterwarnings('ignore:zerojax.value_and_grad.per_layer=True.. the loss gathers')
 
 
 def _mesh(data: int, tensor: int):
@@ -56,14 +58,26 @@ def _tensor_groups(mesh) -> set[tuple[int, ...]]:
 
 def _collectives(text: str) -> list[tuple[str, str, str]]:
   """(op, result type, replica groups) of every all-gather and reduce-scatter."""
-  pat = re.compile(r'= (\S+) (all-gather|reduce-scatter)(?:-start)?\(.*?replica_groups=(\S+)')
+  groups = r'(mesh\[[^\]]*\] \{[^}]*\}|\S+)'
+  pat = re.compile(r'= (\S+) (all-gather|reduce-scatter)(?:-start)?\(.*?replica_groups=' + groups)
   return [(m.group(2), m.group(1), m.group(3)) for m in pat.finditer(text)]
 
 
-def _groups(text: str, n: int) -> set[tuple[int, ...]]:
-  """Replica groups written as {{0,1},{2,3}} or as iota [a,b]<=[n] (with an optional T())."""
+def _groups(text: str, n: int) -> set[frozenset[int]]:
+  """Replica groups written as {{0,1},{2,3}}, as iota [a,b]<=[n] (with an optional T()), or
+  as mesh['data'=4,'tensor'=2] {'data'} (the groups along the named axes)."""
   if text.startswith('{'):
     return {frozenset(int(i) for i in g.split(',')) for g in re.findall(r'\{([\d,]+)\}', text)}
+  named = re.match(r'mesh\[([^\]]*)\] \{([^}]*)\}', text)
+  if named:
+    axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
+    along = re.findall(r"'(\w+)'", named.group(2))
+    ids = np.arange(n).reshape([int(size) for _, size in axes])
+    names = [a for a, _ in axes]
+    order = [i for i, a in enumerate(names) if a not in along] + [names.index(a) for a in along]
+    ids = ids.transpose(order)
+    size = int(np.prod([int(s) for a, s in axes if a in along]))
+    return {frozenset(int(i) for i in row) for row in ids.reshape(-1, size)}
   m = re.match(r'\[(\d+),(\d+)\]<=\[([\d,]+)\](T\(([\d,]+)\))?', text)
   dims = [int(x) for x in m.group(3).split(',')]
   ids = np.arange(n).reshape(dims)
@@ -141,3 +155,37 @@ def test_a_layer_loop_gathers_each_layer_again_in_the_backward_pass():
   want = jax.jit(jax.grad(loss))(params, {'x': np.ones((ROWS, D), np.float32)})
   for k in want:
     assert_close(got[k], want[k], EPS32 * 256, f'gradient of {k}')
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_on_the_tpu_compiler_too():
+  """The same contract in the program the TPU compiler writes for a v5e:2x4 slice (4 x 2),
+  ahead of time with no TPU: without the tensor-manual region it gathers each weight whole
+  over the tensor axis there as well."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu) for ahead-of-time compiling')
+  from jax.experimental import topologies
+
+  topology = topologies.get_topology_desc(topology_name='v5e:2x4', platform='tpu')
+  devices = np.array(topology.devices).reshape(4, 2)
+  mesh = jax.sharding.Mesh(devices, ('data', 'tensor'), axis_types=(AxisType.Auto,) * 2)
+  shapes = {'w_in': (256, 512), 'w_out': (512, 256), 'norm': (256,)}
+  rows = NamedSharding(mesh, P('data'))
+  b = {k: jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=rows) for k in 'xy'}
+  for stage, per_layer in [(1, False), (2, False), (2, True), (3, False), (3, True)]:
+    tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh, param_specs=SPECS)
+    plan = zerojax.plan_for(
+      tx, {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()}
+    )
+    params = {
+      k: jax.ShapeDtypeStruct(v, jnp.float32, sharding=plan.params[k]) for k, v in shapes.items()
+    }
+    loss_fn = _loss
+    if per_layer:
+      loss_fn = lambda p, b, tx=tx: _loss(zerojax.gather(p, tx), b)
+    grad_fn = jax.jit(zerojax.value_and_grad(loss_fn, tx, per_layer=per_layer))
+    found = _collectives(grad_fn.lower(params, b).compile().as_text())
+    assert found, 'the step has no all-gather or reduce-scatter to read'
+    tensor = _tensor_groups(mesh)
+    over_tensor = [c for c in found if _groups(c[2], mesh.devices.size) & tensor]
+    assert not over_tensor, f'stage {stage}, per_layer={per_layer}: {over_tensor}'
