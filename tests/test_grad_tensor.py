@@ -24,7 +24,9 @@ from zerojax._src import jaxprs
 
 D, F, ROWS = 16, 32, 16
 # The single-layer losses here gather outside a layer loop on purpose.
-pytestmark = pytest.mark.filterwarnings('ignore:zerojax.value_and_grad.per_layer=True.. the loss gathers')
+pytestmark = pytest.mark.filterwarnings(
+  'ignore:zerojax.value_and_grad.per_layer=True.. the loss gathers'
+)
 
 
 def _mesh(data: int, tensor: int):
@@ -89,7 +91,8 @@ def _groups(text: str, n: int) -> set[frozenset[int]]:
 @pytest.mark.parametrize('stage', [1, 2, 3])
 @pytest.mark.parametrize('shape', [(4, 2), (2, 4), (2, 2)])
 @pytest.mark.parametrize('per_layer', [False, True])
-def test_parameters_are_gathered_over_the_zero_axis_only(stage, shape, per_layer):
+@pytest.mark.parametrize('micro', [1, 2])
+def test_parameters_are_gathered_over_the_zero_axis_only(stage, shape, per_layer, micro):
   if per_layer and stage < 2:
     pytest.skip('per_layer is for stages 2-3')
   mesh = _mesh(*shape)
@@ -105,7 +108,8 @@ def test_parameters_are_gathered_over_the_zero_axis_only(stage, shape, per_layer
   loss_fn = _loss
   if per_layer:  # the model gathers its own (split) parameters where it uses them
     loss_fn = lambda p, b: _loss(zerojax.gather(p, tx), b)
-  compiled = jax.jit(zerojax.value_and_grad(loss_fn, tx, per_layer=per_layer)).lower(params, b)
+  grad_fn = zerojax.value_and_grad(loss_fn, tx, per_layer=per_layer, micro_batches=micro)
+  compiled = jax.jit(grad_fn).lower(params, b)
   compiled = compiled.compile()
   loss, grads = compiled(params, b)
   want_loss, want = jax.jit(jax.value_and_grad(_loss))(_params(), b)
