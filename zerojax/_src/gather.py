@@ -289,8 +289,7 @@ def free_spec(
 ) -> PartitionSpec | None:
   """`spec` over the mesh axes not in `manual`, or None where it splits over none of them, or
   where one shares dimension `dim` (the one the manual collectives split) with a manual axis."""
-  names = lambda e: tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a is not None)
-  entries = [tuple(a for a in names(e) if a not in manual) for e in spec]
+  entries = [tuple(a for a in rules.spec_axes(e) if a not in manual) for e in spec]
   if not any(entries) or (dim is not None and dim < len(entries) and entries[dim]):
     return None
   return PartitionSpec(*(e[0] if len(e) == 1 else (e or None) for e in entries))
@@ -307,7 +306,7 @@ def on_free_axes(fn: Callable[..., jax.Array], spec: PartitionSpec | None, *xs: 
   keeps every dimension `spec` splits (it gathers or scatters another).
   """
   mesh = jax.sharding.get_abstract_mesh()
-  used = {a for e in spec or () for a in (e if isinstance(e, tuple) else (e,)) if a is not None}
+  used = {a for e in spec or () for a in rules.spec_axes(e)}
   free = used - set(mesh.manual_axes)
   if not free:
     return fn(*xs)
