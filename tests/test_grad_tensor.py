@@ -193,3 +193,37 @@ def test_on_the_tpu_compiler_too():
     tensor = _tensor_groups(mesh)
     over_tensor = [c for c in found if _groups(c[2], mesh.devices.size) & tensor]
     assert not over_tensor, f'stage {stage}, per_layer={per_layer}: {over_tensor}'
+
+
+def test_free_spec_over_every_spec_of_two_and_three_dimensions():
+  """`gather.free_spec` keeps, for each dimension, the axes that are not manual, in order; it
+  gives None where none is left or where the collectives' own dimension keeps one (a split the
+  nested region could not hold apart from the ZeRO axes)."""
+  import itertools
+
+  from zerojax._src import gather
+
+  entries = [
+    None,
+    'data',
+    'tensor',
+    'replica',
+    ('data', 'tensor'),
+    ('tensor', 'data'),
+    ('replica', 'data'),
+    ('tensor', 'model'),
+  ]
+  manual = ('replica', 'data')
+  for ndim in (2, 3):
+    for spec in itertools.product(entries, repeat=ndim):
+      for dim in (None, *range(ndim)):
+        got = gather.free_spec(P(*spec), manual, dim)
+        free = [
+          tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in manual)
+          for e in spec
+        ]
+        if not any(free) or (dim is not None and free[dim]):
+          assert got is None, (spec, dim, got)
+          continue
+        want = P(*(f[0] if len(f) == 1 else (f or None) for f in free))  # two free axes: both
+        assert got == want, (spec, dim, got)
