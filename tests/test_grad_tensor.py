@@ -58,34 +58,46 @@ def _tensor_groups(mesh) -> set[tuple[int, ...]]:
   return {frozenset(int(i) for i in row) for row in ids}
 
 
+# Replica groups as XLA writes them: {{0,1},{2,3}}; an iota, [a,b]<=[n] with an optional
+# T(...); or the groups along named mesh axes, mesh['data'=4,'tensor'=2] {'data'}, with the
+# mesh's device order between when it is not arange(n): device_ids=([4,2]T(1,0)).
+_IOTA = r'\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?'
+_NAMED = r'mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}'
+
+
 def _collectives(text: str) -> list[tuple[str, str, str]]:
   """(op, result type, replica groups) of every all-gather and reduce-scatter."""
-  groups = r'(mesh\[[^\]]*\] \{[^}]*\}|\S+)'
+  groups = f'((?:{_NAMED})|\\S+)'
   pat = re.compile(r'= (\S+) (all-gather|reduce-scatter)(?:-start)?\(.*?replica_groups=' + groups)
   return [(m.group(2), m.group(1), m.group(3)) for m in pat.finditer(text)]
 
 
+def _iota(shape: str, reshape: str | None, transpose: str | None, n: int) -> np.ndarray:
+  """arange(n) reshaped (to `reshape`, else `shape`), transposed, then laid out as `shape`."""
+  ids = np.arange(n).reshape([int(x) for x in (reshape or shape).split(',')])
+  if transpose:
+    ids = ids.transpose([int(x) for x in transpose.split(',')])
+  return ids.reshape([int(x) for x in shape.split(',')])
+
+
 def _groups(text: str, n: int) -> set[frozenset[int]]:
-  """Replica groups written as {{0,1},{2,3}}, as iota [a,b]<=[n] (with an optional T()), or
-  as mesh['data'=4,'tensor'=2] {'data'} (the groups along the named axes)."""
+  """The device groups of one replica-groups text (see `_IOTA`, `_NAMED`)."""
   if text.startswith('{'):
     return {frozenset(int(i) for i in g.split(',')) for g in re.findall(r'\{([\d,]+)\}', text)}
-  named = re.match(r'mesh\[([^\]]*)\] \{([^}]*)\}', text)
-  if named:
-    axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
-    along = re.findall(r"'(\w+)'", named.group(2))
-    ids = np.arange(n).reshape([int(size) for _, size in axes])
+  m = re.match(_NAMED, text)
+  if m:
+    axes = [(a, int(size)) for a, size in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
+    along = re.findall(r"'(\w+)'", m.group(4))
+    order = np.arange(n) if m.group(2) is None else _iota(m.group(2), None, m.group(3), n)
+    ids = order.reshape([size for _, size in axes])
     names = [a for a, _ in axes]
-    order = [i for i, a in enumerate(names) if a not in along] + [names.index(a) for a in along]
-    ids = ids.transpose(order)
-    size = int(np.prod([int(s) for a, s in axes if a in along]))
+    ids = ids.transpose(
+      [i for i, a in enumerate(names) if a not in along] + [names.index(a) for a in along]
+    )
+    size = int(np.prod([s for a, s in axes if a in along]))
     return {frozenset(int(i) for i in row) for row in ids.reshape(-1, size)}
-  m = re.match(r'\[(\d+),(\d+)\]<=\[([\d,]+)\](T\(([\d,]+)\))?', text)
-  dims = [int(x) for x in m.group(3).split(',')]
-  ids = np.arange(n).reshape(dims)
-  if m.group(5):
-    ids = ids.transpose([int(x) for x in m.group(5).split(',')])
-  return {frozenset(int(i) for i in row) for row in ids.reshape(int(m.group(1)), int(m.group(2)))}
+  m = re.match(_IOTA, text)
+  return {frozenset(int(i) for i in row) for row in _iota(m.group(1), m.group(2), m.group(3), n)}
 
 
 @pytest.mark.parametrize('stage', [1, 2, 3])
