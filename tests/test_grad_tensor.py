@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax._src import jaxprs
+from zerojax._src.planner import hlo
 
 D, F, ROWS = 16, 32, 16
 # The single-layer losses here gather outside a layer loop on purpose.
@@ -52,52 +53,25 @@ def _loss(p, b):
   return jnp.mean((h @ p['w_out'] - b['y']) ** 2)
 
 
-def _tensor_groups(mesh) -> set[tuple[int, ...]]:
+def _tensor_groups(mesh) -> set[frozenset[int]]:
   """The device groups of the tensor axis, as positions in the mesh's device order."""
   ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
   return {frozenset(int(i) for i in row) for row in ids}
 
 
-# Replica groups as XLA writes them: {{0,1},{2,3}}; an iota, [a,b]<=[n] with an optional
-# T(...); or the groups along named mesh axes, mesh['data'=4,'tensor'=2] {'data'}, with the
-# mesh's device order between when it is not arange(n): device_ids=([4,2]T(1,0)).
-_IOTA = r'\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?'
-_NAMED = r'mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}'
-
-
-def _collectives(text: str) -> list[tuple[str, str, str]]:
-  """(op, result type, replica groups) of every all-gather and reduce-scatter."""
-  groups = f'((?:{_NAMED})|\\S+)'
-  pat = re.compile(r'= (\S+) (all-gather|reduce-scatter)(?:-start)?\(.*?replica_groups=' + groups)
-  return [(m.group(2), m.group(1), m.group(3)) for m in pat.finditer(text)]
-
-
-def _iota(shape: str, reshape: str | None, transpose: str | None, n: int) -> np.ndarray:
-  """arange(n) reshaped (to `reshape`, else `shape`), transposed, then laid out as `shape`."""
-  ids = np.arange(n).reshape([int(x) for x in (reshape or shape).split(',')])
-  if transpose:
-    ids = ids.transpose([int(x) for x in transpose.split(',')])
-  return ids.reshape([int(x) for x in shape.split(',')])
-
-
-def _groups(text: str, n: int) -> set[frozenset[int]]:
-  """The device groups of one replica-groups text (see `_IOTA`, `_NAMED`)."""
-  if text.startswith('{'):
-    return {frozenset(int(i) for i in g.split(',')) for g in re.findall(r'\{([\d,]+)\}', text)}
-  m = re.match(_NAMED, text)
-  if m:
-    axes = [(a, int(size)) for a, size in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
-    along = re.findall(r"'(\w+)'", m.group(4))
-    order = np.arange(n) if m.group(2) is None else _iota(m.group(2), None, m.group(3), n)
-    ids = order.reshape([size for _, size in axes])
-    names = [a for a, _ in axes]
-    ids = ids.transpose(
-      [i for i, a in enumerate(names) if a not in along] + [names.index(a) for a in along]
-    )
-    size = int(np.prod([s for a, s in axes if a in along]))
-    return {frozenset(int(i) for i in row) for row in ids.reshape(-1, size)}
-  m = re.match(_IOTA, text)
-  return {frozenset(int(i) for i in row) for row in _iota(m.group(1), m.group(2), m.group(3), n)}
+def _over_tensor(text: str, mesh) -> list[str]:
+  """The all-gathers and reduce-scatters of a compiled program that run over a tensor group
+  (their groups read by the planner's own `hlo.replica_groups`, in each form XLA writes)."""
+  n, tensor = mesh.devices.size, _tensor_groups(mesh)
+  lines = [x for x in text.splitlines() if re.search(r' (all-gather|reduce-scatter)(-start)?\(', x)]
+  assert lines, 'the step has no all-gather or reduce-scatter to read'
+  over = []
+  for line in lines:
+    groups = hlo.replica_groups(line, n)
+    assert groups is not None, f'replica groups not read: {line[:300]}'
+    if {frozenset(g) for g in groups} & tensor:
+      over.append(line.strip()[:200])
+  return over
 
 
 @pytest.mark.parametrize('stage', [1, 2, 3])
@@ -128,12 +102,7 @@ def test_parameters_are_gathered_over_the_zero_axis_only(stage, shape, per_layer
   assert_close(loss, want_loss, EPS32 * 64)
   for k in want:
     assert_close(grads[k], want[k], EPS32 * 256, f'gradient of {k}')
-  tensor = _tensor_groups(mesh)
-  text = compiled.as_text()
-  found = _collectives(text)
-  assert found, 'the step has no all-gather or reduce-scatter to read'
-  n = mesh.devices.size
-  over_tensor = [c for c in found if _groups(c[2], n) & tensor and shape[1] > 1]
+  over_tensor = _over_tensor(compiled.as_text(), mesh)
   assert not over_tensor, f'collectives over the tensor axis: {over_tensor}'
 
 
@@ -200,10 +169,7 @@ def test_on_the_tpu_compiler_too():
     if per_layer:
       loss_fn = lambda p, b, tx=tx: _loss(zerojax.gather(p, tx), b)
     grad_fn = jax.jit(zerojax.value_and_grad(loss_fn, tx, per_layer=per_layer))
-    found = _collectives(grad_fn.lower(params, b).compile().as_text())
-    assert found, 'the step has no all-gather or reduce-scatter to read'
-    tensor = _tensor_groups(mesh)
-    over_tensor = [c for c in found if _groups(c[2], mesh.devices.size) & tensor]
+    over_tensor = _over_tensor(grad_fn.lower(params, b).compile().as_text(), mesh)
     assert not over_tensor, f'stage {stage}, per_layer={per_layer}: {over_tensor}'
 
 
