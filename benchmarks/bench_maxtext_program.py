@@ -44,6 +44,12 @@ Writes, per compiler (`--out`, default benchmarks/results):
 - maxtext_program.md: MaxText's programs against zerojax's default and searched plans of the
   same rows on the same compiler (bench_memory.py's and bench_recompute.py's results in --out).
 
+`--sparsecore` compiles the v5p rows again with zerojax's SparseCore collective options
+(`candidates.SPARSECORE_OPTIONS`, which a v5p plan search tries) added to each script's flags,
+and writes maxtext_program.sparsecore.libtpu-V.json and its programs beside the others: not
+MaxText's published setting (only its 32B script sets one of them), but what the same options
+would give MaxText's own program, so that a ratio that rests on them can be read against it.
+
 Each row is compiled in its own process (libtpu reads its flags once per process): about half
 a minute per row on a 2-core machine. `--reprice` prices the committed programs again with this
 checkout's model where the model changed (no MaxText needed; `tools/regenerate_tpu_results.py`
@@ -335,19 +341,26 @@ def main() -> int:
   p.add_argument('--flag', action='append', default=[], help=argparse.SUPPRESS)  # NAME=VALUE
   p.add_argument('--table', action='store_true', help='only write maxtext_program.md')
   p.add_argument(
+    '--sparsecore',
+    action='store_true',
+    help="compile the v5p rows with zerojax's SparseCore collective options added to the"
+    " script's flags (candidates.SPARSECORE_OPTIONS): what MaxText's own program gains from"
+    ' them, beside the results (maxtext_program.sparsecore.libtpu-V.json)',
+  )
+  p.add_argument(
     '--reprice',
     action='store_true',
     help="price the committed programs of the installed libtpu's compiler again with this"
     " checkout's model (no MaxText needed), then write maxtext_program.md",
   )
   args = p.parse_args()
+  tag = variant_tag(args.sparsecore)
   if args.one:
     row = next(r for r in rows() if r.name == args.one)
     changed = dict(f.split('=', 1) for f in args.flag)
-    print(json.dumps(compile_row(row, args.out, compiler_tag(), changed)), file=sys.stdout)
+    print(json.dumps(compile_row(row, args.out, tag, changed)), file=sys.stdout)
     return 0
   if args.reprice:
-    tag = compiler_tag()
     print(f'priced {reprice(args.out, tag)} programs of {tag} again', flush=True)
   elif not args.table:
     run(args)
@@ -357,14 +370,29 @@ def main() -> int:
   return 0
 
 
-def compile_in_child(row: Row, out: str, changed: dict[str, str]) -> dict:
+def variant_tag(sparsecore: bool) -> str:
+  """The tag of the programs' files: the compiler's ('libtpu-0.0.50'), after 'sparsecore.'
+  for the programs compiled with the SparseCore collective options."""
+  return ('sparsecore.' if sparsecore else '') + compiler_tag()
+
+
+def sparsecore_flags() -> dict[str, str]:
+  """zerojax's SparseCore collective options as libtpu flags (`--sparsecore`)."""
+  from zerojax._src.planner import candidates
+
+  return {k: str(v).lower() for k, v in candidates.SPARSECORE_OPTIONS.items()}
+
+
+def compile_in_child(row: Row, out: str, changed: dict[str, str], sparsecore: bool) -> dict:
   """`row` compiled by MaxText in a new process (libtpu reads its flags once per process), again
   with each flag libtpu refuses for the chip set as it asks (added to `changed`)."""
   reasons = []
+  given = sparsecore_flags() if sparsecore else {}
   while True:
     child = subprocess.run(
       [sys.executable, __file__, '--one', row.name, '--out', out]
-      + [f'--flag={k}={v}' for k, v in changed.items()],
+      + ['--sparsecore'] * sparsecore
+      + [f'--flag={k}={v}' for k, v in {**given, **changed}.items()],
       capture_output=True,
       text=True,
     )
@@ -388,11 +416,13 @@ def run(args) -> None:
   chosen = [
     r
     for r in rows()
-    if (args.chip in (None, r.chip)) and (wanted is None or r.name.split(' ', 1)[1] in wanted)
+    if (args.chip in (None, r.chip))
+    and (wanted is None or r.name.split(' ', 1)[1] in wanted)
+    and (r.chip == 'v5p' or not args.sparsecore)  # v5e has no SparseCores
   ]
   if not chosen:
     raise SystemExit(f'no row matches --chip {args.chip} --rows {args.rows}')
-  tag = compiler_tag()
+  tag = variant_tag(args.sparsecore)
   path = os.path.join(args.out, f'maxtext_program.{tag}.json')
   done = {}
   if os.path.exists(path):
@@ -405,7 +435,9 @@ def run(args) -> None:
   while queue:
     row = queue.pop(0)
     print(f'[{row.name}] MaxText train_compile for {row.topology}', flush=True)
-    done[row.name] = rec = compile_in_child(row, args.out, learned.setdefault(row.chip, {}))
+    done[row.name] = rec = compile_in_child(
+      row, args.out, learned.setdefault(row.chip, {}), args.sparsecore
+    )
     queue += [
       r
       for r in chosen

@@ -28,8 +28,12 @@ axis of 4, 128B on 128 and 256 chips and 256B on 512 with one of 8; MaxText runs
 `minimal`, zerojax's default plan of them too, at the row's own mesh). The search there is
 `python -m zerojax plan --search` over each of `V5P_REMATS` (`minimal`; `save_qkv_attention`
 and `none`, which keep more in the chip's 95 GiB; `offload_minimal` and
-`save_attention_offload_minimal`) at the row's tensor axis and at half of it (`--layouts flat
---tensor-sizes`: ZeRO over the other chips), the fastest that fits the searched plan.
+`save_attention_offload_minimal`; `minimal_residual` and `offload_minimal_residual`, which keep
+the residual stream after the attention too, in HBM or on the host, and so run no output
+projection again) at the row's tensor axis and at half of it (`--layouts flat
+--tensor-sizes`: ZeRO over the other chips), each with the collectives where the TPU compiler
+puts them and on the chip's SparseCores (`--collective-offloads`, which a v5p search tries both
+ways unless told), the fastest that fits the searched plan.
 
 MaxText's own programs are compiled by `bench_maxtext_program.py` (MaxText's `train_compile`,
 beside the newest CI end); `maxtext_table.py` sets these plans beside them.
@@ -39,8 +43,8 @@ beside the newest CI end); `maxtext_table.py` sets these plans beside them.
 Writes recompute_CHIP.libtpu-VERSION.json and recompute_CHIP.md (every compiler's rows).
 Minutes per candidate on a 2-core machine; compiled programs are kept in the planner's cache
 (`~/.cache/zerojax/programs`), so a second run reads them back. `--reuse` keeps a
-committed candidate's figures where the row's search command is unchanged and the candidate is
-compiled as it was (not lean, `candidates.LEAN_REMATS`, then or now), compiles the others
+committed candidate's figures where the row's search command is unchanged but for the policies
+it lists (`POLICY_FLAGS`) and the candidate is compiled as it was (not lean, `candidates.LEAN_REMATS`, then or now), compiles the others
 and ranks all of them as the search does; the record lists what it reused.
 """
 
@@ -90,6 +94,8 @@ V5P_REMATS = (
   'none',
   'offload_minimal',
   'save_attention_offload_minimal',
+  'minimal_residual',
+  'offload_minimal_residual',
 )
 # The host link's bandwidth as a share of the chip table's assumed figure.
 HOST_SHARES = (1.0, 0.5, 0.25)
@@ -108,6 +114,7 @@ def _figures(r, flops: float, chip) -> dict:
   return {
     'remat': r.candidate.remat,
     'tensor': r.candidate.tensor,
+    'collective_offload': r.candidate.collective_offload,
     'policy': policy(r.candidate),
     'lean': candidates.lean(r.candidate.remat),
     'status': r.status,
@@ -152,9 +159,25 @@ def search_command(row, chip: str = 'v5e') -> str:
   return 'python -m zerojax plan --search ' + shlex.join(search_flags(row, chip))
 
 
+# The flags of a search that only list its candidates' policies: two searches of a row that
+# differ in these alone compile each candidate they share to the same program.
+POLICY_FLAGS = ('--remats', '--collective-offloads')
+
+
+def setting(command: str) -> list[str]:
+  """A search command's words without `POLICY_FLAGS` and their values."""
+  words, out = shlex.split(command), []
+  for i, word in enumerate(words):
+    if word not in POLICY_FLAGS and (i == 0 or words[i - 1] not in POLICY_FLAGS):
+      out.append(word)
+  return out
+
+
 def policy(c) -> str:
-  """A candidate's name in the tables: its remat, and its tensor axis where it has one."""
-  return c.remat if c.tensor == 1 else f'{c.remat}, tensor {c.tensor}'
+  """A candidate's name in the tables: its remat, its tensor axis where it has one, and where
+  its collectives run when not where the compiler puts them."""
+  name = c.remat if c.tensor == 1 else f'{c.remat}, tensor {c.tensor}'
+  return name + (f', {c.collective_offload} collectives' if c.collective_offload else '')
 
 
 def search_row(row, before: dict | None = None, chip: str = 'v5e') -> dict:
@@ -167,7 +190,7 @@ def search_row(row, before: dict | None = None, chip: str = 'v5e') -> dict:
   target, space, run = cli.search_target(search_flags(row, chip))
   old = {}
   # A record from before commands were recorded is this row's search with the same flags.
-  if before and before.get('command', command) == command:
+  if before and setting(before.get('command', command)) == setting(command):
     old = {
       maxtext_table.policy_name(c): c for c in before['candidates'] if not c.get('lean', False)
     }
@@ -182,7 +205,11 @@ def search_row(row, before: dict | None = None, chip: str = 'v5e') -> dict:
   winner = min(fitting, key=lambda f: (f['predicted_step_seconds'], f['peak_gib']), default=None)
   # The default plan: MaxText's own setting (v5e `full`; v5p `minimal` at the row's mesh).
   mine = ('full', 1) if chip == 'v5e' else ('minimal', row[6])
-  default = next(f for f in figures if (f['remat'], f.get('tensor', 1)) == mine)
+  default = next(
+    f
+    for f in figures
+    if (f['remat'], f.get('tensor', 1)) == mine and f.get('collective_offload') is None
+  )
   record = _record(row, figures, default, winner)
   record.update(command=command, reused=kept)
   record['search_seconds'] = time.perf_counter() - start
@@ -195,6 +222,7 @@ def _candidate(r, flops: float, chip) -> dict:
     return {
       'remat': r.candidate.remat,
       'tensor': r.candidate.tensor,
+      'collective_offload': r.candidate.collective_offload,
       'policy': policy(r.candidate),
       'lean': candidates.lean(r.candidate.remat),
       'status': r.status,
@@ -343,14 +371,17 @@ def main() -> int:
 
   tag = compiler_tag()
   path = os.path.join(args.out, f'recompute_{args.chip}.{tag}.json')
-  before = {}
-  if args.reuse and os.path.exists(path):
+  committed = {}
+  if os.path.exists(path):
     with open(path) as f:
-      before = {r['row']: r for r in json.load(f)['rows']}
-  rows = []
+      committed = {r['row']: r for r in json.load(f)['rows']}
+  before = committed if args.reuse else {}
+  done = {}
   for row in (r for r in every if r[0] in wanted):
     print(f'searching {row[0]} on {row[5]} with {tag} ...', flush=True)
-    rows.append(search_row(row, before.get(row[0]), args.chip))
+    done[row[0]] = search_row(row, before.get(row[0]), args.chip)
+  # The rows not searched now (--rows) keep their committed records.
+  rows = [done.get(n, committed.get(n)) for n in names if n in done or n in committed]
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
   os.makedirs(args.out, exist_ok=True)
   with open(path, 'w') as f:

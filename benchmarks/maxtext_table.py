@@ -66,9 +66,26 @@ def comparisons(out: str) -> list[dict]:
     found = os.path.join(out, f'memory_v5e.libtpu-{version}.json')
     if os.path.exists(found):
       memory = {f'v5e {r["row"]}': r for r in _load(found)['rows']}
+    sparsecore = {}
+    found = os.path.join(out, f'maxtext_program.sparsecore.libtpu-{version}.json')
+    if os.path.exists(found):
+      sparsecore = {r['row']: r for r in _load(found)['rows']}
     for m in program['rows']:
-      records.append(_compare(program['versions'], m, zerojax, memory))
+      rec = _compare(program['versions'], m, zerojax, memory)
+      _with_sparsecore(rec, sparsecore.get(m['row']))
+      records.append(rec)
   return records
+
+
+def _with_sparsecore(rec: dict, program: dict | None) -> None:
+  """Adds to `rec` MaxText's program compiled with the SparseCore collective options
+  (`bench_maxtext_program.py --sparsecore`), and the searched plan's step against it."""
+  if program is None:
+    return
+  rec['maxtext_sparsecore_status'] = program['status']
+  step = rec['maxtext_sparsecore_step'] = program.get('step_seconds')
+  if step is not None and 'searched_step' in rec:
+    rec['searched_vs_maxtext_sparsecore'] = step / rec['searched_step_at']['1.0']
 
 
 def _compare(versions: dict, m: dict, zerojax: dict, memory: dict) -> dict:
@@ -144,15 +161,18 @@ def table(out: str) -> list[str]:
     " it (the program holds host buffers; the device's share is not reported). MaxText's steps"
     ' are lower bounds: its splash attention kernels state no cost, so the model charges them'
     " their bytes at HBM bandwidth and none of their FLOPs (each record's `uncertain`). MaxText needs"
-    " jax >= 0.11.1, so only the newest CI end's compiler is reached.",
+    " jax >= 0.11.1, so only the newest CI end's compiler is reached. The last two columns:"
+    " MaxText's program compiled with the SparseCore collective options a v5p search tries"
+    " (`bench_maxtext_program.py --sparsecore`; not MaxText's published setting), and the"
+    ' searched plan against it.',
     '',
     '| row | compiler | batch/chip | published TFLOP/s | MaxText: step s | MaxText: peak GiB |'
     ' MaxText: executed/model | zerojax default: step s | default: peak GiB |'
     ' default: executed/model | default vs MaxText |'
     ' searched policy (of candidates) | searched step s | searched peak GiB |'
     ' searched executed/model | host GB/step | searched vs MaxText | at 1/2 host link |'
-    ' search at 1/2 host link |',
-    '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|',
+    ' search at 1/2 host link | MaxText + SparseCore options: step s | searched vs that |',
+    '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|',
   ]
   for r in comparisons(out):
     if r['maxtext_status'] != 'fits':
@@ -188,9 +208,18 @@ def table(out: str) -> list[str]:
       _f(r.get('default_executed_over_model')),
       _f(r.get('default_vs_maxtext'), '.2f', 'x'),
       *searched,
+      *_sparsecore_cells(r),
     ]
     lines.append('| ' + ' | '.join(cells) + ' |')
   return lines
+
+
+def _sparsecore_cells(r: dict) -> list[str]:
+  if 'maxtext_sparsecore_status' not in r:
+    return ['—', '—']
+  if r['maxtext_sparsecore_step'] is None:
+    return ['does not fit', '—']
+  return [_f(r['maxtext_sparsecore_step']), _f(r.get('searched_vs_maxtext_sparsecore'), '.2f', 'x')]
 
 
 def write(out: str) -> str:

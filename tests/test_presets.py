@@ -163,6 +163,9 @@ def test_every_remat_policy_keeps_the_loss_and_its_gradient(remat):
     ('offload_layer_inputs', {}, 1),
     ('offload_minimal_inputs', {}, 5),
     ('save_attention_offload_minimal_inputs', {presets.ATTENTION_OUT: 1}, 5),
+    ('minimal_residual', {presets.QKV: 3, presets.MLP_HIDDEN: 1, presets.ATTENTION_RESIDUAL: 1}, 0),
+    ('offload_minimal_residual', {}, 5),
+    ('offload_all_residual', {}, 6),
   ],
 )
 def test_each_policy_keeps_what_it_names_and_moves_what_it_offloads(remat, kept, offloaded, capsys):
@@ -181,6 +184,41 @@ def test_each_policy_keeps_what_it_names_and_moves_what_it_offloads(remat, kept,
   assert {n: named.count(n) for n in set(named)} == kept
   assert sum('<host>' in line for line in lines) == offloaded
   assert all('from the argument' in line or ' named ' in line or '<host>' in line for line in lines)
+
+
+@pytest.mark.parametrize(
+  'remat', ['minimal_residual', 'offload_minimal_residual', 'offload_all_residual']
+)
+def test_keeping_the_residual_after_the_attention_runs_no_output_projection_again(remat):
+  """A `_residual` policy keeps what its namesake keeps and the residual stream after the
+  attention: the backward pass runs exactly one matmul fewer, the attention's output projection,
+  which the policy without it runs again to rebuild the MLP norm's input."""
+  from jax.extend.core import jaxprs_in_params
+
+  cfg = presets.PRESETS['tiny']
+  params = presets.init_decoder(cfg, jax.random.key(0))
+  layer = jax.tree.map(lambda x: x[0], params['layers'])
+  x = jnp.ones((2, cfg.seq_len, cfg.d_model))
+  block = lambda x, layer: jnp.sum(presets._block(cfg, x, layer, presets._xla_attention(None)))
+
+  def matmuls(jaxpr) -> list:
+    found = []
+    for e in jaxpr.eqns:
+      found += [e] if e.primitive.name == 'dot_general' else []
+      found += [m for inner in jaxprs_in_params(e.params) for m in matmuls(inner)]
+    return found
+
+  def step(policy):
+    grad = jax.grad(jax.checkpoint(block, policy=presets.remat_policy(policy)), argnums=(0, 1))
+    return matmuls(jax.make_jaxpr(grad)(x, layer).jaxpr)
+
+  without = step(remat.removesuffix('_residual'))
+  kept = step(remat)
+  assert len(kept) == len(without) - 1
+  # the one left out multiplies by the output projection, a (heads x head_dim, d_model) weight
+  shapes = lambda found: sorted(tuple(v.aval.shape for v in e.invars) for e in found)
+  gone = [s for s in shapes(without) if shapes(without).count(s) > shapes(kept).count(s)]
+  assert {s[1] for s in gone} == {(cfg.n_heads * cfg.head_dim, cfg.d_model)}, gone
 
 
 @pytest.mark.parametrize('remat, where', [('full', 'f32['), ('offload_layer_inputs', 'f32<host>[')])

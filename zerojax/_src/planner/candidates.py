@@ -12,7 +12,7 @@ from typing import Any
 
 from zerojax._src.options import OFFLOADS, UPDATE_ON
 from zerojax._src.planner.presets import POLICIES, REMAT
-from zerojax._src.planner.roofline import prices_host_link
+from zerojax._src.planner.roofline import CHIPS, prices_host_link
 
 QUANTIZE = {
   None: None,
@@ -42,6 +42,24 @@ SCHEDULER_OPTION = 'xla_tpu_scheduler_percent_shared_memory_limit'
 # predicted 5% to 7% slower on 64B and 128B, so the other remats keep the compiler's default.
 LEAN_REMATS = ('full',)
 LEAN_SHARE = 55
+
+# The TPU compiler's options that run the collectives on the chip's SparseCores
+# (`roofline.Chip.sparse_cores`) as asynchronous calls, beside the TensorCores' work, where by
+# default it keeps ZeRO's all-gathers and reduce-scatters on the TensorCores, synchronous on
+# v5p. MaxText's v5p 32B script sets the first for its all-gathers; the others extend it to the
+# reduce-scatters, the all-reduces and the gathers over two and three torus dimensions.
+SPARSECORE_OPTIONS = {
+  f'xla_tpu_enable_sparse_core_collective_offload_{kind}': True
+  for kind in (
+    'all_gather',
+    '2d_all_gather',
+    '3d_all_gather',
+    'reduce_scatter',
+    'nd_reduce_scatter',
+    'all_reduce',
+  )
+}
+COLLECTIVE_OFFLOADS = (None, 'sparsecore')
 
 
 def lean(remat: str) -> bool:
@@ -105,6 +123,9 @@ class Candidate:
       vocabulary) beside the 'flat' layout's ZeRO axis, innermost, so each group of `tensor`
       neighbouring chips splits every layer; 1: none. The step takes its gradients through
       `jax.value_and_grad` (the compiler places the tensor-parallel collectives).
+    collective_offload: 'sparsecore' runs the step's collectives on the chip's SparseCores
+      (`SPARSECORE_OPTIONS`), asynchronous beside the TensorCores; None leaves them where the
+      compiler puts them.
   """
 
   stage: int
@@ -119,6 +140,7 @@ class Candidate:
   slices: int = 1
   scheduler_share: int | None = None
   tensor: int = 1
+  collective_offload: str | None = None
 
   def label(self) -> str:
     parts = [f's{self.stage}', self.layout] + ([f't{self.tensor}'] if self.tensor > 1 else [])
@@ -129,13 +151,18 @@ class Candidate:
     if self.offload is not None:
       parts.append(f'offload:{self.offload}@{self.update_on}')
     parts += [f'q:{self.quantize}'] if self.quantize is not None else []
-    return ' '.join(parts + ([f'sched:{self.scheduler_share}%'] if self.scheduler_share else []))
+    parts += [f'sched:{self.scheduler_share}%'] if self.scheduler_share else []
+    return ' '.join(
+      parts + ([f'{self.collective_offload} collectives'] if self.collective_offload else [])
+    )
 
   def compiler_options(self, given: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The options this candidate compiles with: `given` (a plan's --compiler-option) and
-    its scheduler share, as `jax.jit(..., compiler_options=...)` takes them."""
+    """The options this candidate compiles with: `given` (a plan's --compiler-option), its
+    scheduler share and its collective offload, as `jax.jit(..., compiler_options=...)` takes
+    them."""
     share = {} if self.scheduler_share is None else {SCHEDULER_OPTION: self.scheduler_share}
-    return {**(given or {}), **share}
+    offload = SPARSECORE_OPTIONS if self.collective_offload == 'sparsecore' else {}
+    return {**(given or {}), **share, **offload}
 
   def reasons(self) -> list[str]:
     """Every reason this combination cannot run (empty: it can)."""
@@ -229,6 +256,59 @@ def check_scheduler_shares(
     )
 
 
+def default_collective_offloads(
+  chip, compiler_options: dict[str, Any] | None = None
+) -> tuple[str | None, ...]:
+  """What a search tries for `collective_offload` where it is not given: both ways on a chip
+  with SparseCores (`roofline.Chip.sparse_cores`), unless `compiler_options` set one of
+  `SPARSECORE_OPTIONS` themselves; the compiler's placement alone elsewhere.
+
+  >>> from zerojax._src.planner.roofline import CHIPS
+  >>> default_collective_offloads(CHIPS['v5p']), default_collective_offloads(CHIPS['v5e'])
+  ((None, 'sparsecore'), (None,))
+  """
+  given = set(compiler_options or ()) & set(SPARSECORE_OPTIONS)
+  return COLLECTIVE_OFFLOADS if chip is not None and chip.sparse_cores and not given else (None,)
+
+
+def check_collective_offloads(
+  topology: str,
+  chip,
+  offloads: Sequence[str | None],
+  compiler_options: dict[str, Any] | None,
+  name: str = '`collective_offload`',
+) -> None:
+  """Refuses a collective offload where it cannot apply: a value that is not one of
+  `COLLECTIVE_OFFLOADS`, 'sparsecore' on cpu:N or on a chip without SparseCores, or beside one
+  of `SPARSECORE_OPTIONS` given as a compiler option. `name` is how the error names them.
+
+  Raises:
+    ValueError: naming the value, the topology or the option, and the fix.
+  """
+  bad = [o for o in offloads if o not in COLLECTIVE_OFFLOADS]
+  if bad:
+    raise ValueError(f'{name}: unknown {bad}; choose from {list(COLLECTIVE_OFFLOADS)}.')
+  if 'sparsecore' not in offloads:
+    return
+  if topology.startswith('cpu:'):
+    raise ValueError(
+      f"{name} 'sparsecore' runs collectives on a TPU's SparseCores; {topology} compiles with"
+      ' the CPU compiler, which has none: leave it out.'
+    )
+  if chip is None or not chip.sparse_cores:
+    with_them = ', '.join(n for n, c in CHIPS.items() if c.sparse_cores)
+    raise ValueError(
+      f"{name} 'sparsecore': {topology} is a chip without SparseCores in the chip table (its"
+      f' page gives none); leave it out (chips with them: {with_them}).'
+    )
+  given = sorted(set(compiler_options or ()) & set(SPARSECORE_OPTIONS))
+  if given:
+    raise ValueError(
+      f"the compiler option {given[0]} and {name} 'sparsecore' set the same thing: give the"
+      ' offload alone (it sets all of candidates.SPARSECORE_OPTIONS).'
+    )
+
+
 def candidate_space(
   *,
   stages: Sequence[int] = (1, 2, 3),
@@ -243,6 +323,7 @@ def candidate_space(
   slices: Sequence[int] = (1,),
   scheduler_share: Sequence[int | None] = (None,),
   tensor: Sequence[int] = (1,),
+  collective_offload: Sequence[str | None] = (None,),
   grid_dims: int = 2,
   chips: int | None = None,
 ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
@@ -258,6 +339,7 @@ def candidate_space(
     ('offload', offload, OFFLOADS),
     ('update_on', update_on, UPDATE_ON),
     ('quantize', quantize, tuple(QUANTIZE)),
+    ('collective_offload', collective_offload, COLLECTIVE_OFFLOADS),
   ):
     bad = [v for v in values if v not in choices]
     if bad:
@@ -291,6 +373,7 @@ def candidate_space(
     slices,
     scheduler_share,
     tensor,
+    collective_offload,
   ):
     c = Candidate(*combo)
     why = c.invalid()

@@ -189,11 +189,12 @@ def _none_or(choices):
 # other, each is an error, not ignored.
 SEARCH_ONLY = tuple(
   'stages layouts tensor_sizes micro_batches remats prefetch_options offloads update_ons'
-  ' quantizes batches_per_chip hbm_gib max_candidates out slice_counts scheduler_shares'.split()
+  ' quantizes batches_per_chip hbm_gib max_candidates out slice_counts scheduler_shares'
+  ' collective_offloads'.split()
 )
 SINGLE_ONLY = tuple(
   'stage batch_per_chip no_remat remat gather_all mesh grad prefetch json offload update_on'
-  ' slices scheduler_share'.split()
+  ' slices scheduler_share collective_offload'.split()
 )
 
 
@@ -356,6 +357,12 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       **_setup(args),
       slice_devices={s: _devices(args.topology, s)[0] for s in set(args.slice_counts) if s > 1},
     )
+    offloads = args.collective_offloads or candidates.default_collective_offloads(
+      target.chip, dict(args.compiler_options)
+    )
+    candidates.check_collective_offloads(
+      args.topology, target.chip, offloads, dict(args.compiler_options), '--collective-offloads'
+    )
     space, invalid = candidates.candidate_space(
       stages=args.stages,
       layouts=args.layouts,
@@ -369,6 +376,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       slices=args.slice_counts,
       scheduler_share=shares or (None,),
       tensor=args.tensor_sizes,
+      collective_offload=offloads,
       grid_dims=len(target.grid),
       chips=len(target.devices),
     )
@@ -555,6 +563,13 @@ def _plan_target(args, start: float) -> tuple[Any, Any, int | None]:
     gather_all=args.gather_all,
   )
   remat = 'none' if args.no_remat else args.remat
+  offload = args.collective_offload
+  try:
+    candidates.check_collective_offloads(
+      args.topology, chip, (offload,), dict(args.compiler_options), '--collective-offload'
+    )
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
   shares = _scheduler_shares(
     args, args.scheduler_share and (args.scheduler_share,), '--scheduler-share'
   )
@@ -570,6 +585,7 @@ def _plan_target(args, start: float) -> tuple[Any, Any, int | None]:
     scheduler_share=shares[0]
     if shares
     else candidates.default_scheduler_share(remat, args.topology),
+    collective_offload=offload,
   )
   _log_mesh(args, start, dict(zip(*full)), explicit)
   return target, candidate, hbm_gib
@@ -629,11 +645,15 @@ def _report_plan(args, target: Any, result: Any, hbm_gib: int | None) -> dict:
     + f' ({n} chips) | batch {args.batch_per_chip}/chip x'
     f' {lowered.batch.shape[1:]}'
   )
-  share = lowered.candidate.scheduler_share
-  if share is not None:
+  c = lowered.candidate
+  held = [f'the TPU scheduler held to {c.scheduler_share}% of HBM'] if c.scheduler_share else []
+  held += ["the collectives on the chip's SparseCores"] if c.collective_offload else []
+  if held:
+    flags = ['--scheduler-share'] * bool(c.scheduler_share)
+    flags += ['--collective-offload'] * bool(c.collective_offload)
     print(
-      f'compiled with the TPU scheduler held to {share}% of HBM: train with jax.jit(step,'
-      f' compiler_options={lowered.candidate.compiler_options()}) (--scheduler-share)'
+      f'compiled with {" and ".join(held)}: train with jax.jit(step,'
+      f' compiler_options={c.compiler_options()}) ({", ".join(flags)})'
     )
   plan = lowered.plan
   sizes = {k: v for k, v in plan.bytes_per_device().items() if v or k != 'host'}
@@ -680,6 +700,7 @@ def _plan_json(args, lowered: Any, report: Any, figures: dict) -> dict:
     'num_devices': lowered.mesh.devices.size,
     'batch_per_chip': args.batch_per_chip,
     'scheduler_share': lowered.candidate.scheduler_share,
+    'collective_offload': lowered.candidate.collective_offload,
     'mesh': dict(lowered.mesh.shape),
     'gradients': f'{lowered.gradients}.value_and_grad',
     'memory': dataclasses.asdict(report.memory)
@@ -1000,6 +1021,11 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
     ' to host memory layer by layer in the backward pass; needs --mixed-precision)',
   )
   p.add_argument('--json', help='also write the report as JSON here')
+  _compiler_arguments(p)
+
+
+def _compiler_arguments(p: argparse.ArgumentParser) -> None:
+  """`plan`'s flags for the TPU compiler's settings and the cache of compiled programs."""
   p.add_argument(
     '--scheduler-share',
     type=_share,
@@ -1009,6 +1035,14 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
     f' option {SCHEDULER_OPTION}; pass the same to the training run); default: {LEAN_SHARE} under'
     " --remat full, else the compiler's own ('compiler'). Lower, the same program holds less"
     ' HBM, and may run slower',
+  )
+  p.add_argument(
+    '--collective-offload',
+    type=_none_or(('sparsecore',)),
+    default=None,
+    help="'sparsecore': run the collectives on the chip's SparseCores (v5p), asynchronous"
+    " beside the TensorCores' work (the compiler options of candidates.SPARSECORE_OPTIONS;"
+    ' pass the same to the training run); default none, where the compiler puts them',
   )
   p.add_argument(
     '--compiler-option',
@@ -1114,6 +1148,13 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     help='TPU slices of --topology (data-parallel over the data-center network)',
   )
   s.add_argument('--scheduler-shares', type=_csv(_share), default=None, help=_SHARES_HELP)
+  s.add_argument(
+    '--collective-offloads',
+    type=_csv(_none_or(('sparsecore',))),
+    default=None,
+    help="none, sparsecore (the collectives on the chip's SparseCores); default both on a chip"
+    ' with SparseCores (v5p), none elsewhere',
+  )
   s.add_argument(
     '--hbm-gib', type=float, default=None, help="device memory per chip; default the chip's"
   )

@@ -183,8 +183,10 @@ def chunked_attention(q, k, v, chunk: int):
 # policies below (docs/planner.md has their table): the query, key and value projections, the
 # attention's output, the MLP's hidden activations, and the block's input, which the layer loop
 # keeps for every layer (layers x batch x seq x d_model) unless a policy offloads that stack.
+# ATTENTION_RESIDUAL is the residual stream after the attention (the MLP norm's input): a policy
+# that keeps it need not run the output projection again in the backward pass.
 QKV, ATTENTION_OUT, MLP_HIDDEN = 'zerojax_qkv', 'zerojax_attention', 'zerojax_mlp_hidden'
-LAYER_INPUT = 'zerojax_layer_input'
+LAYER_INPUT, ATTENTION_RESIDUAL = 'zerojax_layer_input', 'zerojax_attention_residual'
 _MINIMAL_INPUTS = (QKV, MLP_HIDDEN, LAYER_INPUT)
 # What each policy keeps for the backward pass (the rest is recomputed) and what it offloads.
 POLICIES = {
@@ -201,6 +203,9 @@ POLICIES = {
   'offload_layer_inputs': dict(offload=(LAYER_INPUT,)),  # 'full', the stack on the host
   'offload_minimal_inputs': dict(offload=_MINIMAL_INPUTS),
   'save_attention_offload_minimal_inputs': dict(save=(ATTENTION_OUT,), offload=_MINIMAL_INPUTS),
+  'minimal_residual': dict(save=(QKV, MLP_HIDDEN, ATTENTION_RESIDUAL)),
+  'offload_minimal_residual': dict(offload=(QKV, MLP_HIDDEN, ATTENTION_RESIDUAL)),
+  'offload_all_residual': dict(offload=(QKV, ATTENTION_OUT, MLP_HIDDEN, ATTENTION_RESIDUAL)),
 }
 
 
@@ -333,6 +338,7 @@ def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint):
   v = _named(constrain((h @ p['wv']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'), QKV)
   attn = _named(attend(q, k, v), ATTENTION_OUT)
   x = constrain(x + attn.reshape(b, t, cfg.n_heads * cfg.head_dim) @ p['wo'], 'residual')
+  x = _named(x, ATTENTION_RESIDUAL)
   h = _rms_norm(x, p['mlp_norm'])
   if cfg.gated:
     gate = _named(constrain(h @ p['w_gate'], 'hidden'), MLP_HIDDEN)

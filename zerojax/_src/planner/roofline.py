@@ -53,6 +53,8 @@ class Chip:
     mxu_dim: each matrix unit multiplies `mxu_dim` x `mxu_dim` tiles per cycle.
     dcn_bandwidth: data-center network bytes/s per chip, each way, between slices
       (0 where none is published: such a chip is not planned over several slices).
+    sparse_cores: SparseCores per chip (0 where the chip has none): the TPU compiler can run
+      collectives on them, beside the TensorCores' work (`candidates.SPARSECORE_OPTIONS`).
   """
 
   name: str
@@ -69,6 +71,7 @@ class Chip:
   mxus: int = 0
   mxu_dim: int = 0
   dcn_bandwidth: float = 0.0
+  sparse_cores: int = 0
 
   @property
   def axis_bandwidth(self) -> float:
@@ -90,7 +93,8 @@ class Chip:
 # v6e one TensorCore of two 256x256 MXUs (3.50 GHz). Data-center network (DCN) per chip: v5e
 # 2 x 100 Gbps NICs per 8-chip host (its page's table; 6.4 Tbps per 256-chip pod agrees), 25 Gbps
 # = 3.125 GB/s a chip; v5p 50 Gbps a chip (its page's "DCN bandwidth per chip"), 6.25 GB/s; v6e's
-# page gives none.
+# page gives none. SparseCores: v5p 4 a chip (its page's "Number of SparseCores per chip"); the
+# v5e and v6e pages give none, so no collective is offloaded to them there.
 def prices_host_link(chip: Chip | None) -> bool:
   """Whether `chip` has the host-link figures (bandwidth and host memory per chip) that price
   moving activations to host memory and back."""
@@ -131,6 +135,7 @@ CHIPS = {
     mxus=4,
     mxu_dim=128,
     dcn_bandwidth=50e9 / 8,
+    sparse_cores=4,
   ),
   'v6e': Chip(
     'v6e',

@@ -35,7 +35,9 @@ from zerojax._src.planner import cost, hlo, roofline
 from zerojax._src.planner.candidates import (
   Candidate,
   candidate_space,
+  check_collective_offloads,
   check_scheduler_shares,
+  default_collective_offloads,
   default_remats,
   why_none_valid,
   with_default_shares,
@@ -598,6 +600,8 @@ def search_plans(
   if not callable(model):  # a preset or a DecoderConfig: the presets' named activations
     space.setdefault('remat', default_remats(target.chip))
   check_scheduler_shares(topology, space.get('scheduler_share', ()), compiler_options)
+  space.setdefault('collective_offload', default_collective_offloads(target.chip, compiler_options))
+  check_collective_offloads(topology, target.chip, space['collective_offload'], compiler_options)
   candidates, invalid = candidate_space(
     grid_dims=len(target.grid), chips=len(target.devices), **space
   )

@@ -52,7 +52,7 @@ def winner_code(report: SearchReport) -> str:
       f'# param_specs: PartitionSpecs over {TENSOR!r} that split each layer Megatron-style'
       ' (heads, MLP columns, vocabulary)'
     )
-  if c.scheduler_share is not None:
+  if c.scheduler_share is not None or c.collective_offload is not None:
     lines.append(
       f'# compile the step with jax.jit(train_step, compiler_options={c.compiler_options()})'
     )
