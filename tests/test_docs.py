@@ -756,10 +756,16 @@ def test_the_table_of_maxtexts_v5p_rows_is_the_committed_benchmark():
       assert r['command'] == bench_recompute.search_command(row, 'v5p')
       assert f'`{r["command"]}`' in written, r['row']
       tensors = sorted({max(1, row[6] // 2), row[6]})
-      assert [(c['remat'], c['tensor']) for c in r['candidates']] == [
-        (remat, t) for remat in bench_recompute.V5P_REMATS for t in tensors
+      # each policy and tensor axis with the collectives where the compiler puts them, then on
+      # the SparseCores (a v5p search tries both)
+      assert [(c['remat'], c['tensor'], c.get('collective_offload')) for c in r['candidates']] == [
+        (remat, t, offload)
+        for remat in bench_recompute.V5P_REMATS
+        for t in tensors
+        for offload in (None, 'sparsecore')
       ]
       assert (default['remat'], default['tensor']) == ('minimal', row[6]), r['row']
+      assert default.get('collective_offload') is None, r['row']
       assert default['fits'], (path.name, r['row'])
       fitting = [c for c in r['candidates'] if c.get('fits')]
       fastest = min(c['predicted_step_seconds'] for c in fitting)
@@ -837,22 +843,24 @@ def test_each_committed_v5p_search_is_its_command_and_its_plans_are_single_plans
     target, space, run = cli.search_target(bench_recompute.search_flags(row, 'v5p'))
     assert run['hbm_bytes'] is None and run['compiler_options'] == {}
     records = [r for doc in runs for r in doc['rows'] if r['row'] == name]
+    ident = lambda c: (c['remat'], c['tensor'], c.get('collective_offload'))
     assert records and all(
-      [(c['remat'], c['tensor']) for c in r['candidates']] == [(c.remat, c.tensor) for c in space]
+      [ident(c) for c in r['candidates']]
+      == [(c.remat, c.tensor, c.collective_offload) for c in space]
       for r in records
     )
-    picked = {('minimal', tensor)} | {
-      (r['searched']['remat'], r['searched']['tensor']) for r in records
-    }
-    for remat, t in sorted(picked):
-      c = next(c for c in space if (c.remat, c.tensor) == (remat, t))
+    picked = {('minimal', tensor, None)} | {ident(r['searched']) for r in records}
+    for remat, t, offload in sorted(picked, key=str):
+      c = next(c for c in space if (c.remat, c.tensor, c.collective_offload) == (remat, t, offload))
       single, one, _ = cli.plan_target(
         ['--model', decoder_model(width, heads, mlp, layers), '--topology', topology,
          '--mesh', f'data={chip_count(topology) // t},tensor={t}', '--stage', '3',
          '--batch-per-chip', str(batch), '--seq-len', '2048', '--remat', remat,
-         '--attention', 'flash']
+         '--attention', 'flash', '--collective-offload', offload or 'none']
       )  # fmt: skip
-      assert key(target, c) == key(single, one), (name, remat, t)
+      assert key(target, c) == key(single, one), (name, remat, t, offload)
+      # the options the single plan compiles with are the candidate's
+      assert one.compiler_options() == c.compiler_options(), (name, remat, t, offload)
 
 
 def test_the_regeneration_tool_rewrites_every_committed_tpu_result(tmp_path, monkeypatch):

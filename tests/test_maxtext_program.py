@@ -25,10 +25,19 @@ import bench_maxtext_program  # noqa: E402
 import maxtext_table  # noqa: E402
 
 
-def _runs() -> list[tuple[pathlib.Path, dict]]:
+def _runs(variants: bool = False) -> list[tuple[pathlib.Path, dict]]:
+  """The committed runs of MaxText's programs: as its scripts set them, and with `variants`
+  also those compiled with zerojax's SparseCore options (`--sparsecore`)."""
   found = sorted(RESULTS.glob('maxtext_program.libtpu-*.json'))
   assert found, 'no MaxText programs are committed'
+  if variants:
+    found += sorted(RESULTS.glob('maxtext_program.sparsecore.libtpu-*.json'))
   return [(p, json.loads(p.read_text())) for p in found]
+
+
+def _tag(path: pathlib.Path) -> str:
+  """'libtpu-0.0.50' or 'sparsecore.libtpu-0.0.50' of a run's file."""
+  return path.name.removeprefix('maxtext_program.').removesuffix('.json')
 
 
 def test_price_program_prices_a_program_compiled_elsewhere_as_a_candidate_is():
@@ -56,8 +65,8 @@ def test_price_program_prices_a_program_compiled_elsewhere_as_a_candidate_is():
 def test_each_committed_maxtext_program_prices_again_to_its_committed_figures():
   """Every compiled program's figures are the model's on the committed HLO: priced again here
   from the file (no MaxText), with the compiler's memory figures the run recorded."""
-  for path, run in _runs():
-    tag = 'libtpu-' + path.name.split('.libtpu-')[1].removesuffix('.json')
+  for path, run in _runs(variants=True):
+    tag = _tag(path)
     for rec in run['rows']:
       if rec['status'] != 'fits':
         continue
@@ -105,6 +114,37 @@ def test_the_committed_commands_are_maxtexts_scripts_at_the_rows_settings():
       for flag, value in changed.items():
         assert f'--{flag}={value}' in rec['libtpu_init_args'].split()
       assert len(rec['libtpu_flags_changed']['libtpu_said']) <= len(changed)
+
+
+def test_maxtexts_programs_with_the_sparsecore_options_are_its_scripts_with_those_added():
+  """`--sparsecore` compiles MaxText's v5p rows with its scripts' flags (libtpu's refusals set as
+  in the main run) and zerojax's SparseCore options added, nothing else; each program that
+  fits runs its ZeRO collectives on the SparseCore thread, where the script's own program
+  (but 32B's, whose script offloads its all-gathers) runs none there."""
+  from zerojax._src.planner import candidates
+
+  runs = [(p, r) for p, r in _runs(variants=True) if p.name.startswith('maxtext_program.sparse')]
+  assert runs, 'no MaxText programs with the SparseCore options are committed'
+  plain = {_tag(p): {r['row']: r for r in run['rows']} for p, run in _runs()}
+  for path, run in runs:
+    tag = _tag(path)
+    mains = plain[tag.removeprefix('sparsecore.')]
+    assert {r['row'] for r in run['rows']} == {n for n in mains if n.startswith('v5p')}
+    for rec in run['rows']:
+      main = mains[rec['row']]
+      added = {f'--{k}=true' for k in candidates.SPARSECORE_OPTIONS}
+      assert set(rec['libtpu_init_args'].split()) == set(main['libtpu_init_args'].split()) | added
+      assert rec['maxtext_args'] == main['maxtext_args']
+      if rec['status'] != 'fits':
+        continue
+      row = next(r for r in bench_maxtext_program.rows() if r.name == rec['row'])
+      thread = 'async_execution_thread="sparsecore"'
+      with gzip.open(bench_maxtext_program.hlo_path(str(RESULTS), row, tag), 'rt') as f:
+        assert thread in f.read(), rec['row']
+      if main['status'] == 'fits' and '32B' not in row.name:
+        mine = tag.removeprefix('sparsecore.')
+        with gzip.open(bench_maxtext_program.hlo_path(str(RESULTS), row, mine), 'rt') as f:
+          assert thread not in f.read(), rec['row']
 
 
 def test_maxtexts_v5e_topology_names_count_chips_and_v5ps_count_tensorcores():
