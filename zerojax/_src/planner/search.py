@@ -564,13 +564,16 @@ def search_plans(
       None keeps none between runs.
     compiler_options: XLA or libtpu options every candidate is compiled with, as
       `jax.jit(..., compiler_options=...)` takes them.
-    **space: `candidate_space`'s options (stages, layouts, micro_batches, remat,
-      prefetch, offload, update_on, quantize, batch_per_chip, slices, scheduler_share, tensor:
-      sizes of a tensor-parallel axis beside the 'flat' layout's ZeRO axis). For a
+    **space: `candidate_space`'s options (stages, layouts, micro_batches, remat, prefetch,
+      offload, update_on, quantize, batch_per_chip, slices, scheduler_share,
+      collective_offload, tensor: sizes of a tensor-parallel axis beside the 'flat' layout's
+      ZeRO axis). For a
       preset or a `DecoderConfig`, remat defaults to `candidates.default_remats` of the chip
       (the offloading policies where its host link has figures). scheduler_share: percents of
       HBM for the TPU compiler's scheduler (`candidates.SCHEDULER_OPTION`), None its default;
-      not given, each candidate's `candidates.default_scheduler_share`.
+      not given, each candidate's `candidates.default_scheduler_share`. collective_offload:
+      None and/or 'sparsecore' (the collectives on the chip's SparseCores); not given, both on
+      a chip with SparseCores (`candidates.default_collective_offloads`).
 
   Returns:
     A `SearchReport`; `search_report.format_search`, `search_json`, `plot_search` and `winner_code`
