@@ -534,7 +534,7 @@ def test_activation_offload_is_refused_where_the_host_link_has_no_figures():
     "error: remat 'offload_qkv' moves saved activations to host memory, but cpu has no"
     ' host-link figures (bandwidth and host memory per chip), so their transfers cannot be'
     " priced; keep them in HBM ('minimal', 'save_qkv', 'save_attention', 'save_qkv_attention',"
-    " 'save_mlp') or plan a chip with those figures (v5e, v5p, v6e)."
+    " 'save_mlp', 'minimal_residual') or plan a chip with those figures (v5e, v5p, v6e)."
   )
 
 
