@@ -106,7 +106,9 @@ def _maxtext_programs(version: str) -> list[Step]:
   if not os.path.exists(os.path.join(ROOT, RESULTS, f'maxtext_program.libtpu-{version}.json')):
     return []
   writes = (f'maxtext_program.libtpu-{version}.json', f'maxtext_program_*.libtpu-{version}.hlo.gz')
-  found = [_bench('MaxText programs, priced again', 'bench_maxtext_program.py', writes, '--reprice')]
+  found = [
+    _bench('MaxText programs, priced again', 'bench_maxtext_program.py', writes, '--reprice')
+  ]
   sparse = f'maxtext_program.sparsecore.libtpu-{version}.json'
   if os.path.exists(os.path.join(ROOT, RESULTS, sparse)):  # compiled with --sparsecore
     found.append(
