@@ -44,8 +44,9 @@ Writes recompute_CHIP.libtpu-VERSION.json and recompute_CHIP.md (every compiler'
 Minutes per candidate on a 2-core machine; compiled programs are kept in the planner's cache
 (`~/.cache/zerojax/programs`), so a second run reads them back. `--reuse` keeps a
 committed candidate's figures where the row's search command is unchanged but for the policies
-it lists (`POLICY_FLAGS`) and the candidate is compiled as it was (not lean, `candidates.LEAN_REMATS`, then or now), compiles the others
-and ranks all of them as the search does; the record lists what it reused.
+it lists (`POLICY_FLAGS`) and the candidate is compiled as it was (not lean,
+`candidates.LEAN_REMATS`, then or now), compiles the others and ranks all of them as the search
+does; the record lists what it reused.
 """
 
 from __future__ import annotations
@@ -111,13 +112,7 @@ def _figures(r, flops: float, chip) -> dict:
   for share in HOST_SHARES:
     slower = dataclasses.replace(chip, host_link_bandwidth=chip.host_link_bandwidth * share)
     steps[share] = roofline.predict(slower, r, moved, r.host_traffic.overlapped).step
-  return {
-    'remat': r.candidate.remat,
-    'tensor': r.candidate.tensor,
-    'collective_offload': r.candidate.collective_offload,
-    'policy': policy(r.candidate),
-    'lean': candidates.lean(r.candidate.remat),
-    'status': r.status,
+  return _identity(r) | {
     'fits': r.fits,
     'predicted_step_seconds': r.step_seconds,
     'predicted_tflops': flops / r.step_seconds / 1e12,
@@ -216,18 +211,22 @@ def search_row(row, before: dict | None = None, chip: str = 'v5e') -> dict:
   return record
 
 
+def _identity(r) -> dict:
+  """What a searched candidate is (its remat, tensor axis, collectives, name) and its status."""
+  c = r.candidate
+  return {
+    'remat': c.remat,
+    'tensor': c.tensor,
+    'collective_offload': c.collective_offload,
+    'policy': policy(c),
+    'lean': candidates.lean(c.remat),
+    'status': r.status,
+  }
+
+
 def _candidate(r, flops: float, chip) -> dict:
-  """A candidate's figures, or its remat and status where nothing was priced."""
-  if r.predicted is None:
-    return {
-      'remat': r.candidate.remat,
-      'tensor': r.candidate.tensor,
-      'collective_offload': r.candidate.collective_offload,
-      'policy': policy(r.candidate),
-      'lean': candidates.lean(r.candidate.remat),
-      'status': r.status,
-    }
-  return _figures(r, flops, chip)
+  """A candidate's figures, or what it is and its status where nothing was priced."""
+  return _figures(r, flops, chip) if r.predicted is not None else _identity(r)
 
 
 def _row_flops(row) -> float:
