@@ -305,27 +305,35 @@ def test_a_traced_plan_does_not_depend_on_what_was_traced_before(kind):
 
 def test_traced_parameters_whose_layout_cannot_be_read_are_refused():
   """On Auto axes a traced array carries no layout: with a tensor-parallel axis in the mesh
-  and no param_specs, the plan is not guessed (nor taken from what was placed before)."""
+  and no param_specs, the plan is not guessed. What tx.init saw placed travels in the state
+  it returns (`zerojax.ZeroState`), so a traced update reads it from there."""
   mesh = tp_mesh(AxisType.Auto)
   tx = zerojax.zero_stage(optax.sgd(0.1), 3, mesh=mesh)
   params = jax.device_put({'w': jnp.ones((64, 32))}, NamedSharding(mesh, TP_LAYOUTS['cols']))
-  state = tx.init(params)
   assert zerojax.plan_for(tx, params).params['w'].spec == P('data', 'model')
+  state = tx.init(params)
+  assert isinstance(state, zerojax.ZeroState)
+  assert state.layouts.specs == (TP_LAYOUTS['cols'],)
+  updates, new_state = jax.jit(tx.update)(params, state, params)
+  assert updates['w'].sharding.spec == P('data', 'model')
+  assert new_state.layouts == state.layouts
+  # An init traced on Auto axes has nothing to record: refused, with the fixes.
   with pytest.raises(ValueError) as e:
-    jax.jit(tx.update)(params, state, params)
+    jax.jit(tx.init)(params)
   assert str(e.value) == (
     'zerojax: these parameters are traced on Auto mesh axes, where arrays carry no layout, and'
     " the mesh splits them over ['model'] too (tensor parallelism), so where each is split"
-    ' cannot be read. Give the layouts to the optimizer: zero_stage(...,'
-    ' param_specs=jax.tree.map(lambda x: x.sharding.spec, params)) on the placed parameters'
-    ' (param_specs=jax.P() for none), build the state with zerojax.create_train_state or'
-    ' zero_stage(train_state, ...), which record them in state.tx, or use a mesh with Explicit'
-    ' axes.'
+    ' cannot be read. Give tx.init the placed parameters outside jit'
+    ' (nnx.Optimizer(model, tx, wrt=nnx.Param) does), and the state it returns carries their'
+    ' layouts to every update; or give them to the optimizer: zero_stage(...,'
+    ' param_specs=zerojax.specs_of(params)) on the placed parameters (arrays,'
+    ' nnx.state(model, nnx.Param), or a boxed linen tree); or build the state with'
+    ' zerojax.create_train_state or zero_stage(train_state, ...), which record them in'
+    ' state.tx.'
   )
-  told = zerojax.zero_stage(
-    optax.sgd(0.1), 3, mesh=mesh, param_specs=jax.tree.map(lambda x: x.sharding.spec, params)
-  )
-  updates, _ = jax.jit(told.update)(params, told.init(params), params)
+  # The fix the message names, verbatim.
+  told = zerojax.zero_stage(optax.sgd(0.1), 3, mesh=mesh, param_specs=zerojax.specs_of(params))
+  updates, _ = jax.jit(told.update)(params, jax.jit(told.init)(params), params)
   assert updates['w'].sharding.spec == P('data', 'model')
 
 

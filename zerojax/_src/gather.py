@@ -131,6 +131,14 @@ class ShardedLeaf:
   def __jax_array__(self):
     raise ungathered(self.path)
 
+  # Indexing and arithmetic do not reach `__jax_array__` (an embedding lookup subscripts its
+  # table first): each says the same.
+  def _ungathered(self, *args, **kwargs):
+    raise ungathered(self.path)
+
+  __getitem__ = __array__ = __matmul__ = __rmatmul__ = _ungathered
+  __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _ungathered
+
   def gather(self, dtype: Any = None) -> jax.Array:
     """The whole parameter: an all-gather of the shards (its transpose: a reduce-scatter)."""
     x = self.shard

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zerojax._src import compat, rules, streaming, validation
+from zerojax._src import layouts as layouts_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import options as options_lib
 from zerojax._src import plan as plan_lib
@@ -64,11 +66,13 @@ class ZeroConfig:
       raise ValueError(
         'zerojax: these parameters are traced on Auto mesh axes, where arrays carry no'
         f' layout, and the mesh splits them over {others} too (tensor parallelism), so'
-        ' where each is split cannot be read. Give the layouts to the optimizer:'
-        ' zero_stage(..., param_specs=jax.tree.map(lambda x: x.sharding.spec, params)) on'
-        ' the placed parameters (param_specs=jax.P() for none), build the state with'
-        ' zerojax.create_train_state or zero_stage(train_state, ...), which record them in'
-        ' state.tx, or use a mesh with Explicit axes.'
+        ' where each is split cannot be read. Give tx.init the placed parameters outside'
+        ' jit (nnx.Optimizer(model, tx, wrt=nnx.Param) does), and the state it returns'
+        ' carries their layouts to every update; or give them to the optimizer:'
+        ' zero_stage(..., param_specs=zerojax.specs_of(params)) on the placed parameters'
+        ' (arrays, nnx.state(model, nnx.Param), or a boxed linen tree); or build the state'
+        ' with zerojax.create_train_state or zero_stage(train_state, ...), which record them'
+        ' in state.tx.'
       )
     key = self._signature(params)
     cached = self._plans.get(key)
@@ -96,6 +100,22 @@ class ZeroConfig:
   def _layouts_hidden(self, params: Any) -> bool:
     """Whether layouts over other mesh axes may exist but cannot be seen on `params`."""
     return self._layouts_only_on_arrays() and _has_tracers(params)
+
+  def recorded_layouts(self, plan: plan_lib.ZeroPlan) -> layouts_lib.Layouts | None:
+    """What `tx.init` records in the state for traced updates to read (`layouts.ZeroState`):
+    `plan`'s layouts over the other mesh axes where traced parameters could not show them
+    (Auto axes, no `param_specs`, other axes); else None."""
+    bound = self.with_layouts_of(plan)
+    if bound is self:
+      return None
+    return layouts_lib.Layouts.of(bound.options.param_specs)
+
+  def with_recorded(self, layouts: layouts_lib.Layouts, params: Any, name: str) -> ZeroConfig:
+    """This config with the layouts a state recorded as its `param_specs`, for `params`."""
+    if self.options.param_specs is not None:
+      return self
+    specs = layouts.tree_like(params, name)
+    return dataclasses.replace(self, options=dataclasses.replace(self.options, param_specs=specs))
 
   def with_layouts_of(self, plan: plan_lib.ZeroPlan) -> ZeroConfig:
     """This config, with `plan`'s layouts over the other mesh axes as its `param_specs`
@@ -498,6 +518,7 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
   mesh = config.mesh
 
   def init(params: optax.Params) -> optax.OptState:
+    params = _without_variables(params)
     validation.abstract_arrays(params, 'params')
     plan = config.plan(params)
 
@@ -508,8 +529,13 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     body = mesh_lib.run_in_layout(body, mesh, plan.opt_state)
     if _has_tracers(params):
       return body(params)
+    _warn_if_whole_at_stage_3(params, plan, config)
     # Created directly in its layout: each device computes only its shards.
-    return jax.jit(body, out_shardings=plan.opt_state)(params)
+    state = jax.jit(body, out_shardings=plan.opt_state)(params)
+    # Placed parameters show their layouts over a tensor-parallel axis; traced ones on Auto
+    # axes do not, so the state carries them to every update (`layouts.ZeroState`).
+    recorded = config.recorded_layouts(plan)
+    return state if recorded is None else layouts_lib.ZeroState(state, recorded)
 
   def update(
     updates: optax.Updates,
@@ -520,15 +546,21 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     validation.abstract_arrays(updates, 'grads')
     if params is not None:
       validation.check_like_params(updates, params, 'grads')
-    plan = config.plan(params if params is not None else updates, opt_state=state)
+    like = params if params is not None else updates
+    bound, recorded = config, None
+    if isinstance(state, layouts_lib.ZeroState):
+      state, recorded = state.inner, state.layouts
+      bound = config.with_recorded(recorded, like, 'params' if params is not None else 'grads')
+    plan = bound.plan(like, opt_state=state)
     _check_state_not_replicated(state, plan, mesh)
     arrays, others = _split_extra_args(extra_args, plan, mesh)
-    step = _Step(config, inner, master_step, plan, others)
+    step = _Step(bound, inner, master_step, plan, others)
     noted = step.streamed_parts(updates, params)
     body = mesh_lib.run_in_layout(
       functools.partial(strategy, step), mesh, (plan.params, plan.opt_state)
     )
-    return body(updates, state, params, arrays, noted)
+    updates, state = body(updates, state, params, arrays, noted)
+    return updates, (state if recorded is None else layouts_lib.ZeroState(state, recorded))
 
   return optax.GradientTransformationExtraArgs(init, ZeroUpdate(config, update))
 
@@ -628,6 +660,72 @@ def _streamed_update(step: _Step, grads, state, params, arrays, noted):
   rounded = mesh_lib.constrain(rounded, plan.param_shards, mesh)
   rounded = mesh_lib.constrain(rounded, plan.params, mesh)
   return updates_to(rounded, params), _to_plan_memory(state, plan.opt_state)
+
+
+def _without_variables(params: Any) -> Any:
+  """`params` with Flax NNX Variables replaced by their values (`nnx.as_pure`).
+
+  `nnx.Optimizer` hands `tx.init` the model's `nnx.Param`s. A state made of Variables would
+  carry their sharding metadata (`sharding_names`), and flax lays a Variable out by it when
+  it wraps the state, undoing the ZeRO layout: made of arrays, the state keeps the plan's.
+
+  Raises:
+    ValueError: a Variable asks for its own optimizer-state layout (`optimizer_sharding`).
+  """
+  nnx = sys.modules.get('flax.nnx')  # no Variables exist unless flax.nnx was imported
+  if nnx is None:
+    return params
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]
+  variables = [(path, x) for path, x in flat if is_variable(x)]
+  if not variables:
+    return params
+  fighting = [
+    f'params{jax.tree_util.keystr(path)}'
+    for path, x in variables
+    if x.get_metadata().get('optimizer_sharding') is not None
+  ]
+  if fighting:
+    shown = ', '.join(fighting[:3]) + (
+      f' and {len(fighting) - 3} more' if len(fighting) > 3 else ''
+    )
+    raise ValueError(
+      f'{shown}: nnx.Param(..., optimizer_sharding=...) lays out its optimizer state itself,'
+      ' and zero_stage lays out the optimizer state over its ZeRO axes: the two would fight.'
+      ' Drop optimizer_sharding from these parameters and let zero_stage split the state'
+      ' (stage 1 and up), or leave zero_stage out for them.'
+    )
+  return nnx.as_pure(params)
+
+
+def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: ZeroConfig) -> None:
+  """Stage 3 given parameters whole over the ZeRO axes: the first update splits them, and
+  until then every device holds all of them. Says so, with the way to place them first."""
+  if config.stage != 3:
+    return
+  whole = []
+  for (path, x), want in zip(
+    jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(plan.params)
+  ):
+    sharding = getattr(x, 'sharding', None)
+    has = _mesh_axes(sharding.spec) if isinstance(sharding, NamedSharding) else set()
+    if set(config.axes) & _mesh_axes(want.spec) - has:
+      whole.append(f'params{jax.tree_util.keystr(path)}')
+  if whole:
+    shown = ', '.join(whole[:3]) + (f' and {len(whole) - 3} more' if len(whole) > 3 else '')
+    warnings.warn(
+      f'zero_stage(stage=3): tx.init got {len(whole)} parameters whole over the ZeRO axes'
+      f' {config.axes} ({shown}). The optimizer state is split from now on, and the first'
+      ' update returns the parameters split, but until then every device holds all of them.'
+      ' To hold 1/N from the start, place them first: zerojax.nnx.shard(model, tx) (or'
+      ' create the model with zerojax.nnx.create_model), zerojax.create_train_state, or'
+      ' jax.device_put(params, zerojax.plan_for(tx, params).params).',
+      stacklevel=3,
+    )
+
+
+def _mesh_axes(spec: PartitionSpec) -> set[str]:
+  return {a for entry in spec for a in rules.spec_axes(entry)}
 
 
 def _visible_spec(x: Any, mesh: Mesh) -> PartitionSpec | None:

@@ -1,0 +1,325 @@
+"""NNX on a tensor-parallel mesh with the optimizer line alone.
+
+A model of the JAX AI Stack miniGPT tutorial's shape, written here: layers annotated with
+`nnx.with_partitioning` over a 'model' axis, an unannotated embedding, a list of blocks; an
+`nnx.Optimizer`, an `nnx.jit` step with `nnx.value_and_grad`. The only change from plain optax
+is `zero_stage(optax.adam(1e-3), stage, mesh=mesh, axis='batch')`. Meshes: 8x1 and 4x2
+('batch', 'model'), Auto and Explicit axes.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zerojax
+from zerojax._src.layouts import ZeroState
+
+VOCAB, WIDTH, HIDDEN, LAYERS, SEQ, BATCH = 64, 32, 64, 2, 16, 16
+STEPS = 3
+
+
+def _explicit(mesh):
+  return all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+class Block(nnx.Module):
+  def __init__(self, explicit: bool, rngs: nnx.Rngs):
+    init = nnx.initializers.xavier_uniform()
+    self.explicit = explicit
+    self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
+    self.up = nnx.Linear(
+      WIDTH, HIDDEN, kernel_init=nnx.with_partitioning(init, (None, 'model')), rngs=rngs
+    )
+    self.down = nnx.Linear(
+      HIDDEN, WIDTH, kernel_init=nnx.with_partitioning(init, ('model', None)), rngs=rngs
+    )
+
+  def __call__(self, x):
+    h = nnx.relu(self.up(self.norm(x)))
+    # On Explicit axes the row-parallel matmul's output layout is the program's to say.
+    return x + (self.down(h, out_sharding=P('batch')) if self.explicit else self.down(h))
+
+
+class TinyGPT(nnx.Module):
+  """Embedding (unannotated), blocks in a list, a column-parallel head."""
+
+  def __init__(self, explicit: bool, rngs: nnx.Rngs):
+    self.explicit = explicit
+    self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
+    self.blocks = nnx.List([Block(explicit, rngs) for _ in range(LAYERS)])
+    self.head = nnx.Linear(
+      WIDTH,
+      VOCAB,
+      kernel_init=nnx.with_partitioning(nnx.initializers.xavier_uniform(), (None, 'model')),
+      rngs=rngs,
+    )
+
+  def __call__(self, tokens):
+    if self.explicit:
+      x = self.embed.embedding[...].at[tokens].get(out_sharding=P('batch'))
+    else:
+      x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x, out_sharding=P('batch')) if self.explicit else self.head(x)
+
+
+def _loss(model, tokens):
+  logits = model(tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+@nnx.jit
+def _train_step(model, optimizer, tokens):
+  loss, grads = nnx.value_and_grad(_loss)(model, tokens)
+  optimizer.update(model, grads)
+  return loss
+
+
+def _mesh(shape, kind):
+  return jax.make_mesh(shape, ('batch', 'model'), axis_types=(kind, kind))
+
+
+def _create(mesh):
+  """The tutorial's way: created under jit, constrained to the annotations' layouts."""
+  explicit = _explicit(mesh)
+
+  @nnx.jit
+  def create():
+    model = TinyGPT(explicit, nnx.Rngs(0))
+    state = nnx.state(model)
+    nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+    return model
+
+  return create()
+
+
+def _tokens(mesh):
+  tokens = jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, VOCAB)
+  return jax.device_put(tokens, NamedSharding(mesh, P('batch')))
+
+
+def _train(mesh, tx):
+  with jax.set_mesh(mesh):
+    model = _create(mesh)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    at_creation = _per_device(nnx.as_pure(nnx.state(optimizer.opt_state)))
+    tokens = _tokens(mesh)
+    losses = [float(_train_step(model, optimizer, tokens)) for _ in range(STEPS)]
+  return losses, model, optimizer, at_creation
+
+
+def _per_device(tree):
+  """Bytes per leaf on device 0."""
+  return [x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)]
+
+
+def _tensor_split(x, mesh):
+  """How many parts the 'model' axis splits a placed leaf into."""
+  return mesh.shape['model'] if 'model' in jax.tree.leaves(tuple(x.sharding.spec)) else 1
+
+
+MESHES = [((8, 1), AxisType.Auto), ((4, 2), AxisType.Auto), ((8, 1), AxisType.Explicit)]
+MESHES += [((4, 2), AxisType.Explicit)]
+
+
+@pytest.mark.parametrize('shape, kind', MESHES, ids=lambda v: getattr(v, 'name', v))
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_the_optimizer_line_alone_on_a_tensor_parallel_mesh(shape, kind, stage):
+  mesh = _mesh(shape, kind)
+  if stage == 3 and kind == AxisType.Explicit:
+    pytest.skip('stage 3 on Explicit axes types the parameters as split: see the test below')
+  ref_losses, ref_model, _, _ = _train(mesh, optax.adam(1e-3))
+  tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh, axis='batch')
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')  # stage 3's note that the first update splits the model
+    losses, model, optimizer, at_creation = _train(mesh, tx)
+  # The same numbers as plain nnx.Optimizer, step by step.
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  ref_params = nnx.as_pure(nnx.state(ref_model, nnx.Param))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, ref_params
+  )
+  # Where the state records the layouts: on Auto axes beside a tensor axis of size > 1 only.
+  hidden = kind == AxisType.Auto and mesh.shape['model'] > 1
+  assert isinstance(optimizer.opt_state, ZeroState) == hidden
+  # The state at rest, from creation on and after the steps: each Adam moment is its
+  # parameter's bytes over the tensor-parallel split kept, and over the 'batch' axis from
+  # stage 1 (every dimension here divides 8).
+  leaves = jax.tree.leaves(params)
+  zero = mesh.shape['batch'] if stage >= 1 else 1
+  moment = [x.nbytes // _tensor_split(x, mesh) // zero for x in leaves]
+  count = np.dtype(np.int32).itemsize  # Adam's step count, whole on every device
+  want = [count] + moment + moment
+  assert at_creation == want
+  assert _per_device(nnx.as_pure(nnx.state(optimizer.opt_state))) == want
+  # Parameters at rest: whole over 'batch' below stage 3, split from stage 3's first update.
+  total = sum(_per_device(params))
+  assert total == sum(
+    x.nbytes // _tensor_split(x, mesh) // (zero if stage == 3 else 1) for x in leaves
+  )
+
+
+@pytest.mark.parametrize('shape', [(8, 1), (4, 2)])
+def test_stage_3_on_explicit_axes_gathers_in_the_loss(shape):
+  # On Explicit axes a stage-3 parameter's type says it is split over 'batch', so the model
+  # cannot run on it as it is: the loss gathers it (zerojax.nnx.gathered), and
+  # nnx.value_and_grad's gradient of that gather is the reduce-scatter.
+  mesh = _mesh(shape, AxisType.Explicit)
+  ref_losses, ref_model, _, _ = _train(mesh, optax.adam(1e-3))
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis='batch')
+
+  def loss(model, tokens):
+    return _loss(zerojax.nnx.gathered(model, tx), tokens)
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    value, grads = nnx.value_and_grad(loss)(model, tokens)
+    optimizer.update(model, grads)
+    return value
+
+  with jax.set_mesh(mesh):
+    model = zerojax.nnx.shard(_create(mesh), tx)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    tokens = _tokens(mesh)
+    losses = [float(step(model, optimizer, tokens)) for _ in range(STEPS)]
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  ref_params = nnx.as_pure(nnx.state(ref_model, nnx.Param))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, ref_params
+  )
+  # At rest: every parameter split over 'batch', its tensor-parallel split kept.
+  leaves = jax.tree.leaves(params)
+  split = [x.nbytes // _tensor_split(x, mesh) // mesh.shape['batch'] for x in leaves]
+  assert _per_device(params) == split
+
+
+def test_stage_3_says_the_first_update_splits_a_whole_model():
+  mesh = _mesh((4, 2), AxisType.Auto)
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis='batch')
+  with jax.set_mesh(mesh):
+    model = _create(mesh)
+    with pytest.warns(UserWarning) as record:
+      nnx.Optimizer(model, tx, wrt=nnx.Param)
+  (message,) = [str(w.message) for w in record]
+  assert message.startswith(
+    "zero_stage(stage=3): tx.init got 15 parameters whole over the ZeRO axes ('batch',)"
+  )
+  assert 'zerojax.nnx.shard(model, tx)' in message
+  # Placed first, nothing to say.
+  with jax.set_mesh(mesh):
+    model = zerojax.nnx.shard(_create(mesh), tx)
+    with warnings.catch_warnings():
+      warnings.simplefilter('error')
+      nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def test_a_state_recorded_for_other_parameters_is_refused():
+  mesh = _mesh((4, 2), AxisType.Auto)
+  tx = zerojax.zero_stage(optax.adam(1e-3), 1, mesh=mesh, axis='batch')
+  with jax.set_mesh(mesh):
+    params = nnx.as_pure(nnx.state(_create(mesh), nnx.Param))
+    state = tx.init(params)
+    fewer = dict(params)
+    fewer.pop('head')
+    with pytest.raises(ValueError) as info:
+      jax.jit(tx.update)(fewer, state, fewer)
+  n = len(jax.tree.leaves(params))
+  assert str(info.value) == (
+    f'the optimizer state was made by tx.init for {n} parameter leaves, and this update got'
+    f' {n - 2} leaves of `params`: an optimizer state belongs to the parameters it was'
+    ' initialised for. Call tx.init on these parameters.'
+  )
+
+
+def test_per_layer_on_a_loss_that_gathers_nothing_names_the_fix():
+  mesh = _mesh((8, 1), AxisType.Auto)
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis='batch')
+  with jax.set_mesh(mesh):
+    model = zerojax.nnx.shard(_create(mesh), tx)
+    grad_fn = zerojax.nnx.value_and_grad(_loss, tx, per_layer=True)
+    with pytest.raises(TypeError) as info:
+      nnx.jit(grad_fn)(model, _tokens(mesh))
+  first = str(info.value).splitlines()[0]
+  assert first.startswith("parameter params['embed']['embedding']")
+  assert 'zerojax.nnx.gathered' in first
+
+
+def test_the_recorded_layouts_are_data_in_the_state():
+  # jit, tree maps and flattening keep the record: it is part of the structure, with no leaves.
+  mesh = _mesh((4, 2), AxisType.Auto)
+  tx = zerojax.zero_stage(optax.sgd(0.1, momentum=0.9), 2, mesh=mesh, axis='batch')
+  with jax.set_mesh(mesh):
+    params = nnx.as_pure(nnx.state(_create(mesh), nnx.Param))
+    state = tx.init(params)
+  assert isinstance(state, ZeroState)
+  assert len(jax.tree.leaves(state)) == len(jax.tree.leaves(state.inner))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+  assert state.layouts.specs[paths.index("['head']['kernel']")] == P(None, 'model')
+  assert state.layouts.specs[paths.index("['embed']['embedding']")] == P()
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, new_state = jax.jit(tx.update)(grads, state, params)
+  assert new_state.layouts == state.layouts
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+
+
+def test_specs_of_reads_an_nnx_state_with_unannotated_leaves():
+  # The one-line fix for a state that was never seen placed: nnx.Param leaves, some with no
+  # mesh layout of their own.
+  mesh = _mesh((4, 2), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    model = _create(mesh)
+    loose = nnx.Param(jnp.ones((8, 8)))  # a single-device array: no mesh layout
+    state = nnx.state(model, nnx.Param)
+    specs = zerojax.specs_of({'model': state, 'loose': loose})
+  assert specs['model']['head']['kernel'] == P(None, 'model')
+  assert specs['model']['blocks'][0]['down']['kernel'] == P('model')
+  assert specs['model']['embed']['embedding'] == P()
+  assert specs['loose'] == P()
+  tx = zerojax.zero_stage(optax.adam(1e-3), 2, mesh=mesh, axis='batch', param_specs=specs['model'])
+  params = nnx.as_pure(state)
+  opt_state = jax.jit(tx.init)(params)  # traced: nothing to record, the specs say it
+  assert not isinstance(opt_state, ZeroState)
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, _ = jax.jit(tx.update)(grads, opt_state, params)
+  assert updates['head']['kernel'].sharding.spec == P(None, 'model')
+
+
+def test_specs_of_refuses_traced_leaves_on_auto_axes():
+  mesh = _mesh((4, 2), AxisType.Auto)
+  with pytest.raises(ValueError) as info:
+    jax.jit(lambda t: zerojax.specs_of(t) and t)({'w': jnp.ones((4, 4))})
+  assert str(info.value) == (
+    "zerojax.specs_of: params['w'] are traced on Auto mesh axes, where arrays carry no layout."
+    ' Call it on the placed parameters outside jax.jit (or nnx.jit).'
+  )
+  del mesh
+
+
+def test_optimizer_sharding_metadata_is_refused_before_tracing():
+  mesh = _mesh((4, 2), AxisType.Auto)
+
+  class Annotated(nnx.Module):
+    def __init__(self, rngs):
+      self.w = nnx.Param(jnp.ones((8, 8)), optimizer_sharding=('model', None))
+
+  tx = zerojax.zero_stage(optax.adam(1e-3), 1, mesh=mesh, axis='batch')
+  with jax.set_mesh(mesh):
+    model = Annotated(nnx.Rngs(0))
+    with pytest.raises(ValueError) as info:
+      nnx.Optimizer(model, tx, wrt=nnx.Param)
+  assert str(info.value) == (
+    "params['w']: nnx.Param(..., optimizer_sharding=...) lays out its optimizer state itself,"
+    ' and zero_stage lays out the optimizer state over its ZeRO axes: the two would fight.'
+    ' Drop optimizer_sharding from these parameters and let zero_stage split the state'
+    ' (stage 1 and up), or leave zero_stage out for them.'
+  )
