@@ -236,6 +236,11 @@ def test_printed_plan(explicit_mesh):
     'host': 0,  # nothing offloaded
   }
   assert 'per device: params 4.01 KiB, grads 524 B, opt_state 1.03 KiB; total 5.55 KiB' in text
+  # Where stages 1 and 2 differ, and where they compile alike.
+  assert (
+    'gradients: split where they are kept between calls (accumulation across steps); inside'
+    ' one jitted step (gradients taken and applied at once) stages 1 and 2 compile alike.'
+  ) in lines
   # The axis's size, then how many leaves it holds whole (item 7: not a count posing as a size).
   assert "replicated over 'data' (8 devices): 4 leaves" in lines
   assert (

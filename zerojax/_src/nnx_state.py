@@ -9,12 +9,41 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax._src import gather as gather_lib
 from zerojax._src import grad as grad_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import reduction, transform
+
+
+def with_metadata_layouts(zero: Any, params: Any) -> Any:
+  """`zero` (an optimizer, its config or its plan), told the tensor-parallel layouts that the
+  `nnx.Param`s in `params` declare (`nnx.with_partitioning`, `sharding_names`), where their
+  arrays cannot show them: traced or abstract on Auto axes beside a tensor axis, with no
+  `param_specs`. Otherwise `zero` itself.
+
+  Placed arrays show where they are; inside `nnx.jit` on Auto axes only Flax's metadata says
+  it, and it travels with the Variables. A parameter without an annotation is whole over the
+  other axes (`P()`), as `nnx.get_partition_spec` reads it.
+  """
+  config = zero if isinstance(zero, transform.ZeroConfig) else transform.config_of(zero)
+  if config is None or not config._layouts_only_on_arrays():  # a plan is already decided
+    return zero
+  leaves = jax.tree.leaves(params)
+  if all(
+    not isinstance(x, jax.core.Tracer) and isinstance(getattr(x, 'sharding', None), NamedSharding)
+    for x in leaves
+  ):
+    return zero
+  specs = jax.tree.leaves(
+    nnx.as_pure(nnx.get_partition_spec(params)), is_leaf=lambda x: isinstance(x, PartitionSpec)
+  )
+  if len(specs) != len(leaves):  # metadata that is not one spec per leaf: nothing to read
+    return zero
+  bound = config.with_param_specs(jax.tree.unflatten(jax.tree.structure(params), specs))
+  return bound if isinstance(zero, transform.ZeroConfig) else transform.zero_optimizer(bound)
 
 
 def gathered(module: nnx.Module, zero: Any, *, dtype: Any = None) -> nnx.Module:
@@ -31,7 +60,7 @@ def gathered(module: nnx.Module, zero: Any, *, dtype: Any = None) -> nnx.Module:
     dtype: compute dtype to cast parameters to before the gather.
   """
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-  params = gather_lib.gather(params, zero, dtype=dtype)
+  params = gather_lib.gather(params, with_metadata_layouts(zero, params), dtype=dtype)
   return nnx.merge(graphdef, params, rest)
 
 
@@ -42,7 +71,8 @@ def _plan(tx: optax.GradientTransformation, model: nnx.Module, where: str) -> pl
       f'zerojax.nnx.{where} takes the optimizer wrapped by zerojax.zero_stage, which holds the'
       ' ZeRO stage and options: tx = zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh).'
     )
-  return config.plan(nnx.state(model, nnx.Param))
+  params = nnx.state(model, nnx.Param)
+  return with_metadata_layouts(config, params).plan(params)
 
 
 def shard(model: nnx.Module, tx: optax.GradientTransformation) -> nnx.Module:
@@ -134,7 +164,8 @@ def value_and_grad(
       written = jax.tree.map(lambda x: reduction.WeightedMean(x.astype(jnp.float32)), written)
       return (out[0], (out[1], written)) if has_aux else (out, (None, written))
 
-    grad_fn = grad_lib.value_and_grad(state_loss, tx, has_aux=True, **options)
+    told = with_metadata_layouts(tx, params)
+    grad_fn = grad_lib.value_and_grad(state_loss, told, has_aux=True, **options)
     (loss, (aux, written)), grads = grad_fn(params, batch, keys, rest, *args, loss_scale=loss_scale)
     nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype), written, rest))
     return ((loss, aux), grads) if has_aux else (loss, grads)

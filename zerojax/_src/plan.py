@@ -151,6 +151,8 @@ def format_plan(plan: ZeroPlan) -> str:
     + f'; total {fmt_bytes(total)}'
     + (f'; in host memory (offloaded) {fmt_bytes(host)}' if host else '')
   )
+  if plan.stage in (1, 2):
+    lines.append(_STAGES_1_2[plan.stage])
   reps = plan.replicated()
   if reps:
     lines.append(f'replicated over {axes!r} ({plan.num_shards} devices): {len(reps)} leaves')
@@ -158,6 +160,18 @@ def format_plan(plan: ZeroPlan) -> str:
   else:
     lines.append(f'replicated over {axes!r} ({plan.num_shards} devices): no leaves')
   return '\n'.join(lines + _quantized_and_padded(plan))
+
+
+# Stages 1 and 2 differ in the gradients they keep between calls; inside one jitted step that
+# takes its gradients and updates at once, neither keeps whole gradients after the update.
+_STAGES_1_2 = {
+  1: 'gradients: whole where they are kept between calls; inside one jitted step (gradients'
+  ' taken and applied at once) the compiler reduces them into the shards each device updates,'
+  ' so stages 1 and 2 compile alike there. Stage 2 keeps them split between calls too'
+  ' (accumulation across steps).',
+  2: 'gradients: split where they are kept between calls (accumulation across steps); inside'
+  ' one jitted step (gradients taken and applied at once) stages 1 and 2 compile alike.',
+}
 
 
 def _leaf_table(plan: ZeroPlan) -> list[str]:

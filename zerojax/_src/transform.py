@@ -110,6 +110,13 @@ class ZeroConfig:
       return None
     return layouts_lib.Layouts.of(bound.options.param_specs)
 
+  def with_param_specs(self, specs: Any) -> ZeroConfig:
+    """This config with `specs` as its `param_specs` where traced or abstract parameters
+    could not show their layouts (Auto axes, no `param_specs`, other axes); else itself."""
+    if not self._layouts_only_on_arrays():
+      return self
+    return dataclasses.replace(self, options=dataclasses.replace(self.options, param_specs=specs))
+
   def with_recorded(self, layouts: layouts_lib.Layouts, params: Any, name: str) -> ZeroConfig:
     """This config with the layouts a state recorded as its `param_specs`, for `params`."""
     if self.options.param_specs is not None:
