@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax._src import rules
+from zerojax._src.layouts import ZeroState
 
 
 def specs(tree):
@@ -311,13 +312,13 @@ def test_a_traced_plan_does_not_depend_on_what_was_traced_before(kind):
 def test_traced_parameters_whose_layout_cannot_be_read_are_refused():
   """On Auto axes a traced array carries no layout: with a tensor-parallel axis in the mesh
   and no param_specs, the plan is not guessed. What tx.init saw placed travels in the state
-  it returns (`zerojax.ZeroState`), so a traced update reads it from there."""
+  it returns (`layouts.ZeroState`), so a traced update reads it from there."""
   mesh = tp_mesh(AxisType.Auto)
   tx = zerojax.zero_stage(optax.sgd(0.1), 3, mesh=mesh)
   params = jax.device_put({'w': jnp.ones((64, 32))}, NamedSharding(mesh, TP_LAYOUTS['cols']))
   assert zerojax.plan_for(tx, params).params['w'].spec == P('data', 'model')
   state = tx.init(params)
-  assert isinstance(state, zerojax.ZeroState)
+  assert isinstance(state, ZeroState)
   assert state.layouts.specs == (TP_LAYOUTS['cols'],)
   updates, new_state = jax.jit(tx.update)(params, state, params)
   assert updates['w'].sharding.spec == P('data', 'model')

@@ -12,7 +12,6 @@ from zerojax._src.gather import ShardedLeaf as ShardedLeaf
 from zerojax._src.gather import gather as gather
 from zerojax._src.gather import recompute_gathers as recompute_gathers
 from zerojax._src.grad import value_and_grad as value_and_grad
-from zerojax._src.layouts import ZeroState as ZeroState
 from zerojax._src.layouts import specs_of as specs_of
 from zerojax._src.options import Options as Options
 from zerojax._src.plan import ZeroPlan as ZeroPlan
@@ -40,7 +39,6 @@ __all__ = [
   'ZeroPlan',
   'plan_for',
   'create_train_state',
-  'ZeroState',
   'specs_of',
   # Gradients, and how a loss's values combine over devices.
   'value_and_grad',
