@@ -43,12 +43,8 @@ import common  # noqa: E402
 common.setup_devices(8)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import nnx_minigpt as example  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 
 import zerojax  # noqa: E402
 
@@ -58,35 +54,10 @@ PATHS = ('flax', 'zerojax', 'zerojax per layer', 'flax, scanned', 'zerojax per l
 CONFIG = example.Config(width=256, hidden=1024, heads=4, layers=4, seq_len=64, batch=16)
 
 
-def compile_step(mesh, stage: int, path: str):
-  """The compiled training step: Flax's split/merge around the chosen gradient."""
-  tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh, axis='batch')
-  with jax.set_mesh(mesh):
-    per_layer = path.startswith('zerojax per layer')
-    scan = path.endswith('scanned')
-    model = example.create(CONFIG, mesh, scan=scan, tx=tx if per_layer else None)
-    zerojax.nnx.shard(model, tx)  # at stage 3, split from the start
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-    if path.startswith('zerojax'):
-      grad_fn = zerojax.nnx.value_and_grad(example.loss_fn, tx, per_layer=per_layer)
-    else:
-      grad_fn = nnx.value_and_grad(example.loss_fn)
-
-    def step(state, tokens):
-      model, optimizer = nnx.merge(graphdef, state)
-      loss, grads = grad_fn(model, tokens)
-      optimizer.update(model, grads)
-      return nnx.state((model, optimizer)), loss
-
-    tokens = jax.device_put(
-      jnp.zeros((CONFIG.batch, CONFIG.seq_len + 1), jnp.int32), NamedSharding(mesh, P('batch'))
-    )
-    return jax.jit(step, donate_argnums=0).lower(state, tokens).compile()
-
-
 def measure(mesh, stage: int, path: str) -> dict:
-  compiled = compile_step(mesh, stage, path)
+  compiled = example.compile_step(
+    CONFIG, mesh, stage, scan=path.endswith('scanned'), grads=path.split(',')[0]
+  )
   memory = zerojax.inspect.memory_stats(compiled)
   stats = zerojax.inspect.count_collectives(compiled)
   return {

@@ -184,6 +184,35 @@ def train(cfg: Config, mesh, tx, steps: int, text: np.ndarray, *, scan=False, pe
   return losses, model, optimizer
 
 
+def compile_step(cfg: Config, mesh, stage: int, *, scan: bool, grads: str):
+  """The training step compiled ahead of time (Flax's split/merge around `jax.jit`, the state
+  donated), for its memory and collectives: `grads` is 'flax' (`nnx.value_and_grad`),
+  'zerojax' (`zerojax.nnx.value_and_grad`, the model gathered before the loss) or 'zerojax
+  per layer' (each module gathers its own where it runs)."""
+  tx = zerojax.zero_stage(optax.adam(cfg.lr), stage, mesh=mesh, axis='batch')
+  per_layer = grads == 'zerojax per layer'
+  with jax.set_mesh(mesh):
+    model = create(cfg, mesh, scan=scan, tx=tx if per_layer else None)
+    zerojax.nnx.shard(model, tx)  # at stage 3, split from the start
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+    if grads == 'flax':
+      grad_fn = nnx.value_and_grad(loss_fn)
+    else:
+      grad_fn = zerojax.nnx.value_and_grad(loss_fn, tx, per_layer=per_layer)
+
+    def step(state, tokens):
+      model, optimizer = nnx.merge(graphdef, state)
+      loss, grads = grad_fn(model, tokens)
+      optimizer.update(model, grads)
+      return nnx.state((model, optimizer)), loss
+
+    tokens = jax.device_put(
+      jnp.zeros((cfg.batch, cfg.seq_len + 1), jnp.int32), NamedSharding(mesh, P('batch'))
+    )
+    return jax.jit(step, donate_argnums=0).lower(state, tokens).compile()
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--devices', type=int, default=8, help='faked CPU devices')

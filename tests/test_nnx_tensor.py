@@ -138,7 +138,7 @@ def test_the_optimizer_line_alone_on_a_tensor_parallel_mesh(shape, kind, stage):
   mesh = _mesh(shape, kind)
   if stage == 3 and kind == AxisType.Explicit:
     pytest.skip('stage 3 on Explicit axes types the parameters as split: see the test below')
-  ref_losses, ref_model, _, _ = _train(mesh, optax.adam(1e-3))
+  ref_losses, ref_model, ref_optimizer, ref_at_creation = _train(mesh, optax.adam(1e-3))
   tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh, axis='batch')
   with warnings.catch_warnings():
     warnings.simplefilter('ignore')  # stage 3's note that the first update splits the model
@@ -153,6 +153,12 @@ def test_the_optimizer_line_alone_on_a_tensor_parallel_mesh(shape, kind, stage):
   # Where the state records the layouts: on Auto axes beside a tensor axis of size > 1 only.
   hidden = kind == AxisType.Auto and mesh.shape['model'] > 1
   assert isinstance(optimizer.opt_state, ZeroState) == hidden
+  final = _per_device(nnx.as_pure(nnx.state(optimizer.opt_state)))
+  if stage == 0:  # nothing split over 'batch': the state is plain optax's, leaf by leaf
+    assert at_creation == ref_at_creation
+    assert final == _per_device(nnx.as_pure(nnx.state(ref_optimizer.opt_state)))
+    assert _per_device(params) == _per_device(ref_params)
+    return
   # The state at rest, from creation on and after the steps: each Adam moment is its
   # parameter's bytes over the tensor-parallel split kept, and over the 'batch' axis from
   # stage 1 (every dimension here divides 8).
@@ -162,7 +168,7 @@ def test_the_optimizer_line_alone_on_a_tensor_parallel_mesh(shape, kind, stage):
   count = np.dtype(np.int32).itemsize  # Adam's step count, whole on every device
   want = [count] + moment + moment
   assert at_creation == want
-  assert _per_device(nnx.as_pure(nnx.state(optimizer.opt_state))) == want
+  assert final == want
   # Parameters at rest: whole over 'batch' below stage 3, split from stage 3's first update.
   total = sum(_per_device(params))
   assert total == sum(
@@ -365,24 +371,8 @@ def _step_memory(example, mesh, layers, per_layer):
   step around zerojax.nnx.value_and_grad (per layer, or everything gathered up front)."""
   # Few tokens: the activations each layer saves stay small beside its weights.
   cfg = example.Config(layers=layers, width=256, hidden=1024, heads=4, seq_len=8, batch=8)
-  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis='batch')
-  with jax.set_mesh(mesh):
-    model = example.create(cfg, mesh, scan=True, tx=tx if per_layer else None)
-    zerojax.nnx.shard(model, tx)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    graphdef, state = nnx.split((model, optimizer))
-    grad_fn = zerojax.nnx.value_and_grad(example.loss_fn, tx, per_layer=per_layer)
-
-    def step(state, tokens):
-      model, optimizer = nnx.merge(graphdef, state)
-      loss, grads = grad_fn(model, tokens)
-      optimizer.update(model, grads)
-      return nnx.state((model, optimizer)), loss
-
-    tokens = jax.device_put(
-      jnp.zeros((cfg.batch, cfg.seq_len + 1), jnp.int32), NamedSharding(mesh, P('batch'))
-    )
-    compiled = jax.jit(step, donate_argnums=0).lower(state, tokens).compile()
+  grads = 'zerojax per layer' if per_layer else 'zerojax'
+  compiled = example.compile_step(cfg, mesh, 3, scan=True, grads=grads)
   return zerojax.inspect.memory_stats(compiled), cfg
 
 

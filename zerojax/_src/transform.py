@@ -557,6 +557,12 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     bound, recorded = config, None
     if isinstance(state, layouts_lib.ZeroState):
       state, recorded = state.inner, state.layouts
+      if config.stage == 0 and config.options.offload is None:
+        # Stage 0 splits nothing over the ZeRO axes: the wrapped optimizer as it is, so the
+        # compiler lays the state out over the other axes as it would without zerojax
+        # (pinned whole there, an unannotated embedding's moments would hold more).
+        updates, state = inner.update(updates, state, params, **extra_args)
+        return updates, layouts_lib.ZeroState(state, recorded)
       bound = config.with_recorded(recorded, like, 'params' if params is not None else 'grads')
     plan = bound.plan(like, opt_state=state)
     _check_state_not_replicated(state, plan, mesh)
