@@ -553,18 +553,12 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     validation.abstract_arrays(updates, 'grads')
     if params is not None:
       validation.check_like_params(updates, params, 'grads')
-    like = params if params is not None else updates
-    bound, recorded = config, None
     if isinstance(state, layouts_lib.ZeroState):
-      state, recorded = state.inner, state.layouts
-      if config.stage == 0 and config.options.offload is None:
-        # Stage 0 splits nothing over the ZeRO axes: the wrapped optimizer as it is, so the
-        # compiler lays the state out over the other axes as it would without zerojax
-        # (pinned whole there, an unannotated embedding's moments would hold more).
-        updates, state = inner.update(updates, state, params, **extra_args)
-        return updates, layouts_lib.ZeroState(state, recorded)
-      bound = config.with_recorded(recorded, like, 'params' if params is not None else 'grads')
-    plan = bound.plan(like, opt_state=state)
+      return _recorded_update(config, inner, run, updates, state, params, extra_args)
+    return run(config, updates, state, params, extra_args)
+
+  def run(bound, updates, state, params, extra_args):
+    plan = bound.plan(params if params is not None else updates, opt_state=state)
     _check_state_not_replicated(state, plan, mesh)
     arrays, others = _split_extra_args(extra_args, plan, mesh)
     step = _Step(bound, inner, master_step, plan, others)
@@ -572,8 +566,7 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     body = mesh_lib.run_in_layout(
       functools.partial(strategy, step), mesh, (plan.params, plan.opt_state)
     )
-    updates, state = body(updates, state, params, arrays, noted)
-    return updates, (state if recorded is None else layouts_lib.ZeroState(state, recorded))
+    return body(updates, state, params, arrays, noted)
 
   return optax.GradientTransformationExtraArgs(init, ZeroUpdate(config, update))
 
@@ -673,6 +666,21 @@ def _streamed_update(step: _Step, grads, state, params, arrays, noted):
   rounded = mesh_lib.constrain(rounded, plan.param_shards, mesh)
   rounded = mesh_lib.constrain(rounded, plan.params, mesh)
   return updates_to(rounded, params), _to_plan_memory(state, plan.opt_state)
+
+
+def _recorded_update(config, inner, run, updates, state, params, extra_args):
+  """The update of a state that carries its parameters' layouts (`layouts.ZeroState`): `run`
+  (the update's body) with the config told those layouts, the record passed on unchanged."""
+  if config.stage == 0 and config.options.offload is None:
+    # Stage 0 splits nothing over the ZeRO axes: the wrapped optimizer as it is, so the
+    # compiler lays the state out over the other axes as it would without zerojax (pinned
+    # whole there, an unannotated embedding's moments would hold more).
+    updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
+  else:
+    like, name = (params, 'params') if params is not None else (updates, 'grads')
+    bound = config.with_recorded(state.layouts, like, name)
+    updates, inner_state = run(bound, updates, state.inner, params, extra_args)
+  return updates, layouts_lib.ZeroState(inner_state, state.layouts)
 
 
 def _without_variables(params: Any) -> Any:
