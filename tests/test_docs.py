@@ -246,7 +246,7 @@ def _figures():
       'docs/results.md',
       f'held-out loss {held[1]:.4f} with int8 weights and gradients and {held[2]:.4f} with int4'
       f' gradients, against {held[0]:.4f} in full precision'
-      f' (+{100 * (held[1] / held[0] - 1):.2f}%, +{100 * (held[2] / held[0] - 1):.1f}%), with'
+      f' ({100 * (held[1] / held[0] - 1):+.2f}%, {100 * (held[2] / held[0] - 1):+.1f}%), with'
       f' {ring_q[1]:.3f}× and {ring_q[2]:.3f}× the collective bytes',
     ),
     ('docs/results.md', f'{q8:.3f}× (int8) and {q4:.3f}× (int4) the ring'),
