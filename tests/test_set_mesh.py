@@ -66,8 +66,23 @@ def _plain_run(batch):
   return losses, params
 
 
+# A known bug, kept visible: on jax >= 0.12, zerojax.gather of a ShardedLeaf inside
+# value_and_grad(per_layer=True) on a mesh with an Explicit axis beside the ZeRO axis fails
+# to lower ("Length of sharding.spec (2) must be equal to aval's ndim (0)", a scalar given a
+# leaf's layout). jax 0.10 runs it. Strict: the mark fails once the bug is fixed.
+EXPLICIT_2D_BUG = pytest.mark.xfail(
+  tuple(int(p) for p in jax.__version__.split('.')[:2]) >= (0, 12),
+  reason='per-layer gathers beside an Explicit axis fail to lower on jax >= 0.12',
+  raises=ValueError,
+  strict=True,
+)
+
+
 @pytest.mark.parametrize('stage', [2, 3])
-@pytest.mark.parametrize('name', sorted(MESHES))
+@pytest.mark.parametrize(
+  'name',
+  [pytest.param(n, marks=EXPLICIT_2D_BUG) if n == 'explicit-2d' else n for n in sorted(MESHES)],
+)
 def test_the_recipes_under_set_mesh_equal_plain_optax(name, stage, tmp_path):
   shape, axes, kind = MESHES[name]
   mesh = jax.make_mesh(shape, axes, axis_types=(kind,) * len(axes))
