@@ -119,10 +119,7 @@ class ZeroConfig:
 
   def with_recorded(self, layouts: layouts_lib.Layouts, params: Any, name: str) -> ZeroConfig:
     """This config with the layouts a state recorded as its `param_specs`, for `params`."""
-    if self.options.param_specs is not None:
-      return self
-    specs = layouts.tree_like(params, name)
-    return dataclasses.replace(self, options=dataclasses.replace(self.options, param_specs=specs))
+    return self.with_param_specs(layouts.tree_like(params, name))
 
   def with_layouts_of(self, plan: plan_lib.ZeroPlan) -> ZeroConfig:
     """This config, with `plan`'s layouts over the other mesh axes as its `param_specs`
