@@ -16,7 +16,11 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
+
+from zerojax._src import mesh as mesh_lib
+from zerojax._src import plan as plan_lib
+from zerojax._src import validation
 
 
 @jax.tree_util.register_static
@@ -99,29 +103,30 @@ def specs_of(tree: Any) -> Any:
   >>> zerojax.specs_of({'w': jax.numpy.ones((2, 2))}) == {'w': jax.sharding.PartitionSpec()}
   True
   """
-  nnx = sys.modules.get('flax.nnx')
-  if nnx is not None:
-    tree = nnx.as_pure(tree)
+  tree = values_of(tree)
   meta = sys.modules.get('flax.core.meta')
   if meta is not None:
     tree = meta.unbox(tree)
   hidden = []
 
   def one(path, x):
-    if isinstance(x, jax.core.Tracer):
-      sharding = jax.typeof(x).sharding
-      types = sharding.mesh.axis_types
-      if not any(t == jax.sharding.AxisType.Explicit for t in types):
-        hidden.append(f'params{jax.tree_util.keystr(path)}')
-      return sharding.spec
-    sharding = getattr(x, 'sharding', None)
-    return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+    if isinstance(x, jax.core.Tracer) and not mesh_lib.any_explicit(jax.typeof(x).sharding.mesh):
+      hidden.append(f'params{jax.tree_util.keystr(path)}')
+    spec = plan_lib.spec_of(x)
+    return PartitionSpec() if spec is None else spec
 
   specs = jax.tree_util.tree_map_with_path(one, tree)
   if hidden:
-    shown = ', '.join(hidden[:3]) + (f' and {len(hidden) - 3} more' if len(hidden) > 3 else '')
+    shown = validation.listed(hidden)
     raise ValueError(
       f'zerojax.specs_of: {shown} are traced on Auto mesh axes, where arrays carry no layout.'
       ' Call it on the placed parameters outside jax.jit (or nnx.jit).'
     )
   return specs
+
+
+def values_of(tree: Any) -> Any:
+  """`tree` with Flax NNX Variables replaced by their values (`nnx.as_pure`); as it is where
+  flax.nnx was never imported (no Variables can exist then)."""
+  nnx = sys.modules.get('flax.nnx')
+  return tree if nnx is None else nnx.as_pure(tree)

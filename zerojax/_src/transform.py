@@ -695,25 +695,20 @@ def _without_variables(params: Any) -> Any:
     return params
   is_variable = lambda x: isinstance(x, nnx.Variable)
   flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]
-  variables = [(path, x) for path, x in flat if is_variable(x)]
-  if not variables:
-    return params
   fighting = [
     f'params{jax.tree_util.keystr(path)}'
-    for path, x in variables
-    if x.get_metadata().get('optimizer_sharding') is not None
+    for path, x in flat
+    if is_variable(x) and x.get_metadata().get('optimizer_sharding') is not None
   ]
   if fighting:
-    shown = ', '.join(fighting[:3]) + (
-      f' and {len(fighting) - 3} more' if len(fighting) > 3 else ''
-    )
+    shown = validation.listed(fighting)
     raise ValueError(
       f'{shown}: nnx.Param(..., optimizer_sharding=...) lays out its optimizer state itself,'
       ' and zero_stage lays out the optimizer state over its ZeRO axes: the two would fight.'
       ' Drop optimizer_sharding from these parameters and let zero_stage split the state'
       ' (stage 1 and up), or leave zero_stage out for them.'
     )
-  return nnx.as_pure(params)
+  return layouts_lib.values_of(params)
 
 
 def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: ZeroConfig) -> None:
@@ -730,7 +725,7 @@ def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zero
     if set(config.axes) & _mesh_axes(want.spec) - has:
       whole.append(f'params{jax.tree_util.keystr(path)}')
   if whole:
-    shown = ', '.join(whole[:3]) + (f' and {len(whole) - 3} more' if len(whole) > 3 else '')
+    shown = validation.listed(whole)
     warnings.warn(
       f'zero_stage(stage=3): tx.init got {len(whole)} parameters whole over the ZeRO axes'
       f' {config.axes} ({shown}). The optimizer state is split from now on, and the first'
@@ -769,7 +764,7 @@ def _check_state_not_replicated(state: Any, plan: plan_lib.ZeroPlan, mesh: Mesh)
     if spec is not None and not any(spec) and any(want.spec):
       bad.append(f'opt_state{jax.tree_util.keystr(path)}')
   if bad:
-    shown = ', '.join(bad[:4]) + (f' and {len(bad) - 4} more' if len(bad) > 4 else '')
+    shown = validation.listed(bad, most=4)
     raise ValueError(
       f'The optimizer state is replicated on every device ({shown}), where stage'
       f' {plan.stage} splits it over {plan.axes}: it was moved out of its ZeRO layout, e.g. by'

@@ -157,3 +157,13 @@ def broadcast_prefix(prefix: Any, tree: Any, name: str) -> Any:
     raise ValueError(
       f'`{name}` must be a PartitionSpec or a tree of them that is a prefix of `params`: {e}'
     ) from None
+
+
+def listed(names: list[str], most: int = 3) -> str:
+  """The first `most` of `names` joined for an error message, and how many more there are.
+
+  >>> listed(['a', 'b', 'c', 'd', 'e'])
+  'a, b, c and 2 more'
+  """
+  extra = len(names) - most
+  return ', '.join(names[:most]) + (f' and {extra} more' if extra > 0 else '')
