@@ -333,6 +333,109 @@ def test_optimizer_sharding_metadata_is_refused_before_tracing():
   )
 
 
+# Logical axis names (nnx.with_partitioning(init, ('embed', 'mlp')) with nnx.logical_axis_rules).
+
+RULES = (('embed', None), ('mlp', 'model'))
+
+
+class Logical(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    init = nnx.initializers.xavier_uniform()
+    self.up = nnx.Linear(
+      WIDTH, HIDDEN, kernel_init=nnx.with_partitioning(init, ('embed', 'mlp')), rngs=rngs
+    )
+    self.down = nnx.Linear(
+      HIDDEN, WIDTH, kernel_init=nnx.with_partitioning(init, ('mlp', 'embed')), rngs=rngs
+    )
+
+  def __call__(self, x):
+    return x + self.down(nnx.relu(self.up(x)))
+
+
+def _logical_train(mesh, tx, grads_of):
+  """Created under the rules (as Flax needs them there), trained outside them."""
+  with jax.set_mesh(mesh):
+    with nnx.logical_axis_rules(RULES):
+      model = Logical(nnx.Rngs(0))
+      if tx is not None and zerojax.config_of(tx).stage == 3:
+        model = zerojax.nnx.shard(model, tx)
+      optimizer = nnx.Optimizer(model, tx or optax.adam(1e-3), wrt=nnx.Param)
+    x = jax.device_put(
+      jax.random.normal(jax.random.key(2), (BATCH, WIDTH)), NamedSharding(mesh, P('batch'))
+    )
+    loss = lambda m, x: (m(x) ** 2).mean()
+
+    @nnx.jit
+    def step(model, optimizer, x):
+      value, grads = grads_of(loss)(model, x)
+      optimizer.update(model, grads)
+      return value
+
+    losses = [float(step(model, optimizer, x)) for _ in range(STEPS)]
+  return losses, nnx.as_pure(nnx.state(model, nnx.Param))
+
+
+def test_logical_axis_names_read_outside_their_rules_name_the_fix():
+  mesh = _mesh((4, 2), AxisType.Auto)
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis='batch')
+  with pytest.raises(ValueError) as info:
+    _logical_train(mesh, tx, lambda loss: zerojax.nnx.value_and_grad(loss, tx))
+  assert str(info.value) == (
+    "params['down']['kernel']: its nnx.with_partitioning metadata reads P('mlp', 'embed'), and"
+    " 'mlp' is not an axis of the mesh ('batch', 'model'): a logical name, and no"
+    ' nnx.logical_axis_rules is active here to turn it into one. Run this under `with'
+    ' nnx.logical_axis_rules(rules):` as when the model was created, or give the layouts'
+    ' once: zero_stage(..., param_specs=zerojax.nnx.logical_param_specs(model, rules)).'
+  )
+
+
+@pytest.mark.parametrize('stage', [1, 3])
+def test_logical_param_specs_give_the_layouts_once(stage):
+  mesh = _mesh((4, 2), AxisType.Auto)
+  ref_losses, ref_params = _logical_train(mesh, None, nnx.value_and_grad)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(RULES):  # as Flax creates it
+    abstract = nnx.eval_shape(lambda: Logical(nnx.Rngs(0)))
+  specs = zerojax.nnx.logical_param_specs(abstract, RULES)
+  assert specs['up']['kernel'] == P(None, 'model')
+  assert specs['down']['kernel'] == P('model', None)
+  assert specs['up']['bias'] == P()
+  tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh, axis='batch', param_specs=specs)
+  losses, params = _logical_train(mesh, tx, lambda loss: zerojax.nnx.value_and_grad(loss, tx))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), params, ref_params
+  )
+  # The tensor-parallel split kept; at stage 3 the ZeRO split beside it.
+  want = P('batch', 'model') if stage == 3 else P(None, 'model')
+  assert params['up']['kernel'].sharding.spec == want
+
+
+def test_logical_param_specs_refuse_a_name_without_a_rule():
+  with jax.set_mesh(_mesh((4, 2), AxisType.Auto)), nnx.logical_axis_rules(RULES):
+    abstract = nnx.eval_shape(lambda: Logical(nnx.Rngs(0)))
+  with pytest.raises(ValueError) as info:
+    zerojax.nnx.logical_param_specs(abstract, [('embed', None)])
+  assert str(info.value) == (
+    "params['down']['kernel']: logical axis 'mlp' has no rule in `rules` (known: ['embed'])."
+    " Add ('mlp', MESH_AXIS_OR_None)."
+  )
+
+
+def test_param_specs_naming_an_axis_the_mesh_lacks_are_refused():
+  mesh = _mesh((4, 2), AxisType.Auto)
+  tx = zerojax.zero_stage(
+    optax.adam(1e-3), 1, mesh=mesh, axis='batch', param_specs={'w': P('embed', 'mlp')}
+  )
+  with pytest.raises(ValueError) as info:
+    zerojax.plan_for(tx, {'w': jax.ShapeDtypeStruct((32, 64), jnp.float32)})
+  assert str(info.value) == (
+    "param_specs['w'] is P('embed', 'mlp'), and 'embed' is not an axis of the mesh ('batch',"
+    " 'model'). Logical axis names need their rules to become mesh axes:"
+    ' param_specs=zerojax.nnx.logical_param_specs(params, rules) for NNX,'
+    ' zerojax.linen.logical_param_specs(params, rules) for linen.'
+  )
+
+
 # The example (examples/nnx_minigpt.py): a miniGPT with attention, its blocks in a list or
 # stacked and scanned; plain optax against the optimizer line, on the same bytes.
 

@@ -4,11 +4,14 @@
 - `shard(model, tx)`: places an existing model's parameters in it.
 - `gathered(module, tx)`: a copy of a module (a layer) with its parameters gathered.
 - `value_and_grad(loss_fn, tx)`: `zerojax.value_and_grad` for `loss_fn(model, batch)`.
+- `logical_param_specs(model, rules)`: mesh layouts from `nnx.with_partitioning`'s logical
+  axis names, for `zero_stage(param_specs=...)`.
 """
 
 from zerojax._src.nnx_state import create_model as create_model
 from zerojax._src.nnx_state import gathered as gathered
+from zerojax._src.nnx_state import logical_param_specs as logical_param_specs
 from zerojax._src.nnx_state import shard as shard
 from zerojax._src.nnx_state import value_and_grad as value_and_grad
 
-__all__ = ['create_model', 'gathered', 'shard', 'value_and_grad']
+__all__ = ['create_model', 'gathered', 'logical_param_specs', 'shard', 'value_and_grad']

@@ -42,8 +42,65 @@ def with_metadata_layouts(zero: Any, params: Any) -> Any:
   )
   if len(specs) != len(leaves):  # metadata that is not one spec per leaf: nothing to read
     return zero
+  _check_metadata_axes(params, specs, config.mesh)
   bound = config.with_param_specs(jax.tree.unflatten(jax.tree.structure(params), specs))
   return bound if isinstance(zero, transform.ZeroConfig) else transform.zero_optimizer(bound)
+
+
+def _check_metadata_axes(params: Any, specs: list, mesh: jax.sharding.Mesh) -> None:
+  """Raises ValueError where a Param's metadata names an axis the mesh does not have: a
+  logical name, read here where no `nnx.logical_axis_rules` turns it into a mesh axis."""
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(nnx.as_pure(params))[0]]
+  for path, spec in zip(paths, specs):
+    unknown = [a for e in spec if isinstance(e, str) for a in [e] if a not in mesh.axis_names]
+    if unknown:
+      raise ValueError(
+        f'params{jax.tree_util.keystr(path)}: its nnx.with_partitioning metadata reads {spec},'
+        f' and {unknown[0]!r} is not an axis of the mesh {tuple(mesh.axis_names)}: a logical'
+        ' name, and no nnx.logical_axis_rules is active here to turn it into one. Run this'
+        ' under `with nnx.logical_axis_rules(rules):` as when the model was created, or give'
+        ' the layouts once: zero_stage(..., param_specs=zerojax.nnx.logical_param_specs(model,'
+        ' rules)).'
+      )
+
+
+def logical_param_specs(tree: Any, rules: Any) -> Any:
+  """Mesh PartitionSpecs of an NNX model's `nnx.Param`s from their logical axis names, for
+  `zero_stage(param_specs=...)`.
+
+  The counterpart of `zerojax.linen.logical_param_specs` for
+  `nnx.with_partitioning(init, ('embed', 'mlp'))`: Flax's own reading of the metadata
+  (`nnx.get_partition_spec` under `nnx.logical_axis_rules(rules)`, with each Variable's
+  `sharding_rules`), checked so that every logical name has a rule. It needs no arrays: an
+  abstract model (`nnx.eval_shape`) will do.
+
+  Args:
+    tree: an NNX module, or an `nnx.State` of its Params.
+    rules: logical name -> mesh axis (or None), e.g. `(('embed', None), ('mlp', 'model'))`.
+
+  Returns:
+    A pure state (`nnx.as_pure`) of the Params with a `PartitionSpec` at each leaf (`P()`
+    where a Param has no annotation).
+
+  Raises:
+    ValueError: a logical name has no rule.
+  """
+  state = nnx.state(tree, nnx.Param) if isinstance(tree, nnx.Module) else tree
+  known = {name for name, _ in rules}
+  for path, var in jax.tree_util.tree_flatten_with_path(
+    state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+  )[0]:
+    meta = var.get_metadata() if isinstance(var, nnx.Variable) else {}
+    local = {name for name, _ in meta.get('sharding_rules', None) or ()}
+    names = [n for n in meta.get('out_sharding', None) or () if isinstance(n, str)]
+    missing = [n for n in names if n not in known | local]
+    if missing:
+      raise ValueError(
+        f'params{jax.tree_util.keystr(path)}: logical axis {missing[0]!r} has no rule in'
+        f' `rules` (known: {sorted(known)}). Add ({missing[0]!r}, MESH_AXIS_OR_None).'
+      )
+  with nnx.logical_axis_rules(rules):
+    return nnx.as_pure(nnx.get_partition_spec(state))
 
 
 def gathered(module: nnx.Module, zero: Any, *, dtype: Any = None) -> nnx.Module:

@@ -294,6 +294,8 @@ def _param_rules(params, config: PlanOptions, rule_for) -> tuple[_Leaves, list]:
     specs = jax.tree.map(spec_of, params)
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
   entries = _paths(abstract)
+  if config.options.param_specs is not None:
+    _check_spec_axes(entries, spec_leaves, config.mesh)
   stacked = validation.stacked_leaves(config.options.stacked, params)
   leaf_rules = [
     rule_for(x.shape, x.dtype, s, k) for (_, x), s, k in zip(entries, spec_leaves, stacked)
@@ -301,6 +303,22 @@ def _param_rules(params, config: PlanOptions, rule_for) -> tuple[_Leaves, list]:
   _check_layer_axes(entries, leaf_rules, stacked)
   opt_shapes = [r.padded_shape or r.shape for r in leaf_rules]
   return _Leaves(entries, leaf_rules, jax.tree.structure(abstract)), opt_shapes
+
+
+def _check_spec_axes(entries, spec_leaves, mesh: Mesh) -> None:
+  """Raises ValueError where `param_specs` name an axis the mesh does not have (most often
+  a logical axis name no rules turned into a mesh axis): its dimension would be laid out
+  whole without a word."""
+  for (path, _), spec in zip(entries, spec_leaves):
+    named = [e for e in spec or () if isinstance(e, (str, tuple))]
+    unknown = [a for e in named for a in rules.spec_axes(e) if a not in mesh.axis_names]
+    if unknown:
+      raise ValueError(
+        f'param_specs{jax.tree_util.keystr(path)} is {spec}, and {unknown[0]!r} is not an axis'
+        f' of the mesh {tuple(mesh.axis_names)}. Logical axis names need their rules to become'
+        ' mesh axes: param_specs=zerojax.nnx.logical_param_specs(params, rules) for NNX,'
+        ' zerojax.linen.logical_param_specs(params, rules) for linen.'
+      )
 
 
 def _check_layer_axes(entries, leaf_rules, stacked) -> None:
