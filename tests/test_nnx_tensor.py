@@ -231,6 +231,29 @@ def test_stage_3_says_the_first_update_splits_a_whole_model():
       nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
+def test_stage_3_on_explicit_axes_names_gathered_before_the_model_stops():
+  # The optimizer line alone at stage 3 on Explicit axes: the first update types the
+  # parameters as split, and the ungathered model cannot take its next step. The warning at
+  # creation says so first, naming the fix in its first words.
+  mesh = _mesh((4, 2), AxisType.Explicit)
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis='batch')
+  with jax.set_mesh(mesh):
+    model = _create(mesh)
+    with pytest.warns(UserWarning) as record:
+      optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    tokens = _tokens(mesh)
+    _train_step(model, optimizer, tokens)
+    with pytest.raises(Exception, match='batch') as info:  # JAX's own sharding type error
+      _train_step(model, optimizer, tokens)
+  assert type(info.value).__name__ == 'ShardingTypeError'
+  (message,) = [str(w.message) for w in record]
+  assert message.startswith(
+    'zero_stage(stage=3) on Explicit mesh axes: read the parameters through'
+    ' zerojax.nnx.gathered(model, tx) (or zerojax.gather(params, tx)) in the loss.'
+    " tx.init got 15 parameters whole over the ZeRO axes ('batch',)"
+  )
+
+
 def test_a_state_recorded_for_other_parameters_is_refused():
   mesh = _mesh((4, 2), AxisType.Auto)
   tx = zerojax.zero_stage(optax.adam(1e-3), 1, mesh=mesh, axis='batch')

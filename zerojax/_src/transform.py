@@ -724,17 +724,32 @@ def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zero
     has = _mesh_axes(sharding.spec) if isinstance(sharding, NamedSharding) else set()
     if set(config.axes) & _mesh_axes(want.spec) - has:
       whole.append(f'params{jax.tree_util.keystr(path)}')
-  if whole:
-    shown = validation.listed(whole)
-    warnings.warn(
-      f'zero_stage(stage=3): tx.init got {len(whole)} parameters whole over the ZeRO axes'
-      f' {config.axes} ({shown}). The optimizer state is split from now on, and the first'
-      ' update returns the parameters split, but until then every device holds all of them.'
-      ' To hold 1/N from the start, place them first: zerojax.nnx.shard(model, tx) (or'
-      ' create the model with zerojax.nnx.create_model), zerojax.create_train_state, or'
-      ' jax.device_put(params, zerojax.plan_for(tx, params).params).',
-      stacklevel=3,
+  if not whole:
+    return
+  shown = validation.listed(whole)
+  got = f'tx.init got {len(whole)} parameters whole over the ZeRO axes {config.axes} ({shown})'
+  place = (
+    'To hold 1/N from the start, place them first: zerojax.nnx.shard(model, tx) (or create'
+    ' the model with zerojax.nnx.create_model), zerojax.create_train_state, or'
+    ' jax.device_put(params, zerojax.plan_for(tx, params).params).'
+  )
+  if mesh_lib.any_explicit(config.mesh):
+    # On Explicit axes the split is in the parameters' types: a model that reads them as
+    # they are stops at its next step with JAX's own ShardingTypeError.
+    message = (
+      f'zero_stage(stage=3) on Explicit mesh axes: read the parameters through'
+      f' zerojax.nnx.gathered(model, tx) (or zerojax.gather(params, tx)) in the loss. {got};'
+      f' the first update returns them split over {config.axes} in their types, and a model'
+      " that uses them ungathered then fails at its next step with JAX's ShardingTypeError."
+      f' {place}'
     )
+  else:
+    message = (
+      f'zero_stage(stage=3): {got}. The optimizer state is split from now on, and the first'
+      ' update returns the parameters split, but until then every device holds all of them.'
+      f' {place}'
+    )
+  warnings.warn(message, stacklevel=3)
 
 
 def _mesh_axes(spec: PartitionSpec) -> set[str]:
