@@ -66,23 +66,8 @@ def _plain_run(batch):
   return losses, params
 
 
-# A known bug, kept visible: on jax >= 0.12, zerojax.gather of a ShardedLeaf inside
-# value_and_grad(per_layer=True) on a mesh with an Explicit axis beside the ZeRO axis fails
-# to lower ("Length of sharding.spec (2) must be equal to aval's ndim (0)", a scalar given a
-# leaf's layout). jax 0.10 runs it. Strict: the mark fails once the bug is fixed.
-EXPLICIT_2D_BUG = pytest.mark.xfail(
-  tuple(int(p) for p in jax.__version__.split('.')[:2]) >= (0, 12),
-  reason='per-layer gathers beside an Explicit axis fail to lower on jax >= 0.12',
-  raises=ValueError,
-  strict=True,
-)
-
-
 @pytest.mark.parametrize('stage', [2, 3])
-@pytest.mark.parametrize(
-  'name',
-  [pytest.param(n, marks=EXPLICIT_2D_BUG) if n == 'explicit-2d' else n for n in sorted(MESHES)],
-)
+@pytest.mark.parametrize('name', sorted(MESHES))
 def test_the_recipes_under_set_mesh_equal_plain_optax(name, stage, tmp_path):
   shape, axes, kind = MESHES[name]
   mesh = jax.make_mesh(shape, axes, axis_types=(kind,) * len(axes))
@@ -146,3 +131,36 @@ def test_the_recipes_under_set_mesh_equal_plain_optax(name, stage, tmp_path):
   ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert a.sharding.is_equivalent_to(want, a.ndim)
+
+
+# jax >= 0.11 cannot lower psum_scatter in a shard_map that leaves an Explicit axis automatic
+# (the 'explicit-2d' recipes above): zerojax reduce-scatters there with an all-to-all and a
+# local sum. Forced here on any jax, against psum_scatter on the same devices.
+@pytest.mark.parametrize('shape', [(4, 2), (2, 4), (8, 1)])
+@pytest.mark.parametrize('dims, dim', [((16, 3), 0), ((3, 16), 1), ((2, 5, 24), 2), ((8,), 0)])
+def test_the_all_to_all_reduce_scatter_equals_psum_scatter(shape, dims, dim, monkeypatch):
+  from zerojax._src import compat, quantize
+
+  n = shape[0]
+  x = jax.random.normal(jax.random.key(4), (n, *dims))  # one operand per device of 'data'
+
+  def scattered(force):
+    monkeypatch.setattr(compat, 'PSUM_SCATTER_BESIDE_EXPLICIT_FAILS', force)
+    kind = AxisType.Explicit if force else AxisType.Auto
+    mesh = jax.make_mesh(shape, ('data', 'model'), axis_types=(kind, kind))
+
+    def body(x):
+      assert compat.psum_scatter_fails_here() == force
+      return quantize.psum_scatter(x[0], 'data', dim)[None]
+
+    with jax.set_mesh(mesh):
+      f = jax.shard_map(body, in_specs=P('data'), out_specs=P('data'), axis_names={'data'})
+      return np.asarray(jax.jit(f)(jax.device_put(x, NamedSharding(mesh, P('data')))))
+
+  want = scattered(False)
+  got = scattered(True)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  # And what both are: device i holds block i of the sum over devices.
+  total = np.asarray(x).sum(0)
+  blocks = np.split(total, n, axis=dim)
+  np.testing.assert_allclose(got, np.stack(blocks), rtol=1e-5, atol=1e-5)

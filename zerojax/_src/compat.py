@@ -54,3 +54,20 @@ def compute_on_host(
     return jax.tree.map(put, out_memory_spaces, out)
 
   return form(device_typed, compute_type='device_host', out_memory_spaces=out_memory_spaces)
+
+
+# jax 0.12 fails to lower `psum_scatter` inside a `shard_map` that leaves an Explicit mesh axis
+# automatic (manual over the ZeRO axis, Explicit over a tensor axis): the lowering gives the
+# reduction's scalar the operand's sharding ("Length of sharding.spec (2) must be equal to
+# aval's ndim (0)"), and `all_gather`'s transpose is that same `psum_scatter`. jax 0.10 lowers
+# it; 0.11 is taken to share 0.12's lowering. There zerojax reduce-scatters with an all-to-all
+# and a local sum, which moves the same bytes.
+PSUM_SCATTER_BESIDE_EXPLICIT_FAILS = jax.__version_info__ >= (0, 11)
+
+
+def psum_scatter_fails_here() -> bool:
+  """Whether `psum_scatter` cannot be lowered where it is being traced (see above)."""
+  if not PSUM_SCATTER_BESIDE_EXPLICIT_FAILS:
+    return False
+  mesh = jax.sharding.get_abstract_mesh()
+  return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)

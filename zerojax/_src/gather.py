@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zerojax._src import jaxprs, rules
+from zerojax._src import compat, jaxprs, rules
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
@@ -223,10 +223,34 @@ def ungathered(path: str) -> TypeError:
 
 
 def all_gather_axes(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
-  """Tiled all-gather over `axes` along `dim`, innermost axis first."""
+  """Tiled all-gather over `axes` along `dim`, innermost axis first. Its gradient is the
+  reduce-scatter; where JAX cannot lower `psum_scatter` (`compat.psum_scatter_fails_here`),
+  the gather carries its own, which reduce-scatters another way."""
+  if compat.psum_scatter_fails_here():
+    return _all_gather_scattered_back(x, tuple(axes), dim)
+  return _gather_each_axis(x, axes, dim)
+
+
+def _gather_each_axis(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
   for axis in reversed(axes):
     x = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
   return x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _all_gather_scattered_back(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+  return _gather_each_axis(x, axes, dim)
+
+
+def _all_gather_fwd(x, axes, dim):
+  return _gather_each_axis(x, axes, dim), None
+
+
+def _all_gather_bwd(axes, dim, _, ct):
+  return (quantize_lib.reduce_scatter(ct, axes, dim, None),)
+
+
+_all_gather_scattered_back.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
 def psum_scatter_axes(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:

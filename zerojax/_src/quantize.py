@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax._src import compat
+
 # Bits of each quantized format, and the largest magnitude it holds
 # (symmetric: int8 uses -127..127, int4 -7..7, so zero is exact).
 BITS = {'int8': 8, 'int4': 4}
@@ -233,10 +235,24 @@ def reduce_scatter(x: jax.Array, axes: tuple[str, ...], dim: int, q: Quantize | 
   order; quantized (qgZ) if `q.grads`, else `psum_scatter` in full precision."""
   for axis in axes:
     if q is None or q.grads is None:
-      x = jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+      x = psum_scatter(x, axis, dim)
     else:
       x = quantized_psum_scatter(x, axis, dim, q.grads, q.block_size)
   return x
+
+
+def psum_scatter(x: jax.Array, axis: str, dim: int) -> jax.Array:
+  """Tiled `psum_scatter` of `x` along `dim` over one mesh axis; where JAX cannot lower it
+  (beside an Explicit axis on jax >= 0.11: `compat.psum_scatter_fails_here`), an all-to-all
+  that hands each device every peer's chunk of its part, summed here: the same bytes."""
+  if not compat.psum_scatter_fails_here():
+    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+  n = jax.lax.axis_size(axis)
+  parts = x.reshape(*x.shape[:dim], n, x.shape[dim] // n, *x.shape[dim + 1 :])
+  # Untiled: the `n` chunks along `dim` go one to each peer, and what arrives from peer j
+  # takes place j along `dim`.
+  parts = jax.lax.all_to_all(parts, axis, dim, dim, tiled=False)
+  return parts.sum(axis=dim, dtype=x.dtype)
 
 
 def quantized_psum_scatter(
