@@ -555,7 +555,9 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     return run(config, updates, state, params, extra_args)
 
   def run(bound, updates, state, params, extra_args):
-    plan = bound.plan(params if params is not None else updates, opt_state=state)
+    plan = _kept_as_typed(
+      bound.plan(params if params is not None else updates, opt_state=state), params, bound
+    )
     _check_state_not_replicated(state, plan, mesh)
     arrays, others = _split_extra_args(extra_args, plan, mesh)
     step = _Step(bound, inner, master_step, plan, others)
@@ -735,13 +737,14 @@ def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zero
   )
   if mesh_lib.any_explicit(config.mesh):
     # On Explicit axes the split is in the parameters' types: a model that reads them as
-    # they are stops at its next step with JAX's own ShardingTypeError.
+    # they are would stop at its next step with JAX's own ShardingTypeError, so they stay so.
     message = (
-      f'zero_stage(stage=3) on Explicit mesh axes: read the parameters through'
-      f' zerojax.nnx.gathered(model, tx) (or zerojax.gather(params, tx)) in the loss. {got};'
-      f' the first update returns them split over {config.axes} in their types, and a model'
-      " that uses them ungathered then fails at its next step with JAX's ShardingTypeError."
-      f' {place}'
+      f'zero_stage(stage=3) on Explicit mesh axes: {got}, and they stay whole (the saving of'
+      ' stage 2): split, their types would say so, and a model reading them as they are'
+      " would stop with JAX's ShardingTypeError. The optimizer state is split. For stage 3's"
+      ' saving, place them split first (zerojax.nnx.shard(model, tx) or'
+      ' zerojax.nnx.create_model, zerojax.create_train_state) and read them through'
+      ' zerojax.nnx.gathered(model, tx) (or zerojax.gather(params, tx)) in the loss.'
     )
   else:
     message = (
@@ -750,6 +753,25 @@ def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zero
       f' {place}'
     )
   warnings.warn(message, stacklevel=3)
+
+
+def _kept_as_typed(plan: plan_lib.ZeroPlan, params: Any, config: ZeroConfig) -> plan_lib.ZeroPlan:
+  """`plan`, returning whole the stage-3 parameters typed whole over the ZeRO axes on Explicit
+  axes (the optimizer line alone, no `zerojax.nnx.shard`): the model's own code reads them as
+  they are typed, and split it would stop at its next step with JAX's ShardingTypeError.
+  Their state is split all the same; `tx.init` warned."""
+  if config.stage != 3 or params is None or not mesh_lib.any_explicit(config.mesh):
+    return plan
+  is_sharding = lambda s: isinstance(s, NamedSharding)
+  shardings, treedef = jax.tree.flatten(plan.params, is_leaf=is_sharding)
+  kept = []
+  for x, want in zip(jax.tree.leaves(params), shardings):
+    have = _visible_spec(x, config.mesh)
+    whole = have is not None and set(config.axes) & (_mesh_axes(want.spec) - _mesh_axes(have))
+    kept.append(NamedSharding(want.mesh, have, memory_kind=want.memory_kind) if whole else want)
+  if kept == shardings:
+    return plan
+  return dataclasses.replace(plan, params=treedef.unflatten(kept))
 
 
 def _mesh_axes(spec: PartitionSpec) -> set[str]:
