@@ -241,7 +241,7 @@ def test_stage_3_on_explicit_axes_keeps_parameters_typed_whole_and_says_so():
       nnx.Optimizer(model, tx, wrt=nnx.Param)
   (message,) = [str(w.message) for w in record]
   assert message == (
-    "zero_stage(stage=3) on Explicit mesh axes: tx.init got 15 parameters whole over the ZeRO"
+    'zero_stage(stage=3) on Explicit mesh axes: tx.init got 15 parameters whole over the ZeRO'
     " axes ('batch',) (params['blocks'][0]['down']['bias'], params['blocks'][0]['down']"
     "['kernel'], params['blocks'][0]['norm']['bias'] and 12 more), and they stay whole (the"
     ' saving of stage 2): split, their types would say so, and a model reading them as they'
