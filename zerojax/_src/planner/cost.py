@@ -183,43 +183,62 @@ class _Tally:
     return self.estimated + self.roofline
 
 
-class _Walk:
-  """One walk over a program: per-computation caches, the chip's constants, and what could
-  not be determined."""
+class _Kernels:
+  """The kernels a program runs, as an analysis of `Program.walk`: a `_Tally` per body, the
+  chip's constants, and what could not be determined."""
 
   def __init__(
     self, program: hlo.Program, clock_hz: float | None, peak_flops: float, hbm_bandwidth: float
   ):
-    self.program, self.bodies, self.entry = program, program.bodies, program.entry
+    self.program = program
     self.clock_hz, self.peak_flops, self.hbm_bandwidth = clock_hz, peak_flops, hbm_bandwidth
-    self.flops_memo: dict = {}
+    self.flops_memo: dict[str, float] = {}
     self.uncertain: list[str] = []
     self.unpriced_names: set[str] = set()  # TPU custom kernels that state no cost
 
-  def instrs(self, name: str) -> dict:
-    return self.program.instructions(name)
+  def tally(self) -> _Tally:
+    return _Tally()
 
-  def typed(self, name: str) -> dict[str, str]:
-    return self.program.result_types(name)
+  def line(self, site: hlo.Site, tally: _Tally) -> bool:
+    op, caller = site.opcode, site.caller
+    if not op or op in _FREE or hlo.is_collective(site.line) or op.endswith(('-done', '-update')):
+      return False
+    if caller is not None and caller.opcode not in ('while', 'conditional'):
+      if site.computation.startswith('async_collective_fusion'):  # a collective's: not a kernel
+        return False
+    if op in ('while', 'conditional', 'call') or op.endswith('-start') and op != 'copy-start':
+      return True  # what it runs is counted where it runs
+    self.kernel(site, tally)
+    return False
 
-  def flops_inside(self, name: str, stack: tuple = ()) -> float:
+  def loop(self, site: hlo.Site, trip: int | None, body: _Tally, into: _Tally) -> None:
+    if trip is None and body.kernels:
+      self.uncertain.append(
+        f'while loop %{site.name} in %{site.computation} has no known trip count in the HLO;'
+        ' its kernels are counted once'
+      )
+    into.add(body, 1 if trip is None else trip)
+
+  def branches(self, site: hlo.Site, subs: list[_Tally], into: _Tally) -> None:
+    if subs:
+      if len({round(s.seconds, 12) for s in subs}) > 1:
+        self.uncertain.append(
+          f'conditional %{site.name} in %{site.computation}: its branches cost differently'
+          ' and one runs per step; the costliest is counted'
+        )
+      into.add(max(subs, key=lambda s: s.seconds), 1)
+
+  def flops_inside(self, name: str) -> float:
     """Matmul FLOPs of one execution of a fused (or called) computation."""
-    if name in self.flops_memo:
-      return self.flops_memo[name]
-    if name in stack:
-      return 0.0
-    types, total = self.typed(name), 0.0
-    for op, operands, line in self.instrs(name).values():
-      if op in ('dot', 'convolution'):
-        total += _matmul_flops(op, operands, line, types)
-      for callee in hlo.callees(line):
-        total += self.flops_inside(callee, stack + (name,))
-    self.flops_memo[name] = total
-    return total
+    if name not in self.flops_memo:
+      self.flops_memo[name] = self.program.walk(_Matmuls(self.program), root=name)[0]
+    return self.flops_memo[name]
 
-  def kernel(self, name: str, op: str, operands: list[str], line: str, tally: _Tally) -> None:
+  def kernel(self, site: hlo.Site, tally: _Tally) -> None:
     """Adds one kernel execution: its matmul FLOPs and its time."""
-    types = self.typed(name)
+    op, line = site.opcode, site.line
+    types = self.program.result_types(site.computation)
+    operands = self.program.instructions(site.computation)[site.name][1]
     if op in ('dot', 'convolution'):
       flops = _matmul_flops(op, operands, line, types)
     elif op == 'fusion':
@@ -240,110 +259,99 @@ class _Walk:
       tally.estimated += seconds
       tally.estimated_kernels += 1
     else:
-      moved = hlo.type_bytes(types.get(hlo.instruction_name(line), ''))
+      moved = hlo.type_bytes(types.get(site.name, ''))
       moved += sum(hlo.type_bytes(types.get(o, '')) for o in operands)
       seconds = max(flops / self.peak_flops, moved / self.hbm_bandwidth)
       tally.roofline += seconds
       if op == 'custom-call' and _TPU_KERNEL in line:
         tally.unpriced += 1
         tally.unpriced_seconds += seconds
-        self.unpriced_names.add(_NUMBERED.sub('', hlo.instruction_name(line)))
+        self.unpriced_names.add(_NUMBERED.sub('', site.name))
     tally.flops += flops
     tally.kernels += 1
     if flops:
       tally.matmul += seconds
 
-  def visit(self, name: str, stack: tuple[str, ...], tally: _Tally) -> None:
-    """Adds every kernel computation `name` runs (loops times their trip counts)."""
-    if name in stack or name not in self.bodies:
-      return
-    inner = stack + (name,)
-    for instr, (op, operands, line) in self.instrs(name).items():
-      self.one(name, instr, op, operands, line, inner, tally)
 
-  def one(self, name, instr, op, operands, line, inner, tally: _Tally) -> None:
-    """Adds what one instruction of computation `name` runs."""
-    if op in _FREE or hlo.is_collective(line) or op.endswith(('-done', '-update')):
-      return
-    if op == 'while':
-      self.loop(name, instr, line, inner, tally)
-    elif op == 'conditional':
-      self.branches(name, instr, line, inner, tally)
-    elif op == 'call' or op.endswith('-start') and op != 'copy-start':
-      for callee in hlo.callees(line):
-        if not callee.startswith('async_collective_fusion'):
-          self.visit(callee, inner, tally)
-    else:
-      self.kernel(name, op, operands, line, tally)
+class _Matmuls:
+  """The matmul FLOPs of one execution of a computation and what it calls (a fusion's inside),
+  as an analysis of `Program.walk`: a one-element list."""
 
-  def dcn_windows(self, name: str, stack: tuple[str, ...] = (), mult: int = 1) -> list:
-    """(bytes sent, kernel seconds scheduled between the send and its done, executions per
-    step) of each collective between TPU slices in `name` and what it calls."""
-    if name in stack or name not in self.bodies:
-      return []
-    inner = stack + (name,)
-    items = list(self.instrs(name).items())
-    seconds: dict[int, float] = {}  # line -> its kernels' seconds, computed once
+  def __init__(self, program: hlo.Program):
+    self.program = program
+
+  def tally(self) -> list[float]:
+    return [0.0]
+
+  def line(self, site: hlo.Site, tally: list[float]) -> bool:
+    if site.opcode in ('dot', 'convolution'):
+      operands = self.program.instructions(site.computation)[site.name][1]
+      types = self.program.result_types(site.computation)
+      tally[0] += _matmul_flops(site.opcode, operands, site.line, types)
+    return site.opcode not in ('while', 'conditional')
+
+  def loop(self, site, trip, body, into) -> None:  # never entered (see `line`)
+    into[0] += body[0]
+
+  def branches(self, site, subs, into) -> None:  # never entered (see `line`)
+    into[0] += sum(sub[0] for sub in subs)
+
+
+class _DcnWindows:
+  """Each collective between TPU slices, as an analysis of `Program.walk`: (bytes sent, kernel
+  seconds scheduled between the send and its done, executions per step)."""
+
+  def __init__(self, kernels: _Kernels):
+    self.program, self.kernels = kernels.program, kernels
+
+  def tally(self) -> list:
+    return []
+
+  def line(self, site: hlo.Site, tally: list) -> bool:
+    if site.index == 0:
+      tally.extend(self._sends(site))
+    return site.opcode in ('while', 'conditional', 'call')
+
+  def loop(self, site: hlo.Site, trip: int | None, body: list, into: list) -> None:
+    into.extend((sent, window, runs * (trip or 1)) for sent, window, runs in body)
+
+  def branches(self, site: hlo.Site, subs: list[list], into: list) -> None:
+    if subs:  # one branch runs: the one that sends most
+      into.extend(max(subs, key=lambda sub: sum(sent for sent, _, _ in sub)))
+
+  def _sends(self, first: hlo.Site) -> list:
+    """The sends of `first`'s computation, each with the kernels scheduled before its done."""
+    name = first.computation
+    instrs = self.program.instructions(name)
+    lines = [(i, line) for i, line in enumerate(self.program.bodies[name]) if hlo.opcode(line)]
+    seconds: dict[int, float] = {}  # place in `lines` -> its kernels' seconds, computed once
 
     def cost_of(j: int) -> float:
       if j not in seconds:
-        instr, (op, operands, line) = items[j]
-        part = _Tally()
-        self.one(name, instr, op, operands, line, inner, part)
-        seconds[j] = part.seconds
+        i, line = lines[j]
+        instr, op = hlo.instruction_name(line), hlo.opcode(line)
+        site = hlo.Site(self.program, name, i, line, instr, op, first.trips, first.caller)
+        seconds[j] = self.program.walk_site(self.kernels, site).seconds
       return seconds[j]
 
     out = []
-    for k, (instr, (_, _, line)) in enumerate(items):
+    for k, (_, line) in enumerate(lines):
       found = hlo.slice_send(line)
       if found is None:
         continue
+      instr = hlo.instruction_name(line)
       done = next(
         (
           j
-          for j in range(k + 1, len(items))
-          if items[j][1][0] == 'send-done' and instr in items[j][1][1]
+          for j in range(k + 1, len(lines))
+          if hlo.opcode(lines[j][1]) == 'send-done'
+          and instr in instrs[hlo.instruction_name(lines[j][1])][1]
         ),
-        len(items),
+        len(lines),
       )
       window = sum(cost_of(j) for j in range(k + 1, done))
-      out.append((hlo.type_bytes(found[1]), window, mult))
-    # Sends inside loops and calls, times how often those run.
-    for _, (op, _, line) in items:
-      if op == 'while':
-        body = hlo.loop_body(line)
-        trip = self.program.trip_count(line, name) or 1
-        out += self.dcn_windows(body, inner, mult * trip) if body else []
-      elif op in ('call', 'conditional'):
-        for callee in hlo.callees(line):
-          out += self.dcn_windows(callee, inner, mult)
+      out.append((hlo.type_bytes(found[1]), window, 1))
     return out
-
-  def loop(self, name: str, instr: str, line: str, inner: tuple, tally: _Tally) -> None:
-    body = hlo.loop_body(line)
-    trip = self.program.trip_count(line, name)
-    sub = _Tally()
-    if body:
-      self.visit(body, inner, sub)
-    if trip is None and sub.kernels:
-      self.uncertain.append(
-        f'while loop %{instr} in %{name} has no known trip count in the HLO; its kernels'
-        ' are counted once'
-      )
-    tally.add(sub, 1 if trip is None else trip)
-
-  def branches(self, name: str, instr: str, line: str, inner: tuple, tally: _Tally) -> None:
-    subs = []
-    for b in hlo.branches(line):
-      subs.append(_Tally())
-      self.visit(b, inner, subs[-1])
-    if subs:
-      if len({round(s.seconds, 12) for s in subs}) > 1:
-        self.uncertain.append(
-          f'conditional %{instr} in %{name}: its branches cost differently and one runs per'
-          ' step; the costliest is counted'
-        )
-      tally.add(max(subs, key=lambda s: s.seconds), 1)
 
 
 def program_cost(
@@ -378,18 +386,22 @@ def program_cost(
   (1024.0, 1)
   """
   program = hlo.as_program(compiled_or_text)
-  walk = _Walk(program, clock_hz, peak_flops, hbm_bandwidth)
-  total = _Tally()
-  walk.visit(walk.entry, (), total)
-  if walk.unpriced_names:
-    walk.uncertain.append(
+  kernels = _Kernels(program, clock_hz, peak_flops, hbm_bandwidth)
+  total = program.walk(kernels)
+  if kernels.unpriced_names:
+    kernels.uncertain.append(
       f'{total.unpriced} runs per step of TPU custom kernels that state no cost'
-      f' ({", ".join(sorted(walk.unpriced_names))}: no pl.CostEstimate and no compiler'
+      f' ({", ".join(sorted(kernels.unpriced_names))}: no pl.CostEstimate and no compiler'
       f' estimate) are costed at their bytes over HBM bandwidth, {total.unpriced_seconds:.3f} s,'
       " their FLOPs uncounted: the kernels' time is a lower bound for them"
     )
-  for reason in walk.uncertain:
+  for reason in kernels.uncertain:
     warnings.warn(f'program_cost: {reason}.', CostCountWarning, stacklevel=2)
+  windows = None
+  if program.crosses_slices:  # a fresh count: what it finds uncertain was said above
+    windows = tuple(
+      program.walk(_DcnWindows(_Kernels(program, clock_hz, peak_flops, hbm_bandwidth)))
+    )
   return ProgramCost(
     matmul_flops=total.flops,
     kernel_seconds=total.seconds,
@@ -398,8 +410,8 @@ def program_cost(
     matmul_seconds=total.matmul,
     kernels=total.kernels,
     estimated_kernels=total.estimated_kernels,
-    uncertain=tuple(walk.uncertain),
-    dcn_windows=tuple(walk.dcn_windows(walk.entry)) if program.crosses_slices else None,
+    uncertain=tuple(kernels.uncertain),
+    dcn_windows=windows,
     unpriced_kernels=total.unpriced,
     unpriced_seconds=total.unpriced_seconds,
   )

@@ -12,7 +12,8 @@ import collections
 import dataclasses
 import re
 import warnings
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -535,6 +536,55 @@ class Program:
     not determine them."""
     return _trip_count(line, where, self.bodies, self._instructions)
 
+  def walk(self, analysis: Analysis[T], root: str | None = None) -> T:
+    """`analysis` run over every instruction the program executes, from `root` (the entry).
+
+    The one traversal every analysis of a program is written as. Each instruction line of a
+    computation is shown to `analysis.line` in order; where it returns True the walk goes
+    into what the line runs: a `while` body (into a fresh tally, folded back by
+    `analysis.loop` with the loop's trip count), each branch of a `conditional` (each into a
+    fresh tally, folded back by `analysis.branches`: one runs per step), or the computations
+    any other line calls (`calls=`, `to_apply=`), into the same tally. The recursion rule: a
+    computation already on the way down is not entered again.
+    """
+    tally = analysis.tally()
+    self._walk(analysis, root or self.entry, None, None, (), tally)
+    return tally
+
+  def walk_site(self, analysis: Analysis[T], site: Site) -> T:
+    """`analysis` over one instruction and what it runs, as `walk` meets it at `site`."""
+    tally = analysis.tally()
+    stack = tuple(s.computation for s in site.callers())[::-1] + (site.computation,)
+    self._step(analysis, site, stack, tally)
+    return tally
+
+  def _walk(self, analysis, name: str, caller, trips, stack: tuple, tally) -> None:
+    if name in stack or name not in self.bodies:
+      return
+    inner = stack + (name,)
+    for i, line in enumerate(self.bodies[name]):
+      instr, op = _opcode(line)
+      self._step(analysis, Site(self, name, i, line, instr, op, trips, caller), inner, tally)
+
+  def _step(self, analysis, site: Site, stack: tuple, tally) -> None:
+    if not analysis.line(site, tally):
+      return
+    if site.opcode == 'while':
+      body, trip = loop_body(site.line), self.trip_count(site.line, site.computation)
+      sub = analysis.tally()
+      if body:
+        self._walk(analysis, body, site, trip or 0, stack, sub)
+      analysis.loop(site, trip, sub, tally)
+    elif site.opcode == 'conditional':
+      subs = []
+      for branch in branches(site.line):
+        subs.append(analysis.tally())
+        self._walk(analysis, branch, site, site.trips, stack, subs[-1])
+      analysis.branches(site, subs, tally)
+    else:
+      for callee in callees(site.line):
+        self._walk(analysis, callee, site, site.trips, stack, tally)
+
   @property
   def num_partitions(self) -> int:
     """The program's partition count (1 where the module does not say)."""
@@ -547,6 +597,63 @@ class Program:
     return _MEGASCALE.search(self.text) is not None
 
 
+T = TypeVar('T')
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Site:
+  """One instruction where `Program.walk` meets it, and how the walk got there.
+
+  Attributes:
+    program: the program walked.
+    computation: the computation the line is in.
+    index: the line's place in it (execution order, in a scheduled program).
+    line: the instruction's HLO line.
+    name: the instruction it defines ('' for a line that defines none).
+    opcode: its opcode ('' for a line with none).
+    trips: the trip count of the innermost loop around it: None outside any loop, 0 where
+      the HLO does not give it.
+    caller: the instruction that ran this computation (a `while`, a `conditional`, a call,
+      a fusion...), None in the walk's root.
+  """
+
+  program: Program
+  computation: str
+  index: int
+  line: str
+  name: str
+  opcode: str
+  trips: int | None
+  caller: Site | None
+
+  def callers(self) -> Iterator[Site]:
+    """The instructions that ran this one's computation, the nearest first."""
+    site = self.caller
+    while site is not None:
+      yield site
+      site = site.caller
+
+
+class Analysis(Protocol[T]):
+  """What `Program.walk` runs: a tally per computation body, and how bodies fold."""
+
+  def tally(self) -> T:
+    """A fresh, empty tally."""
+    ...
+
+  def line(self, site: Site, tally: T) -> bool:
+    """Adds what the instruction at `site` does to `tally`; True to enter what it runs."""
+    ...
+
+  def loop(self, site: Site, trip: int | None, body: T, into: T) -> None:
+    """Folds a `while` body's tally into `into`: it runs `trip` times (None: unknown)."""
+    ...
+
+  def branches(self, site: Site, subs: list[T], into: T) -> None:
+    """Folds a `conditional`'s branch tallies into `into`: one of them runs."""
+    ...
+
+
 # What one HLO line says, for the analyses of a `Program` outside this module.
 
 
@@ -554,6 +661,11 @@ def instruction_name(line: str) -> str:
   """The name an instruction line defines ('' for a line that defines none)."""
   m = _INSTR.match(line)
   return m.group('name') if m else ''
+
+
+def opcode(line: str) -> str:
+  """The opcode of an instruction line ('' for a line with none)."""
+  return _opcode(line)[1]
 
 
 def result_type(line: str) -> str:
@@ -672,16 +784,15 @@ def count_collectives(compiled_or_text: Any, slices: Any = None) -> CollectiveSt
   (1, 32, True)
   """
   program = as_program(compiled_or_text)
-  walk = _CollectiveWalk(program, None if slices is None else np.asarray(slices).reshape(-1))
-  total = _Tally()
-  walk.visit(walk.entry, 1, (), total, False)
-  for reason in walk.uncertain:
+  counting = _Collectives(program, None if slices is None else np.asarray(slices).reshape(-1))
+  total = program.walk(counting)
+  for reason in counting.uncertain:
     warnings.warn(f'count_collectives: {reason}.', CollectiveCountWarning, stacklevel=2)
   return CollectiveStats(
     dict(total.counts),
     dict(total.nbytes),
     dict(total.ring),
-    uncertain=tuple(walk.uncertain),
+    uncertain=tuple(counting.uncertain),
     overlapped_ring_bytes=dict(total.overlapped),
     dcn_ring_bytes=dict(total.dcn),
     dcn_overlapped_ring_bytes=dict(total.dcn_overlapped),
@@ -689,24 +800,72 @@ def count_collectives(compiled_or_text: Any, slices: Any = None) -> CollectiveSt
   )
 
 
-class _CollectiveWalk:
-  """`count_collectives`' walk over one program's computations, tallying as it goes."""
+class _Collectives:
+  """`count_collectives` as an analysis of `Program.walk`: a `_Tally` per body."""
 
   def __init__(self, program: Program, slices: Any = None):
+    self.program = program
     self.slices = slices
     self.num_slices = 0 if slices is None else len(set(slices.tolist()))
-    self.bodies, self.entry = program.bodies, program.entry
-    self.parsed = program._instructions  # computation -> its instructions, read once
     self.uncertain: list[str] = []
     self.seen_channels: set[str] = set()  # of the fused reduce-scatters counted so far
     self.default_group = program.num_partitions
+    self.overlapping: dict[str, set[int]] = {}  # computation -> its overlapping async starts
 
-  def count_op(
-    self, line: str, found, mult: int, tally: _Tally, fused: bool, overlapped: bool = False
-  ) -> None:
+  def tally(self) -> _Tally:
+    return _Tally()
+
+  def line(self, site: Site, tally: _Tally) -> bool:
+    overlapped = self._overlapped(site)
+    found = _collective(site.line)
+    if found is not None:
+      fused = any(s.opcode == 'fusion' for s in site.callers())
+      self.count_op(site.line, found, tally, fused, overlapped)
+      return False
+    between = _megascale(site.line)
+    if between is not None:
+      self.count_megascale(site.line, between, tally, overlapped)
+      return False
+    op = site.opcode
+    # They name the computation that the async start already ran; TPU's continuation of an
+    # async collective (the matmul it overlaps) is a copy of the collective its start counted.
+    if op in ('async-update', 'async-done') or site.name.startswith('async-collective-done'):
+      return False
+    return not _ASYNC_COPY.search(site.line)
+
+  def loop(self, site: Site, trip: int | None, body: _Tally, into: _Tally) -> None:
+    if trip is None and body.counts:
+      self.uncertain.append(
+        f'while loop %{site.name} in %{site.computation} has no known trip count in the HLO;'
+        ' the collectives of its body are counted once'
+      )
+    into.add(body, 1 if trip is None else trip)
+
+  def branches(self, site: Site, subs: list[_Tally], into: _Tally) -> None:
+    if len({s.key() for s in subs}) > 1:
+      self.uncertain.append(
+        f'conditional %{site.name} in %{site.computation}: its {len(subs)} branches run'
+        ' different collectives and one runs per step; the costliest branch is counted'
+      )
+    if subs:
+      into.add(max(subs, key=lambda s: (sum(s.ring.values()), sum(s.counts.values()))))
+
+  def _overlapped(self, site: Site) -> bool:
+    """Whether the collective at `site`, or the instruction that ran its computation (up to
+    the nearest loop or branch), is an async start with compute scheduled before its done."""
+    for s in (site, *site.callers()):
+      if s is not site and s.opcode in ('while', 'conditional'):
+        return False
+      if s.computation not in self.overlapping:
+        self.overlapping[s.computation] = _overlapping_starts(self.program.bodies[s.computation])
+      if s.index in self.overlapping[s.computation]:
+        return True
+    return False
+
+  def count_op(self, line: str, found, tally: _Tally, fused: bool, overlapped: bool) -> None:
     kind, is_start, type_str = found
     # Copies of one collective: TPU's async collectives are counted at their
-    # start (their continuation fusions and dones are skipped in `visit`); its
+    # start (their continuation fusions and dones are skipped in `line`); its
     # fused all-reduce-scatter appears as several fusions sharing one channel.
     # Other ops that share a channel are distinct (a shard_map's explicit
     # collectives all carry channel_id=1) and all count.
@@ -717,23 +876,23 @@ class _CollectiveWalk:
           return
         self.seen_channels.add(channel.group(1))
     size = _type_bytes(_result_type(kind, is_start, type_str))
-    tally.counts[kind] += mult
-    tally.nbytes[kind] += mult * size
+    tally.counts[kind] += 1
+    tally.nbytes[kind] += size
     with_groups = self._with_groups(line)
     groups = _group_size(with_groups, self.default_group)
-    ring, dcn = mult * _ring_bytes(kind, size, groups), 0.0
+    ring, dcn = _ring_bytes(kind, size, groups), 0.0
     if self.slices is not None:
       ici, dcn = self._networks(kind, size, groups, with_groups)
-      ring, dcn = mult * (ici + dcn), mult * dcn
+      ring = ici + dcn
       if dcn and kind == 'all-gather':
-        tally.dcn_gathers[_result_type(kind, is_start, type_str)] += mult
+        tally.dcn_gathers[_result_type(kind, is_start, type_str)] += 1
     tally.ring[kind] += ring
     tally.dcn[kind] += dcn
     if overlapped:
       tally.overlapped[kind] += ring
       tally.dcn_overlapped[kind] += dcn
 
-  def count_megascale(self, line: str, found, mult: int, tally: _Tally, overlapped: bool) -> None:
+  def count_megascale(self, line: str, found, tally: _Tally, overlapped: bool) -> None:
     """A collective between slices: all of its bytes cross the data-center network."""
     kind, sent_type = found
     s = self.num_slices
@@ -746,15 +905,15 @@ class _CollectiveWalk:
         self.uncertain.append(reason)
       return
     size, ring = _megascale_bytes(kind, _type_bytes(sent_type), s)
-    tally.counts[kind] += mult
-    tally.nbytes[kind] += mult * size
-    tally.ring[kind] += mult * ring
-    tally.dcn[kind] += mult * ring
+    tally.counts[kind] += 1
+    tally.nbytes[kind] += size
+    tally.ring[kind] += ring
+    tally.dcn[kind] += ring
     if kind == 'all-gather':
-      tally.dcn_gathers[sent_type] += mult
+      tally.dcn_gathers[sent_type] += 1
     if overlapped:
-      tally.overlapped[kind] += mult * ring
-      tally.dcn_overlapped[kind] += mult * ring
+      tally.overlapped[kind] += ring
+      tally.dcn_overlapped[kind] += ring
 
   def _networks(self, kind: str, size: int, n: int, line: str) -> tuple[float, float]:
     """(ICI, DCN) bytes one device sends for one execution of the collective."""
@@ -779,81 +938,10 @@ class _CollectiveWalk:
     if _GROUPS_ANY.search(line):
       return line
     for _, callee in _CALLS.findall(line):
-      for inner in self.bodies.get(callee, ()):
+      for inner in self.program.bodies.get(callee, ()):
         if _GROUPS_ANY.search(inner):
           return inner
     return line
-
-  def visit(
-    self,
-    name: str,
-    mult: int,
-    stack: tuple[str, ...],
-    tally: _Tally,
-    fused: bool,
-    overlapped: bool = False,
-  ) -> None:
-    if name in stack or name not in self.bodies:
-      return
-    inner = stack + (name,)
-    async_overlap = _overlapping_starts(self.bodies[name])
-    for i, line in enumerate(self.bodies[name]):
-      found = _collective(line)
-      if found is not None:
-        self.count_op(line, found, mult, tally, fused, overlapped or i in async_overlap)
-        continue
-      between = _megascale(line)
-      if between is not None:
-        self.count_megascale(line, between, mult, tally, overlapped or i in async_overlap)
-        continue
-      instr, op = _opcode(line)
-      if op == 'while':
-        self._visit_while(line, name, instr, mult, inner, tally, fused)
-      elif op == 'conditional':
-        self._visit_conditional(line, name, instr, mult, inner, tally, fused)
-      elif op in ('async-update', 'async-done') or instr.startswith('async-collective-done'):
-        continue  # they name the computation that the async-start already ran
-      elif _ASYNC_COPY.search(line):
-        # TPU's continuation of an async collective (the matmul it overlaps):
-        # a copy of the collective its async-collective-start already counted.
-        continue
-      else:
-        for _, callee in _CALLS.findall(line):
-          self.visit(
-            callee, mult, inner, tally, fused or op == 'fusion', overlapped or i in async_overlap
-          )
-
-  def _visit_while(self, line, name, instr, mult, inner, tally, fused) -> None:
-    body = _BODY.search(line)
-    trip = _trip_count(line, name, self.bodies, self.parsed)
-    sub = _Tally()
-    if body:
-      self.visit(body.group(1), 1, inner, sub, fused)
-    if trip is None and sub.counts:
-      self.uncertain.append(
-        f'while loop %{instr} in %{name} has no known trip count in the HLO; the'
-        ' collectives of its body are counted once'
-      )
-    tally.add(sub, mult * (1 if trip is None else trip))
-
-  def _visit_conditional(self, line, name, instr, mult, inner, tally, fused) -> None:
-    branches = _BRANCHES.search(line)
-    names = (
-      [b.strip().lstrip('%') for b in branches.group(1).split(',')]
-      if branches
-      else _TRUE_FALSE.findall(line)
-    )
-    subs = []
-    for b in names:
-      subs.append(_Tally())
-      self.visit(b, mult, inner, subs[-1], fused)
-    if len({s.key() for s in subs}) > 1:
-      self.uncertain.append(
-        f'conditional %{instr} in %{name}: its {len(subs)} branches run different'
-        ' collectives and one runs per step; the costliest branch is counted'
-      )
-    if subs:
-      tally.add(max(subs, key=lambda s: (sum(s.ring.values()), sum(s.counts.values()))))
 
 
 # Instructions that do no arithmetic of their own.
@@ -1058,57 +1146,87 @@ def count_host_transfers(compiled_or_text: Any) -> HostTransfers:
     A `HostTransfers`.
   """
   program = as_program(compiled_or_text)
-  bodies, entry = program.bodies, program.entry
-  parsed = program._instructions
-  totals = {'to_host': 0, 'to_device': 0, 'in_loops': 0, 'overlapped': 0, 'host': 0}
-  largest = {'to_host': 0, 'to_device': 0}
-  uncertain: list[str] = []
-
-  def visit(name: str, mult: int, stack: tuple[str, ...], in_loop: bool) -> None:
-    if name in stack or name not in bodies:
-      return
-    lines = bodies[name]
-    overlapping = _overlapping_copies(lines)
-    for i, line in enumerate(lines):
-      found = _transfer(line)
-      if found is not None:
-        direction, size = found
-        totals[direction] += mult * size
-        largest[direction] = max(largest[direction], size)
-        totals['in_loops'] += mult * size if in_loop else 0
-        totals['overlapped'] += mult * size if i in overlapping else 0
-        continue
-      if 'custom_call_target="HostExecute"' in line and 'custom-call-start' in line:
-        totals['host'] += mult
-        for direction, size in _host_execute(line):
-          totals[direction] += mult * size
-          largest[direction] = max(largest[direction], size)
-          totals['in_loops'] += mult * size if in_loop else 0
-          totals['overlapped'] += mult * size if i in overlapping else 0
-      instr, op = _opcode(line)
-      if op == 'while':
-        body = _BODY.search(line)
-        trip = _trip_count(line, name, bodies, parsed)
-        if trip is None:
-          uncertain.append(f'while loop %{instr} in %{name}')
-        if body:
-          visit(body.group(1), mult * (trip or 1), stack + (name,), True)
-        continue
-      for _, callee in _CALLS.findall(line):
-        visit(callee, mult, stack + (name,), in_loop)
-
-  visit(entry, 1, (), False)
-  moved = totals['to_host'] + totals['to_device']
+  counting = _HostLink(program)
+  total = program.walk(counting)
+  moved = total.to_host + total.to_device
   return HostTransfers(
-    to_host=totals['to_host'],
-    to_device=totals['to_device'],
-    largest_to_device=largest['to_device'],
-    largest_to_host=largest['to_host'],
-    in_loops=totals['in_loops'],
-    overlapped=totals['overlapped'] / moved if moved else 0.0,
-    host_computations=totals['host'],
-    uncertain=tuple(uncertain),
+    to_host=total.to_host,
+    to_device=total.to_device,
+    largest_to_device=total.largest_to_device,
+    largest_to_host=total.largest_to_host,
+    in_loops=total.in_loops,
+    overlapped=total.overlapped / moved if moved else 0.0,
+    host_computations=total.host_computations,
+    uncertain=tuple(counting.uncertain),
   )
+
+
+@dataclasses.dataclass
+class _HostTally:
+  to_host: int = 0
+  to_device: int = 0
+  largest_to_host: int = 0
+  largest_to_device: int = 0
+  in_loops: int = 0
+  overlapped: int = 0
+  host_computations: int = 0
+
+  def moved(self, direction: str, size: int, in_loop: bool, overlapped: bool) -> None:
+    setattr(self, direction, getattr(self, direction) + size)
+    largest = f'largest_{direction}'
+    setattr(self, largest, max(getattr(self, largest), size))
+    self.in_loops += size if in_loop else 0
+    self.overlapped += size if overlapped else 0
+
+  def add(self, other: _HostTally, mult: int) -> None:
+    for name in ('to_host', 'to_device', 'in_loops', 'overlapped', 'host_computations'):
+      setattr(self, name, getattr(self, name) + mult * getattr(other, name))
+    self.largest_to_host = max(self.largest_to_host, other.largest_to_host)
+    self.largest_to_device = max(self.largest_to_device, other.largest_to_device)
+
+
+class _HostLink:
+  """`count_host_transfers` as an analysis of `Program.walk`."""
+
+  def __init__(self, program: Program):
+    self.program = program
+    self.uncertain: list[str] = []
+    self.overlapping: dict[str, set[int]] = {}  # computation -> its overlapped transfers
+
+  def tally(self) -> _HostTally:
+    return _HostTally()
+
+  def line(self, site: Site, tally: _HostTally) -> bool:
+    if site.computation not in self.overlapping:
+      self.overlapping[site.computation] = _overlapping_copies(
+        self.program.bodies[site.computation]
+      )
+    overlapped = site.index in self.overlapping[site.computation]
+    in_loop = site.trips is not None
+    found = _transfer(site.line)
+    if found is not None:
+      tally.moved(*found, in_loop, overlapped)
+      return False
+    if 'custom_call_target="HostExecute"' in site.line and 'custom-call-start' in site.line:
+      tally.host_computations += 1
+      for direction, size in _host_execute(site.line):
+        tally.moved(direction, size, in_loop, overlapped)
+    return True
+
+  def loop(self, site: Site, trip: int | None, body: _HostTally, into: _HostTally) -> None:
+    if trip is None:
+      self.uncertain.append(f'while loop %{site.name} in %{site.computation}')
+    into.add(body, trip or 1)
+
+  def branches(self, site: Site, subs: list[_HostTally], into: _HostTally) -> None:
+    moved = [s.to_host + s.to_device for s in subs]
+    if len(set(moved)) > 1:
+      self.uncertain.append(
+        f'conditional %{site.name} in %{site.computation}: its branches move different bytes'
+        ' and one runs per step; the branch that moves most is counted'
+      )
+    if subs:
+      into.add(subs[moved.index(max(moved))], 1)
 
 
 def _overlapping_copies(lines: list[str]) -> set[int]:
@@ -1175,35 +1293,44 @@ def largest_arrays(compiled_or_text: Any, count: int | None = 8) -> list[Program
   and where they come from.
   """
   program = as_program(compiled_or_text)
-  bodies, entry = program.bodies, program.entry
-  memo = program._instructions
-  found: list[ProgramArray] = []
-  visited: set[str] = set()
-
-  def walk(name: str, trips: int | None) -> None:
-    if name in visited:
-      return
-    visited.add(name)
-    for line in bodies.get(name, []):
-      _, op = _opcode(line)
-      if op == 'while':
-        body = _BODY.search(line)
-        if body:
-          walk(body.group(1), _trip_count(line, name, bodies, memo) or 0)
-      elif op == 'conditional':
-        branches = _BRANCHES.search(line)
-        names = branches.group(1).split(',') if branches else _TRUE_FALSE.findall(line)
-        for branch in names:
-          walk(branch.strip().lstrip('%'), trips)
-      elif op == 'call' and _CALLS.search(line):
-        walk(_CALLS.search(line).group(2), trips)
-      if not op or op in _NOT_ARRAYS or op.endswith(('-start', '-done', '-update')):
-        continue
-      found.extend(_program_arrays(line, op, trips, _slice_updated(line, op, bodies)))
-
-  walk(entry, None)
+  found = program.walk(_Arrays(program))
   found.sort(key=lambda a: -a.nbytes)
   return found if count is None else found[:count]
+
+
+class _Arrays:
+  """`largest_arrays` as an analysis of `Program.walk`: the arrays of the computations run at
+  the top level (the entry, loop bodies, branches, calls), each computation read once."""
+
+  _MATERIALISED = ('while', 'conditional', 'call')
+
+  def __init__(self, program: Program):
+    self.program = program
+    self.read: dict[str, Site | None] = {}  # computation -> the call that lists its arrays
+
+  def tally(self) -> list[ProgramArray]:
+    return []
+
+  def line(self, site: Site, tally: list[ProgramArray]) -> bool:
+    # A computation reached again (another call of it) is not listed twice.
+    if self.read.setdefault(site.computation, site.caller) is not site.caller:
+      return False
+    op = site.opcode
+    if op in self._MATERIALISED:
+      return True
+    if not op or op in _NOT_ARRAYS or op.endswith(('-start', '-done', '-update')):
+      return False
+    tally.extend(
+      _program_arrays(site.line, op, site.trips, _slice_updated(site.line, op, self.program.bodies))
+    )
+    return False
+
+  def loop(self, site: Site, trip: int | None, body: list, into: list) -> None:
+    into.extend(body)
+
+  def branches(self, site: Site, subs: list[list], into: list) -> None:
+    for sub in subs:
+      into.extend(sub)
 
 
 def _slice_updated(line: str, op: str, bodies: dict[str, list[str]]) -> set[str]:
