@@ -54,7 +54,7 @@ def one(remat: str) -> dict:
   import jax.numpy as jnp
   import optax
 
-  from zerojax._src.planner import hlo, presets
+  from zerojax._src.planner import host_link, presets
 
   cfg = presets.DecoderConfig(**SHAPE)
   params = presets.init_decoder(cfg, jax.random.key(0))
@@ -66,7 +66,7 @@ def one(remat: str) -> dict:
   compile_seconds = time.perf_counter() - start
   m = compiled.memory_analysis()
   try:
-    moved = hlo.count_host_transfers(compiled)
+    moved = host_link.count_host_transfers(compiled)
     host = {'to_host': moved.to_host, 'to_device': moved.to_device}
   except Exception as e:  # the parser is written for TPU programs: say so, do not guess
     host = {'error': f'{type(e).__name__}: {e}'}

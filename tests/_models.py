@@ -231,10 +231,10 @@ def collective_ops(text, kind):
   """(result dtype, result bytes) of each `kind` collective in the HLO."""
   out = []
   for line in text.splitlines():
-    found = hlo_lib._collective(line)
+    found = hlo_lib.collective(line)
     if found and found[0] == kind:
-      shape = hlo_lib._SHAPE.search(found[2])
-      out.append((shape.group(1), hlo_lib._type_bytes(found[2])))
+      shape = hlo_lib.SHAPE.search(found[2])
+      out.append((shape.group(1), hlo_lib.type_bytes(found[2])))
   return out
 
 

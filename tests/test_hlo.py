@@ -17,7 +17,7 @@ from _models import (
 from jax.sharding import NamedSharding, PartitionSpec
 
 import zerojax
-from zerojax._src.planner import hlo
+from zerojax._src.planner import arrays as arrays_lib
 
 N, D, PSI = TWO_LAYER_N, TWO_LAYER_D, TWO_LAYER_PSI
 
@@ -166,7 +166,7 @@ def test_largest_arrays_names_what_a_loop_stacks_per_iteration():
     return jnp.sum(h)
 
   text = jax.jit(jax.grad(f)).lower(jnp.ones((6, 256, 256)), jnp.ones((512, 256))).compile()
-  arrays = hlo.largest_arrays(text, count=50)
+  arrays = arrays_lib.largest_arrays(text, count=50)
   assert [a.nbytes for a in arrays] == sorted((a.nbytes for a in arrays), reverse=True)
   stacked = {a.type for a in arrays if a.stacked}
   assert {'f32[6,512,256]', 'f32[6,256,256]'} <= stacked

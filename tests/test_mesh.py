@@ -13,7 +13,7 @@ from flax import linen as nn
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import zerojax
-from zerojax._src.planner import hlo
+from zerojax._src.planner import collectives
 
 D, HEADS, T, B = 64, 4, 8, 16
 RULES = (('embed', None), ('heads', 'model'), ('mlp', 'model'))
@@ -173,7 +173,7 @@ def group_sizes(text, op):
   sizes = []
   for line in text.splitlines():
     if re.search(rf'= \S+ {op}(-start)?\(', line):
-      sizes.append(hlo._group_size(line, 0))  # the parser behind count_collectives
+      sizes.append(collectives.group_size(line, 0))  # the parser behind count_collectives
   return sizes
 
 

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax._src import quantize as quantize_lib
-from zerojax._src.planner import hlo
+from zerojax._src.planner import collectives, hlo
 
 N = 8
 ULP = float(np.finfo(np.float32).eps)
@@ -349,10 +349,10 @@ def test_two_axis_mesh_reduces_within_hosts_first(stage):
   text = qfn.lower(params, x).compile().as_text()
   by_group = {}
   for line in text.splitlines():
-    found = hlo._collective(line)
+    found = hlo.collective(line)
     if found and found[0] in ('all-to-all', 'all-gather'):
-      key = (found[0], hlo._group_size(line, 8))
-      by_group[key] = by_group.get(key, 0) + hlo._type_bytes(found[2])
+      key = (found[0], collectives.group_size(line, 8))
+      by_group[key] = by_group.get(key, 0) + hlo.type_bytes(found[2])
   # One collective per mesh axis, not one over all 8 devices.
   assert {g for _, g in by_group} == {2, 4}
   # Gradients: what crosses hosts (groups of 2) is a quarter of what moves within them.

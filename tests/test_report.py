@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import zerojax
-from zerojax._src.planner.hlo import CollectiveCountWarning
+from zerojax._src.planner.collectives import CollectiveCountWarning
 
 GROUPS = 'replica_groups={{0,1,2,3}}'
 

@@ -57,7 +57,7 @@ def test_tpu_keeps_a_minor_dimension_reduce_scatter_only_in_whole_pairs_of_lanes
   import jax.numpy as jnp
   from jax.sharding import Mesh, NamedSharding
 
-  from zerojax._src.planner import hlo, tpu
+  from zerojax._src.planner import collectives, tpu
 
   mesh = Mesh(np.array(tpu.topology_devices('v5e:4x8')).reshape(4, 8), ('x', 'y'))
   kinds = {}
@@ -69,6 +69,6 @@ def test_tpu_keeps_a_minor_dimension_reduce_scatter_only_in_whole_pairs_of_lanes
 
     x = jax.ShapeDtypeStruct((1024, 8 * shard), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
     text = jax.jit(scatter).lower(x).compile().as_text()
-    kinds[shard] = sorted(hlo.count_collectives(text).counts)
+    kinds[shard] = sorted(collectives.count_collectives(text).counts)
   assert kinds == {896: ['all-reduce'], 1024: ['reduce-scatter']}
   assert rules.MINOR_SHARD == 256

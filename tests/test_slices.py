@@ -17,7 +17,7 @@ from _models import GRAD_TOL, batch, loss_fn, max_rel_err, mlp_params, train_tol
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import zerojax
-from zerojax._src.planner import hlo
+from zerojax._src.planner import collectives, hlo
 
 SLICES, PER_SLICE = 2, 4
 PSI = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(mlp_params()))
@@ -88,7 +88,7 @@ def test_hierarchical_zero_follows_plain_optax_and_moves_the_dcn_floor(stage, pe
   assert max_rel_err(grads, want_grads) <= GRAD_TOL
   assert max_rel_err(params, want_params) <= train_tol(2)
   # Between the slices: the gradient shards, once per step, and the loss.
-  stats = hlo.count_collectives(compiled, slices=np.arange(8) // PER_SLICE)
+  stats = collectives.count_collectives(compiled, slices=np.arange(8) // PER_SLICE)
   assert stats.total_dcn_bytes == pytest.approx(DCN_FLOOR + LOSS_BYTES)
   assert not stats.dcn_gathers
 
@@ -118,7 +118,7 @@ def test_parameters_gathered_across_slices_are_flagged():
   x, y = _rows(mesh, *batch())
   grad_fn = zerojax.value_and_grad(lambda p, b: loss_fn(p, *b), tx, per_layer=False)
   text = jax.jit(grad_fn).lower(params, (x, y)).compile().as_text()
-  stats = hlo.count_collectives(text, slices=np.arange(8) // PER_SLICE)
+  stats = collectives.count_collectives(text, slices=np.arange(8) // PER_SLICE)
   assert stats.dcn_gathers and stats.dcn_ring_bytes.get('all-gather', 0) > 0
   # With hpZ the gathers stay inside the slices.
   tx = zerojax.zero_stage(optax.adam(1e-2), 3, mesh=mesh, axis=('slice', 'data'), param_axis='data')
@@ -126,7 +126,7 @@ def test_parameters_gathered_across_slices_are_flagged():
   params = jax.device_put(mlp_params(), plan.params)
   grad_fn = zerojax.value_and_grad(lambda p, b: loss_fn(p, *b), tx, per_layer=False)
   text = jax.jit(grad_fn).lower(params, (x, y)).compile().as_text()
-  assert not hlo.count_collectives(text, slices=np.arange(8) // PER_SLICE).dcn_gathers
+  assert not collectives.count_collectives(text, slices=np.arange(8) // PER_SLICE).dcn_gathers
 
 
 def test_replica_axis_errors_name_the_fix():
@@ -182,12 +182,12 @@ def test_a_collective_between_slices_as_the_tpu_compiler_emits_it():
     '  ROOT %rd = (f32[1024]{0}, token[]) recv-done(%r), channel_id=1, is_host_transfer=true\n'
     '}'
   )
-  stats = hlo.count_collectives(text, slices=[0, 0, 1, 1, 2, 2, 2, 2])
+  stats = collectives.count_collectives(text, slices=[0, 0, 1, 1, 2, 2, 2, 2])
   assert stats.counts == {'all-reduce': 1}
   assert stats.dcn_ring_bytes['all-reduce'] == pytest.approx(2 * 4096 * 2 / 3)  # 3 slices
   assert stats.dcn_overlapped_ring_bytes['all-reduce'] == stats.dcn_ring_bytes['all-reduce']
-  with pytest.warns(hlo.CollectiveCountWarning, match='the number of slices was not given'):
-    assert hlo.count_collectives(text).counts == {}
+  with pytest.warns(collectives.CollectiveCountWarning, match='the number of slices was not given'):
+    assert collectives.count_collectives(text).counts == {}
 
 
 def test_a_cpu_search_over_slices_is_timed_and_measured(tmp_path):

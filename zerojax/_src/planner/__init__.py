@@ -13,8 +13,10 @@ It uses the library (`zerojax._src`) and nothing in the library uses it. One mod
 - `program_cache`: its compiled program, or the record of it compiled before.
 - `search`: one candidate through the pipeline, lowered, compiled and priced (`evaluate`,
   `Priced`); `plan` is a search of one, a search ranks many.
-- `hlo`: the compiled program's optimized HLO read once (`hlo.Program`): collectives, host
-  transfers, largest arrays.
+- `hlo`: the compiled program's optimized HLO read once (`hlo.Program`), and the one
+  traversal of it (`Program.walk`) that every analysis below is written as.
+- `collectives`, `host_link`, `arrays`: the collectives a step runs, the bytes crossing the
+  host link, the largest arrays it makes.
 - `cost`: the kernels' time and matmul FLOPs of a `hlo.Program`.
 - `roofline`: the chips' published figures and the step-time model (`StepCost` -> seconds).
 - `report`: a compiled step's memory and collectives beside the ZeRO floor (`step_report`).

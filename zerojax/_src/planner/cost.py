@@ -20,7 +20,7 @@ model and its rematerialised backward pass are counted in full.
   writes none; on TPU, copies and slices) costs its own roofline: the larger of
   its FLOPs at peak and the bytes it reads and writes at HBM bandwidth.
 
-Collectives are not kernels here: `hlo.count_collectives` counts them.
+Collectives are not kernels here: `collectives.count_collectives` counts them.
 """
 
 from __future__ import annotations

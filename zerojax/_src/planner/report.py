@@ -18,7 +18,8 @@ import numpy as np
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import rules
-from zerojax._src.planner.hlo import COLLECTIVES, CollectiveStats, count_collectives
+from zerojax._src.planner.collectives import CollectiveStats, count_collectives
+from zerojax._src.planner.hlo import COLLECTIVES
 
 
 @dataclasses.dataclass(frozen=True)

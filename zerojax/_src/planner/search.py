@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src import runtime
-from zerojax._src.planner import cost, hlo, roofline
+from zerojax._src.planner import arrays, collectives, cost, hlo, host_link, roofline
 from zerojax._src.planner.candidates import (
   Candidate,
   candidate_space,
@@ -67,7 +67,7 @@ class Priced:
     """The program's largest arrays, those of one type together (the entry's zeros and the
     loop's stacked updates of one buffer, or one value per layer), largest first."""
     groups: dict[str, dict] = {}
-    for a in hlo.largest_arrays(self.program, count=None):
+    for a in arrays.largest_arrays(self.program, count=None):
       g = groups.setdefault(a.type, dict(type=a.type, bytes=a.nbytes, count=0, sources=[]))
       g['count'] += 1
       if a.stacked:
@@ -199,7 +199,7 @@ def host_traffic(program: Any, c: Any, host_bytes: int, param_bytes: int) -> Hos
   XLA:CPU's carries none: there an offload's bytes come from the formula
   `host_transfer_bytes`, split evenly each way, with no overlap, and say so.
   """
-  counted = hlo.count_host_transfers(program)
+  counted = host_link.count_host_transfers(program)
   if counted.to_host + counted.to_device:
     return HostTraffic(
       to_host=counted.to_host,
@@ -360,7 +360,7 @@ def price_program(chip: Chip | None, memory: Any, text: str) -> Priced:
   from zerojax._src.planner import report as report_lib
 
   program = hlo.Program.parse(text)
-  report = report_lib.StepReport(memory, hlo.count_collectives(program))
+  report = report_lib.StepReport(memory, collectives.count_collectives(program))
   # No plan: every byte over the host link is counted in the program, none by formula.
   traffic = host_traffic(program, None, 0, 0)
   return _priced(chip, report, program, traffic)
