@@ -35,6 +35,9 @@ from typing import Any
 
 import jax
 
+from zerojax._src import runtime
+from zerojax._src.planner import report as report_lib
+
 FORMAT = 3  # bump when the record's fields change
 ENV = 'ZEROJAX_CACHE_DIR'
 
@@ -81,6 +84,7 @@ class Compiled:
   source: str  # 'compiled', 'cache' (the disk cache) or 'memo' (earlier in this run)
   seconds: float  # XLA compile seconds of this call (0 when read back)
   first_compile_seconds: float  # what compiling it took when it was compiled
+  platform: str  # where the program runs ('tpu', 'cpu', ...)
 
 
 def _versions() -> dict[str, str]:
@@ -177,7 +181,7 @@ def _from_record(record: dict, source: str) -> Compiled:
   program = CachedProgram(
     record['text'], record['memory'], record['cost'], record['compile_seconds'], record['platform']
   )
-  return Compiled(program, program.text, source, 0.0, program.compile_seconds)
+  return Compiled(program, program.text, source, 0.0, program.compile_seconds, program.platform)
 
 
 def compile_program(
@@ -204,14 +208,11 @@ def compile_program(
     jax.errors.JaxRuntimeError: the compiler's own error, or a kept refusal
       (RESOURCE_EXHAUSTED) of the same program.
   """
-  from zerojax._src import runtime
-  from zerojax._src.planner import report as report_lib
-
   if cache_dir is None and memo is None:
     start = time.perf_counter()
     program, text = report_lib.compile_with_text(lowered, compiler_options)
     seconds = time.perf_counter() - start
-    return Compiled(program, text, 'compiled', seconds, seconds)
+    return Compiled(program, text, 'compiled', seconds, seconds, report_lib.platform_of(program))
   key = program_key(lowered, topology, compiler_options)
   if memo is not None and key in memo:
     return _from_record(memo[key], 'memo')
@@ -231,14 +232,14 @@ def compile_program(
     raise
   seconds = time.perf_counter() - start
   record = base | {
-    'platform': report_lib._platform(program),
+    'platform': report_lib.platform_of(program),
     'compile_seconds': seconds,
     'text': text,
     'memory': _memory(program),
     'cost': _cost(program),
   }
   _keep(path, memo, key, record)
-  return Compiled(program, text, 'compiled', seconds, seconds)
+  return Compiled(program, text, 'compiled', seconds, seconds, record['platform'])
 
 
 def _keep(path: Path | None, memo: dict | None, key: str, record: dict) -> None:

@@ -78,26 +78,28 @@ class MemoryStats:
     return 'arguments + outputs - aliased + temporaries'
 
 
-def _platform(compiled: Any) -> str:
-  """The platform a compiled program runs on ('tpu' for a TPU topology compiled ahead of time)."""
-  if hasattr(compiled, 'platform'):  # program_cache.CachedProgram
-    return compiled.platform
+def platform_of(compiled: Any) -> str:
+  """The platform a `jax.stages.Compiled` runs on ('tpu' for a TPU topology compiled ahead of
+  time): its arguments' devices', else the default backend's."""
   for sharding in jax.tree.leaves(getattr(compiled, 'input_shardings', ())):
     return next(iter(sharding.device_set)).platform
   return jax.default_backend()
 
 
-def memory_stats(compiled: Any) -> MemoryStats:
+def memory_stats(compiled: Any, platform: str | None = None) -> MemoryStats:
   """Per-device memory of a compiled program, e.g. `jax.jit(f).lower(...).compile()`.
 
   The TPU compiler's own peak and allocation total are taken where the program holds
   nothing in host memory: they count host memory too (a 70B step with its optimizer state
   offloaded: 56.18 GiB, of which the device holds 14.12), and the device's share of them is
   not reported. There the peak is arguments + outputs - aliased + temporaries, device only.
+
+  `platform` says where the program runs for one the planner read back from its cache
+  (`program_cache.Compiled.platform`); None reads it from `compiled`'s devices.
   """
   m = compiled.memory_analysis()
   host = sum(int(getattr(m, f'host_{n}_size_in_bytes', 0) or 0) for n in ('argument', 'temp'))
-  on_tpu = _platform(compiled) == 'tpu'
+  on_tpu = (platform or platform_of(compiled)) == 'tpu'
   tpu = on_tpu and not host
   return MemoryStats(
     argument=int(m.argument_size_in_bytes),
@@ -245,6 +247,7 @@ def step_report(
   plan: Any = None,
   bytes_per_param: int = 4,
   hlo_text: str | None = None,
+  platform: str | None = None,
 ) -> StepReport:
   """Measures a compiled step: memory per device and collectives per step.
 
@@ -255,11 +258,13 @@ def step_report(
     bytes_per_param: bytes per parameter in the floor (4 for fp32 gradients).
     hlo_text: the program's optimized HLO, where `compiled.as_text()` cannot
       print it (`compile_with_text`): its text, or the `hlo.Program` read from it.
+    platform: where the program runs, for a program read back from the planner's cache
+      (`program_cache.Compiled.platform`); None reads it from `compiled`.
 
   Returns:
     A `StepReport`; `print` it for a table.
   """
-  memory = memory_stats(compiled)
+  memory = memory_stats(compiled, platform)
   text = compiled if hlo_text is None else hlo_text
   if plan is None:
     return StepReport(memory, count_collectives(text), process_devices=_process_devices(None))

@@ -338,7 +338,11 @@ def price(target: Target, lowered: Lowered, done: Any) -> Priced:
 
   program = hlo.Program.parse(done.text)  # read once; every figure below is an analysis of it
   report = report_lib.step_report(
-    done.program, plan=lowered.plan, bytes_per_param=lowered.unit, hlo_text=program
+    done.program,
+    plan=lowered.plan,
+    bytes_per_param=lowered.unit,
+    hlo_text=program,
+    platform=done.platform,
   )
   c, plan = lowered.candidate, lowered.plan
   traffic = host_traffic(
