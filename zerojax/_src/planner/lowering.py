@@ -12,7 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax._src import grad as grad_lib
+from zerojax._src import precision, train_state, transform
+from zerojax._src import quantize as quantize_lib
 from zerojax._src.options import Options
+from zerojax._src.planner import candidates, presets
 from zerojax._src.planner.candidates import QUANTIZE, Candidate
 from zerojax._src.planner.roofline import CHIPS, Chip, calibrate_cpu, prices_host_link
 
@@ -98,8 +102,6 @@ def mesh_for(target: Target, c: Candidate):
 def model_spec(target: Target, c: Candidate):
   """The `ModelSpec` a candidate compiles: the target's model with the candidate's remat and
   prefetch."""
-  from zerojax._src.planner import candidates, presets
-
   if callable(target.model):
     return target.model(c.remat, c.prefetch)
   return presets.decoder_spec(
@@ -134,8 +136,6 @@ def zero_options(
 ) -> Options:
   """The `zerojax.Options` of a candidate, for ZeRO axes `names`, a model whose stacked layers
   are `stacked` (`ModelSpec.stacked`) and tensor-parallel layouts `param_specs`."""
-  from zerojax._src import quantize as quantize_lib
-
   q = QUANTIZE[c.quantize]
   return Options(
     axis=names[0] if len(names) == 1 else names,
@@ -167,8 +167,6 @@ def _tensor_specs(spec: Any, mesh: Any) -> Any:
 def _check_activation_offload(target: Target, c: Candidate) -> None:
   """Refuses a remat policy that moves activations to host memory where the host link has no
   figures: its bytes could not be priced."""
-  from zerojax._src.planner import presets
-
   if not presets.offloads_activations(c.remat):
     return
   chip = target.chip
@@ -207,8 +205,6 @@ class Lowered:
 def _abstract_state(target: Target, c: Candidate, spec: Any, mesh: Any, zero_axes: tuple):
   """(the abstract train state, its ZeRO plan) of a candidate, its optimizer wrapped for the
   candidate's stage over `zero_axes` of `mesh`."""
-  from zerojax._src import precision, train_state, transform
-
   options = zero_options(c, zero_axes, spec.stacked, _tensor_specs(spec, mesh))
   inner = target.optimizer()
   if target.mixed_precision:
@@ -231,8 +227,6 @@ def _gradient_fn(target: Target, c: Candidate, spec: Any, state: Any, plan: Any)
   loss = lambda p, b: spec.loss_fn(p, b, plan)
   if gradients(target, c) == 'jax':
     return lambda p, b: jax.value_and_grad(lambda q: loss(q, b))(p)
-  from zerojax._src import grad as grad_lib
-
   return grad_lib.value_and_grad(
     loss,
     state.tx,
@@ -249,8 +243,6 @@ def lower(target: Target, c: Candidate) -> Lowered:
     ValueError: zerojax refuses the layout (a leaf that cannot be split, a bad option).
   """
   from jax.sharding import NamedSharding, PartitionSpec
-
-  from zerojax._src import transform
 
   _check_activation_offload(target, c)
   start = time.perf_counter()
@@ -308,8 +300,6 @@ def make_target(
   Raises:
     ValueError: a topology without roofline constants, or a preset name that does not exist.
   """
-  from zerojax._src.planner import presets
-
   chip_name, _, dims = topology.partition(':')
   if chip_name == 'cpu':
     grid, chip = (len(devices),), calibrate_cpu(len(devices))

@@ -31,7 +31,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src import runtime
-from zerojax._src.planner import arrays, collectives, cost, hlo, host_link, roofline
+from zerojax._src.planner import (
+  arrays,
+  collectives,
+  cost,
+  display,
+  hlo,
+  host_link,
+  program_cache,
+  roofline,
+  tpu,
+)
+from zerojax._src.planner import report as report_lib
 from zerojax._src.planner.candidates import (
   Candidate,
   candidate_space,
@@ -300,8 +311,6 @@ def _theory(target: Target, lowered: Lowered, hbm_bytes: int | None) -> Result:
 def _compile(target, lowered: Lowered, result: Result, cache_dir, memo, compiler_options):
   """The compiled program (`program_cache.Compiled`), or None where the TPU compiler refused it
   for memory: then `result` says what it needs."""
-  from zerojax._src.planner import program_cache
-
   start = time.perf_counter()
   try:
     done = program_cache.compile_program(
@@ -334,8 +343,6 @@ def price(target: Target, lowered: Lowered, done: Any) -> Priced:
   Raises:
     ValueError: the host link's figures are missing where the program moves bytes over it.
   """
-  from zerojax._src.planner import report as report_lib
-
   program = hlo.Program.parse(done.text)  # read once; every figure below is an analysis of it
   report = report_lib.step_report(
     done.program,
@@ -361,8 +368,6 @@ def price_program(chip: Chip | None, memory: Any, text: str) -> Priced:
   Raises:
     ValueError: the host link's figures are missing where the program moves bytes over it.
   """
-  from zerojax._src.planner import report as report_lib
-
   program = hlo.Program.parse(text)
   report = report_lib.StepReport(memory, collectives.count_collectives(program))
   # No plan: every byte over the host link is counted in the program, none by formula.
@@ -469,8 +474,6 @@ def run_search(
   Returns:
     A `SearchReport`.
   """
-  from zerojax._src.planner import display
-
   start = time.perf_counter()
   hbm = hbm_bytes if hbm_bytes is not None else (target.chip.hbm_bytes or None)
   memo = None if measure else {}
@@ -587,8 +590,6 @@ def search_plans(
     ValueError: an unknown topology, model or option value, or a space with no valid candidate.
   """
   import optax
-
-  from zerojax._src.planner import tpu
 
   devices = tpu.topology_devices(topology)
   counts = sorted({s for s in space.get('slices', (1,)) if isinstance(s, int) and s > 1})
