@@ -8,8 +8,10 @@ from zerojax._src.planner import candidates, lowering, roofline, search
 
 def test_roofline_prediction_is_the_stated_formula():
   chip = roofline.CHIPS['v5e']
-  r = search.Result(candidates.Candidate(3), 'fits', ring_bytes=4e9, overlapped_bytes=1e9)
-  r.flops, r.bytes_accessed = 197e12 * 0.5, 819e9 * 0.1  # 0.5 s of compute, 0.1 s of HBM
+  # 0.5 s of compute at peak, as a program with no kernel times counts it.
+  r = roofline.StepCost(
+    flops=197e12 * 0.5, kernel_seconds=0.0, ring_bytes=4e9, overlapped_bytes=1e9
+  )
   parts = roofline.predict(chip, r, host_transfer_bytes=64e9)
   comm = 4e9 / (400e9 / 2)  # one torus axis: half of v5e's 400 GB/s
   # float64 arithmetic on the stated formula: approx only for its roundings.
@@ -39,8 +41,10 @@ def test_overlapped_host_transfers_hide_under_compute():
   """The share of host-link bytes that overlap compute (from the compiled schedule) hides
   under it, as the overlapped ring bytes do; the rest adds to the step."""
   chip = roofline.CHIPS['v5e']
-  r = search.Result(candidates.Candidate(3), 'fits')
-  r.flops = 197e12 * 0.5  # 0.5 s of compute, no collectives
+  # 0.5 s of compute, no collectives.
+  r = roofline.StepCost(
+    flops=197e12 * 0.5, kernel_seconds=0.0, ring_bytes=0.0, overlapped_bytes=0.0
+  )
   parts = roofline.predict(chip, r, host_transfer_bytes=32e9, host_overlap=0.25)
   assert parts.host == pytest.approx(1.0)
   assert parts.host_exposed == pytest.approx(0.75)

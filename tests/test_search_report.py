@@ -18,9 +18,7 @@ def _report(candidate, mixed_precision=False):
     optimizer=optax.adamw,
     mixed_precision=mixed_precision,
   )
-  result = search.Result(candidate, 'fits', ring_bytes=1e6, overlapped_bytes=0.0)
-  result.flops, result.bytes_accessed = 1e9, 1e6
-  result.predicted = roofline.Prediction(
+  predicted = roofline.Prediction(
     compute=1.0,
     collectives=0.0,
     exposed=0.0,
@@ -29,6 +27,15 @@ def _report(candidate, mixed_precision=False):
     host=0.0,
     host_exposed=0.0,
     step=1.0,
+  )
+  result = search.Result(
+    candidate,
+    'fits',
+    ring_bytes=1e6,
+    overlapped_bytes=0.0,
+    flops=1e9,
+    bytes_accessed=1e6,
+    predicted=predicted,
   )
   return search.SearchReport(target, [result], invalid=[], seconds=1.0)
 

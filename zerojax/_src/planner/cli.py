@@ -489,36 +489,36 @@ def _refusal(result: Any, hbm_gib: int | None) -> str:
   """Why a plan was refused before its program could be reported, with the figures."""
   from zerojax._src.planner import roofline, search
 
-  if result.status == search.PRUNED_HBM:
+  if result.reason == search.STATES_EXCEED_HBM:
     return (
       f'{result.status} (model states at rest {result.theory_bytes / roofline.GiB:.2f} GiB per'
       f' chip, of {hbm_gib} GiB HBM)'
     )
-  if result.status == search.PRUNED_HOST:
+  if result.reason == search.STATE_EXCEEDS_HOST:
     host = result.lowered.plan.bytes_per_device()['host'] / roofline.GiB
     return f'{result.status} ({host:.2f} GiB per chip offloaded)'
   return result.status
 
 
-def _log_phase(args, start: float, event: str, result: Any) -> None:
-  """The plan's progress lines, as `search.evaluate` reaches each phase."""
+def _log_phase(args, start: float, event: str, stage: Any) -> None:
+  """The plan's progress lines, as `search.evaluate` reaches each stage (`Lowered`, then
+  `program_cache.Compiled`)."""
   if event == 'lowered':
-    lowered = result.lowered
     _log(
       start,
-      f'model {lowered.spec.name}: {lowered.num_params:,} parameters; stage {args.stage} plan'
+      f'model {stage.spec.name}: {stage.num_params:,} parameters; stage {args.stage} plan'
       ' built and lowered',
     )
     given = f' with compiler options {dict(args.compiler_options)}' if args.compiler_options else ''
     _log(start, f'compiling{given} (large models take minutes on a small machine)')
-  elif event == 'compiled' and result.program_source == 'cache':
+  elif event == 'compiled' and stage.source == 'cache':
     _log(
       start,
       f'read the compiled program back from {_cache_dir(args)} (compiling it took'
-      f' {result.compiled.first_compile_seconds:.1f} s; --no-cache compiles it again)',
+      f' {stage.first_compile_seconds:.1f} s; --no-cache compiles it again)',
     )
   elif event == 'compiled':
-    _log(start, f'compiled ({result.compiled.seconds:.1f} s of XLA compile)')
+    _log(start, f'compiled ({stage.seconds:.1f} s of XLA compile)')
 
 
 def _cache_dir(args) -> Any:

@@ -21,6 +21,7 @@ and the prediction is checked against the step's measured time.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -56,9 +57,21 @@ from zerojax._src.planner.candidates import (
 from zerojax._src.planner.lowering import Lowered, Target, lower, make_target
 from zerojax._src.planner.roofline import Chip, Prediction, host_transfer_bytes, predict
 
+
 # A candidate's status where theory alone rules it out, before anything compiles.
-PRUNED_HBM = 'pruned: states alone exceed HBM'
-PRUNED_HOST = 'pruned: offloaded state exceeds host memory'
+class Outcome(enum.Enum):
+  """What became of a candidate: the closed set a `Result` is one of (its `reason` says why)."""
+
+  FITS = 'fits'
+  OVER_HBM = 'over HBM'  # its compiled program's peak, or the compiler's refusal (the reason)
+  PRUNED = 'pruned'  # refused before compiling: its states alone do not fit (the reason)
+  FAILED = 'failed'  # zerojax's layout rules refused it (the reason: their error)
+
+
+STATES_EXCEED_HBM = 'states alone exceed HBM'
+STATE_EXCEEDS_HOST = 'offloaded state exceeds host memory'
+PRUNED_HBM = f'pruned: {STATES_EXCEED_HBM}'  # the `Result.status` of each
+PRUNED_HOST = f'pruned: {STATE_EXCEEDS_HOST}'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +101,14 @@ class Priced:
     return list(groups.values())[:count]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Result:
-  """What one candidate costs, measured on its compiled program, and its predicted time."""
+  """What one candidate costs, measured on its compiled program, and its predicted time: made
+  once, by `evaluate`, from the candidate and its stages (or from what refused it)."""
 
   candidate: Candidate
-  status: str  # 'fits', 'over HBM', 'over host memory', 'pruned: ...', 'failed: ...'
+  outcome: Outcome  # (or its value, e.g. 'fits')
+  reason: str = ''  # why it is not 'fits': the compiler's refusal, which memory, the error
   theory_bytes: int = 0  # model states at rest per chip, from the plan
   host_bytes: int = 0
   peak_bytes: int = 0
@@ -133,9 +148,17 @@ class Result:
   compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
   priced: Priced | None = dataclasses.field(default=None, repr=False, compare=False)
 
+  def __post_init__(self):
+    object.__setattr__(self, 'outcome', Outcome(self.outcome))
+
+  @property
+  def status(self) -> str:
+    """The outcome and its reason in one line: 'fits', 'over HBM: ...', 'pruned: ...'."""
+    return f'{self.outcome.value}: {self.reason}' if self.reason else self.outcome.value
+
   @property
   def fits(self) -> bool:
-    return self.status == 'fits'
+    return self.outcome is Outcome.FITS
 
   @property
   def step_seconds(self) -> float:
@@ -243,7 +266,7 @@ def evaluate(
   compiler_options: dict[str, Any] | None = None,
   measure: bool = False,
   keep: bool = False,
-  observe: Callable[[str, Result], None] | None = None,
+  observe: Callable[[str, Any], None] | None = None,
 ) -> Result:
   """One candidate through the pipeline: lowered (`lowering.lower`), checked against theory
   (states at rest against HBM, offloaded state against host memory), compiled or read back
@@ -255,65 +278,92 @@ def evaluate(
   `compiler_options` go to the compiler with every candidate. With `measure`, a program
   compiled here that fits is also run (`measured_seconds`; on cpu:N). With `keep`, the
   result keeps the lowered candidate, its compile and its priced program (a plan's report
-  prints from them). `observe(event, result)` is called as the candidate is 'lowered' (and
-  not pruned) and 'compiled' (or read back), for progress lines.
+  prints from them). `observe(event, stage)` is called with each stage as the candidate is
+  'lowered' (its `Lowered`, when not pruned) and 'compiled' (its `program_cache.Compiled`,
+  compiled or read back), for progress lines.
   """
-  observe = observe or (lambda event, result: None)
+  observe = observe or (lambda event, stage: None)
   start = time.perf_counter()
   try:
     lowered = lower(target, c)
   except ValueError as e:  # zerojax's layout rules refuse it: a leaf that cannot be split so
-    message = f'failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}'
-    return Result(c, message, error=e)
+    return Result(c, Outcome.FAILED, f'{type(e).__name__}: {str(e).splitlines()[0][:160]}', error=e)
   except Exception as e:  # anything else is a bug, never a candidate that does not fit
     e.add_note(f'zerojax plan search: raised while lowering the candidate {c}.')
     raise
-  result = _theory(target, lowered, hbm_bytes)
-  result.phase_seconds['lower'] = time.perf_counter() - start
-  result.lowered = lowered if keep else None
-  if not result.status.startswith('pruned'):
-    observe('lowered', result)
-    options = c.compiler_options(compiler_options)
-    done = _compile(target, lowered, result, cache_dir, memo, options)
-    if done is not None:
-      result.compiled = done if keep else None
-      observe('compiled', result)
-      start = time.perf_counter()
-      priced = price(target, lowered, done)
-      _record(result, target, priced, done.program, hbm_bytes)
-      result.phase_seconds['analyse'] = time.perf_counter() - start
-      result.priced = priced if keep else None
-      if measure and result.fits and done.source == 'compiled':
-        result.measured_seconds = _measure_cpu(done.program, lowered.state, lowered.batch)
-  return result
-
-
-def _theory(target: Target, lowered: Lowered, hbm_bytes: int | None) -> Result:
-  """The candidate's states at rest and offloaded state, from its plan; pruned where they
-  alone exceed the device's or the host's memory."""
+  phases = {'lower': time.perf_counter() - start}
   sizes = lowered.plan.bytes_per_device()
-  result = Result(
-    lowered.candidate,
-    'fits',
-    theory_bytes=sizes['params'] + sizes['opt_state'],
-    host_bytes=sizes['host'],
+  theory = dict(theory_bytes=sizes['params'] + sizes['opt_state'], host_bytes=sizes['host'])
+  kept = dict(lowered=lowered) if keep else {}
+  pruned = _pruned(target, hbm_bytes, **theory)
+  if pruned is not None:
+    return Result(c, Outcome.PRUNED, pruned, **theory, phase_seconds=phases, **kept)
+  observe('lowered', lowered)
+  options = c.compiler_options(compiler_options)
+  done = _compile(target, lowered, cache_dir, memo, options)
+  if isinstance(done, _Refused):
+    phases['compile'] = done.seconds
+    return Result(
+      c,
+      Outcome.OVER_HBM,
+      done.summary,
+      **theory,
+      phase_seconds=phases,
+      compile_seconds=sum(phases.values()),
+      program_source=done.source,
+      compiler_needs_gigabytes=done.needed_gigabytes,
+      **kept,
+    )
+  phases['compile'] = done.seconds
+  observe('compiled', done)
+  start = time.perf_counter()
+  priced = price(target, lowered, done)
+  outcome, figures = _figures(target, priced, done.program, hbm_bytes)
+  phases['analyse'] = time.perf_counter() - start
+  measured = None
+  if measure and outcome is Outcome.FITS and done.source == 'compiled':
+    measured = _measure_cpu(done.program, lowered.state, lowered.batch)
+  if keep:
+    kept |= dict(compiled=done, priced=priced)
+  return Result(
+    c,
+    outcome,
+    **theory,
+    **figures,
+    phase_seconds=phases,
+    compile_seconds=phases['lower'] + done.seconds,
+    program_source=done.source,
+    measured_seconds=measured,
+    **kept,
   )
+
+
+def _pruned(target: Target, hbm_bytes: int | None, theory_bytes: int, host_bytes: int):
+  """Why a candidate's states at rest (from its plan) alone exceed the device's or the host's
+  memory, else None."""
   chip = target.chip
-  if hbm_bytes is not None and result.theory_bytes > hbm_bytes:
-    result.status = PRUNED_HBM
-  elif (
-    chip is not None and chip.host_bytes_per_chip and result.host_bytes > chip.host_bytes_per_chip
-  ):
-    result.status = PRUNED_HOST
-  return result
+  if hbm_bytes is not None and theory_bytes > hbm_bytes:
+    return STATES_EXCEED_HBM
+  if chip is not None and chip.host_bytes_per_chip and host_bytes > chip.host_bytes_per_chip:
+    return STATE_EXCEEDS_HOST
+  return None
 
 
-def _compile(target, lowered: Lowered, result: Result, cache_dir, memo, compiler_options):
-  """The compiled program (`program_cache.Compiled`), or None where the TPU compiler refused it
-  for memory: then `result` says what it needs."""
+@dataclasses.dataclass(frozen=True)
+class _Refused:
+  """The TPU compiler's refusal of a program that does not fit (RESOURCE_EXHAUSTED)."""
+
+  summary: str
+  needed_gigabytes: float | None  # what it said the program needs, where it said
+  source: str  # 'compiled', or where the kept refusal was read back from
+  seconds: float
+
+
+def _compile(target, lowered: Lowered, cache_dir, memo, compiler_options):
+  """The compiled program (`program_cache.Compiled`), or the compiler's refusal for memory."""
   start = time.perf_counter()
   try:
-    done = program_cache.compile_program(
+    return program_cache.compile_program(
       lowered.lowered,
       topology=target.topology,
       cache_dir=cache_dir,
@@ -323,18 +373,14 @@ def _compile(target, lowered: Lowered, result: Result, cache_dir, memo, compiler
   except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses what cannot fit
     if not runtime.is_out_of_memory(e):
       raise
-    result.phase_seconds['compile'] = time.perf_counter() - start
-    result.compile_seconds = sum(result.phase_seconds.values())
     recorded = isinstance(e, program_cache.RecordedCompileError)
-    result.program_source = e.source if recorded else 'compiled'
     refusal = runtime.OutOfMemory.parse(str(e))
-    result.status = 'over HBM: ' + refusal.summary()
-    result.compiler_needs_gigabytes = refusal.needed_gigabytes
-    return None
-  result.phase_seconds['compile'] = done.seconds
-  result.program_source = done.source
-  result.compile_seconds = result.phase_seconds['lower'] + done.seconds
-  return done
+    return _Refused(
+      refusal.summary(),
+      refusal.needed_gigabytes,
+      e.source if recorded else 'compiled',
+      time.perf_counter() - start,
+    )
 
 
 def price(target: Target, lowered: Lowered, done: Any) -> Priced:
@@ -386,24 +432,29 @@ def _priced(chip: Chip | None, report: Any, program: hlo.Program, traffic: HostT
   return Priced(report, program, work, step, traffic, predicted)
 
 
-def _record(result: Result, target: Target, priced: Priced, compiled: Any, hbm_bytes) -> None:
-  """The search's figures of a priced candidate, and whether it fits `hbm_bytes`."""
+def _figures(target: Target, priced: Priced, compiled: Any, hbm_bytes) -> tuple[Outcome, dict]:
+  """Whether a priced candidate fits `hbm_bytes`, and the search's figures of it."""
   report, chip = priced.report, target.chip
-  result.peak_bytes = report.memory.peak
-  result.dcn_floor_bytes = report.dcn_floor_bytes
-  result.floor_bytes = report.floor_bytes
-  result.cost_analysis_flops, result.bytes_accessed = _cost(compiled)
-  for field in dataclasses.fields(priced.step):
-    setattr(result, field.name, getattr(priced.step, field.name))
-  result.peak_reported = not report.memory.host_held
-  result.host_traffic, result.predicted = priced.host_traffic, priced.predicted
+  flops, accessed = _cost(compiled)
+  figures = dict(
+    peak_bytes=report.memory.peak,
+    dcn_floor_bytes=report.dcn_floor_bytes,
+    floor_bytes=report.floor_bytes,
+    cost_analysis_flops=flops,
+    bytes_accessed=accessed,
+    peak_reported=not report.memory.host_held,
+    host_traffic=priced.host_traffic,
+    predicted=priced.predicted,
+  )
+  figures |= {f.name: getattr(priced.step, f.name) for f in dataclasses.fields(priced.step)}
   chip_hbm = chip is not None and hbm_bytes is not None and hbm_bytes >= chip.hbm_bytes
-  if hbm_bytes is not None and result.peak_bytes > hbm_bytes:
-    # A TPU program holding host memory has no device-only peak from the compiler; the
-    # compiler itself refuses what does not fit its chip (RESOURCE_EXHAUSTED), so one it
-    # compiled for the chip's own HBM fits.
-    if not (report.memory.host_held and chip_hbm):
-      result.status = 'over HBM'
+  # A TPU program holding host memory has no device-only peak from the compiler; the compiler
+  # itself refuses what does not fit its chip (RESOURCE_EXHAUSTED), so one it compiled for
+  # the chip's own HBM fits.
+  over = hbm_bytes is not None and report.memory.peak > hbm_bytes
+  if over and not (report.memory.host_held and chip_hbm):
+    return Outcome.OVER_HBM, figures
+  return Outcome.FITS, figures
 
 
 # -- the search ----------------------------------------------------------------------------
