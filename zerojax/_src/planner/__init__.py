@@ -22,5 +22,7 @@ It uses the library (`zerojax._src`) and nothing in the library uses it. One mod
 - `report`: a compiled step's memory and collectives beside the ZeRO floor (`step_report`).
 - `search_report`: a search's ranked table, JSON, plot and the winner's lines.
 - `display`: what it draws in a terminal (the only module that imports rich).
-- `cli`: `python -m zerojax plan / estimate / inspect`.
+- `flags`: the command line's flags and their checks.
+- `plan_report`: a single plan's printed report and JSON.
+- `cli`: the commands, `python -m zerojax plan / estimate / inspect`.
 """

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from zerojax._src import runtime
 from zerojax._src.planner import (
@@ -640,8 +641,6 @@ def search_plans(
   Raises:
     ValueError: an unknown topology, model or option value, or a space with no valid candidate.
   """
-  import optax
-
   devices = tpu.topology_devices(topology)
   counts = sorted({s for s in space.get('slices', (1,)) if isinstance(s, int) and s > 1})
   target = make_target(

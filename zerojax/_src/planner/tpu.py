@@ -11,6 +11,8 @@ import sys
 import tempfile
 from collections.abc import Mapping
 
+import jax
+
 # The TPU-node runtime (TPU chips behind a gRPC address) that Colab retired:
 # jax has not supported it since 0.4, so a notebook cannot use it.
 _RETIRED_NODE = 'COLAB_TPU_ADDR'
@@ -86,8 +88,6 @@ def topology_devices(topology: str, slices: int = 1) -> list:
       `MAX_TPU_SLICES`), or a TPU topology libtpu cannot describe (naming the install
       and the form of the name).
   """
-  import jax
-
   if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
     raise ValueError(f'the number of slices must be a whole number >= 1, got {slices!r}.')
   if topology.startswith('cpu:'):
