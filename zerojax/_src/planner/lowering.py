@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zerojax._src import grad as grad_lib
+from zerojax._src import plan as plan_lib
 from zerojax._src import precision, train_state, transform
 from zerojax._src import quantize as quantize_lib
 from zerojax._src.options import Options
@@ -186,16 +187,16 @@ class Lowered:
   the mesh, the abstract train state, its ZeRO plan and the batch."""
 
   candidate: Candidate
-  spec: Any  # the `ModelSpec`
-  mesh: Any
-  state: Any  # the abstract train state
-  plan: Any  # its `ZeroPlan`
-  batch: Any  # the sharded batch's ShapeDtypeStruct
+  spec: presets.ModelSpec
+  mesh: jax.sharding.Mesh
+  state: Any  # the abstract train state: a pytree of ShapeDtypeStructs, any TrainState class
+  plan: plan_lib.ZeroPlan
+  batch: jax.ShapeDtypeStruct  # the sharded batch
   unit: int  # the floor's unit: bytes of one parameter as the collectives carry it
   gradients: str  # 'zerojax' or 'jax' (`Target.gradients`)
-  traced: Any  # `jax.stages.Traced`
-  lowered: Any  # `jax.stages.Lowered`
-  phase_seconds: dict  # 'plan' (the state and its layout), 'trace and lower'
+  traced: jax.stages.Traced
+  lowered: jax.stages.Lowered
+  phase_seconds: dict[str, float]  # 'plan' (the state and its layout), 'trace and lower'
 
   @property
   def num_params(self) -> int:

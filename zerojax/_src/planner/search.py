@@ -461,7 +461,7 @@ def _figures(target: Target, priced: Priced, compiled: Any, hbm_bytes) -> tuple[
 # -- the search ----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SearchReport:
   """A search's results, ranked: fitting candidates by predicted step time, then the rest."""
 
