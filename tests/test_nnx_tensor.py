@@ -243,12 +243,13 @@ def test_stage_3_on_explicit_axes_keeps_parameters_typed_whole_and_says_so():
   assert message == (
     'zero_stage(stage=3) on Explicit mesh axes: tx.init got 15 parameters whole over the ZeRO'
     " axes ('batch',) (params['blocks'][0]['down']['bias'], params['blocks'][0]['down']"
-    "['kernel'], params['blocks'][0]['norm']['bias'] and 12 more), and they stay whole (the"
-    ' saving of stage 2): split, their types would say so, and a model reading them as they'
-    " are would stop with JAX's ShardingTypeError. The optimizer state is split. For stage"
-    " 3's saving, place them split first (zerojax.nnx.shard(model, tx) or"
-    ' zerojax.nnx.create_model, zerojax.create_train_state) and read them through'
-    ' zerojax.nnx.gathered(model, tx) (or zerojax.gather(params, tx)) in the loss.'
+    "['kernel'], params['blocks'][0]['norm']['bias'] and 12 more). Updated with gradients that"
+    ' arrive whole too (jax or nnx differentiating a model that reads them as typed), they stay'
+    ' whole, the saving of stage 2: split, their types would say so and such a model would'
+    " stop with JAX's ShardingTypeError. The optimizer state is split. For stage 3's saving,"
+    ' place them split first (zerojax.nnx.shard(model, tx) or zerojax.nnx.create_model,'
+    ' zerojax.create_train_state) and read them through zerojax.nnx.gathered(model, tx) (or'
+    ' zerojax.gather(params, tx)) in the loss.'
   )
 
 

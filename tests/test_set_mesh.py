@@ -164,3 +164,43 @@ def test_the_all_to_all_reduce_scatter_equals_psum_scatter(shape, dims, dim, mon
   total = np.asarray(x).sum(0)
   blocks = np.split(total, n, axis=dim)
   np.testing.assert_allclose(got, np.stack(blocks), rtol=1e-5, atol=1e-5)
+
+
+def test_stage_3_on_explicit_axes_splits_what_zerojax_differentiates_and_keeps_typed_the_rest():
+  # Parameters placed whole at stage 3 on an Explicit mesh: zerojax.value_and_grad's gradients
+  # arrive reduce-scattered, and the first update splits the parameters as the plan says; the
+  # framework's own gradient of a model that reads them as typed arrives whole, and they stay
+  # whole (split, their types would change under that model).
+  mesh = jax.make_mesh((8,), ('data',), axis_types=(AxisType.Explicit,))
+  batch = _batch()
+
+  def loss_fn(params, batch, tx):
+    h = zerojax.scan_layers(
+      lambda h, layer: h + jnp.tanh(h @ layer['w']), batch['x'], params['layers'], tx
+    )
+    return jnp.mean((h @ zerojax.gather(params['head'], tx) - batch['y']) ** 2)
+
+  with jax.set_mesh(mesh):
+    tx = zerojax.zero_stage(optax.adam(1e-2), 3, stacked={'layers': True})
+    placed = jax.device_put(batch, NamedSharding(mesh, P('data')))
+    split = zerojax.plan_for(tx, _init(jax.random.key(0))).params
+    for grads_of, want in (
+      (lambda p: zerojax.value_and_grad(lambda p, b: loss_fn(p, b, tx), tx)(p, placed), 'split'),
+      (lambda p: jax.value_and_grad(_plain_loss)(p, batch), 'whole'),
+    ):
+      params = jax.device_put(_init(jax.random.key(0)), NamedSharding(mesh, P()))
+      with pytest.warns(UserWarning, match='on Explicit mesh axes'):
+        state = tx.init(params)
+
+      @jax.jit
+      def step(params, state):
+        _, grads = grads_of(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+      params, state = step(params, state)
+      specs = jax.tree.map(lambda x: x.sharding.spec, params)
+      if want == 'split':
+        assert specs == jax.tree.map(lambda s: s.spec, split)
+      else:
+        assert all(s == P() or all(e is None for e in s) for s in jax.tree.leaves(specs))

@@ -555,9 +555,8 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     return run(config, updates, state, params, extra_args)
 
   def run(bound, updates, state, params, extra_args):
-    plan = _kept_as_typed(
-      bound.plan(params if params is not None else updates, opt_state=state), params, bound
-    )
+    plan = bound.plan(params if params is not None else updates, opt_state=state)
+    plan = _kept_as_typed(plan, params, updates, bound)
     _check_state_not_replicated(state, plan, mesh)
     arrays, others = _split_extra_args(extra_args, plan, mesh)
     step = _Step(bound, inner, master_step, plan, others)
@@ -739,12 +738,13 @@ def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zero
     # On Explicit axes the split is in the parameters' types: a model that reads them as
     # they are would stop at its next step with JAX's own ShardingTypeError, so they stay so.
     message = (
-      f'zero_stage(stage=3) on Explicit mesh axes: {got}, and they stay whole (the saving of'
-      ' stage 2): split, their types would say so, and a model reading them as they are'
-      " would stop with JAX's ShardingTypeError. The optimizer state is split. For stage 3's"
-      ' saving, place them split first (zerojax.nnx.shard(model, tx) or'
-      ' zerojax.nnx.create_model, zerojax.create_train_state) and read them through'
-      ' zerojax.nnx.gathered(model, tx) (or zerojax.gather(params, tx)) in the loss.'
+      f'zero_stage(stage=3) on Explicit mesh axes: {got}. Updated with gradients that arrive'
+      ' whole too (jax or nnx differentiating a model that reads them as typed), they stay'
+      ' whole, the saving of stage 2: split, their types would say so and such a model would'
+      " stop with JAX's ShardingTypeError. The optimizer state is split. For stage 3's saving,"
+      ' place them split first (zerojax.nnx.shard(model, tx) or zerojax.nnx.create_model,'
+      ' zerojax.create_train_state) and read them through zerojax.nnx.gathered(model, tx) (or'
+      ' zerojax.gather(params, tx)) in the loss.'
     )
   else:
     message = (
@@ -755,19 +755,25 @@ def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zero
   warnings.warn(message, stacklevel=3)
 
 
-def _kept_as_typed(plan: plan_lib.ZeroPlan, params: Any, config: ZeroConfig) -> plan_lib.ZeroPlan:
+def _kept_as_typed(
+  plan: plan_lib.ZeroPlan, params: Any, grads: Any, config: ZeroConfig
+) -> plan_lib.ZeroPlan:
   """`plan`, returning whole the stage-3 parameters typed whole over the ZeRO axes on Explicit
-  axes (the optimizer line alone, no `zerojax.nnx.shard`): the model's own code reads them as
-  they are typed, and split it would stop at its next step with JAX's ShardingTypeError.
-  Their state is split all the same; `tx.init` warned."""
+  axes whose gradients arrive whole too: the framework's own gradient of a model that reads
+  its parameters as typed (the optimizer line alone, no `zerojax.nnx.shard`). Split, their
+  types would say so and that model would stop at its next step with JAX's
+  ShardingTypeError. Their state is split all the same; `tx.init` warned. Gradients that
+  arrive split (`zerojax.value_and_grad`'s reduce-scatter) split them."""
   if config.stage != 3 or params is None or not mesh_lib.any_explicit(config.mesh):
     return plan
   is_sharding = lambda s: isinstance(s, NamedSharding)
   shardings, treedef = jax.tree.flatten(plan.params, is_leaf=is_sharding)
   kept = []
-  for x, want in zip(jax.tree.leaves(params), shardings):
-    have = _visible_spec(x, config.mesh)
-    whole = have is not None and set(config.axes) & (_mesh_axes(want.spec) - _mesh_axes(have))
+  for x, g, want in zip(jax.tree.leaves(params), jax.tree.leaves(grads), shardings):
+    have, got = _visible_spec(x, config.mesh), _visible_spec(g, config.mesh)
+    split = set(config.axes) & _mesh_axes(want.spec)
+    whole = have is not None and got is not None
+    whole = whole and bool(split - _mesh_axes(have)) and bool(split - _mesh_axes(got))
     kept.append(NamedSharding(want.mesh, have, memory_kind=want.memory_kind) if whole else want)
   if kept == shardings:
     return plan
