@@ -1,4 +1,5 @@
-"""Bytes crossing the host link in a compiled TPU step, as an analysis of one walk."""
+"""Bytes crossing the host link in a compiled TPU step, as an analysis of one walk, and the
+host traffic a plan reports: counted there, or by formula where the program cannot show it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 from typing import Any
 
 from zerojax._src.planner import hlo
+from zerojax._src.planner.roofline import host_transfer_bytes
 
 # Host memory in the TPU compiler's layouts (memory space 5: pinned host).
 _HOST_SPACE = re.compile(r'S\(5\)')
@@ -228,3 +230,61 @@ def _overlapping_copies(lines: list[str]) -> set[int]:
     if op and op not in hlo.BOOKKEEPING and hlo.collective(line) is None:
       starts = {k: (j, True) for k, (j, _) in starts.items()}
   return out
+
+
+def updated_param_bytes(plan: Any, stage: int) -> int:
+  """One chip's share of the parameters an offloaded update sends each way (the formula's
+  unit): its shards at stage 3; below it the whole parameters it holds, split over the shards."""
+  params = plan.bytes_per_device()['params']
+  return params if stage == 3 else params // max(plan.num_shards, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTraffic:
+  """Bytes over the host link per step and chip, and where the figure comes from
+  (`host_traffic`)."""
+
+  to_host: float
+  to_device: float
+  largest_to_device: int | None  # None where the figure is the formula's
+  in_loops: int | None  # both directions, from inside loop bodies; None likewise
+  overlapped: float  # the share of the bytes whose transfer overlaps compute
+  host_computations: int  # host computations started per step
+  source: str  # 'hlo' (counted in the program), 'formula' or 'none' (nothing moves)
+
+  @property
+  def moved(self) -> float:
+    """Bytes both ways."""
+    return self.to_host + self.to_device
+
+
+def host_traffic(program: Any, c: Any, host_bytes: int, param_bytes: int) -> HostTraffic:
+  """Bytes over the host link per step and chip, and where the figure comes from.
+
+  Counted in the compiled program (`count_host_transfers`: copies to and from
+  host memory, slices of host buffers in layer loops, what host computations
+  read and write) where it carries memory spaces, as the TPU compiler's does.
+  XLA:CPU's carries none: there an offload's bytes come from the formula
+  `host_transfer_bytes`, split evenly each way, with no overlap, and say so.
+  """
+  counted = count_host_transfers(program)
+  if counted.to_host + counted.to_device:
+    return HostTraffic(
+      to_host=counted.to_host,
+      to_device=counted.to_device,
+      largest_to_device=counted.largest_to_device,
+      in_loops=counted.in_loops,
+      overlapped=counted.overlapped,
+      host_computations=counted.host_computations,
+      source='hlo',
+    )
+  moved = host_transfer_bytes(c, host_bytes, param_bytes)
+  return HostTraffic(
+    to_host=moved / 2,
+    to_device=moved / 2,
+    largest_to_device=None,
+    in_loops=None,
+    overlapped=0.0,
+    host_computations=counted.host_computations,
+    source='formula' if moved else 'none',
+  )

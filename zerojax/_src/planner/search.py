@@ -39,7 +39,6 @@ from zerojax._src.planner import (
   cost,
   display,
   hlo,
-  host_link,
   program_cache,
   roofline,
   tpu,
@@ -55,8 +54,9 @@ from zerojax._src.planner.candidates import (
   why_none_valid,
   with_default_shares,
 )
+from zerojax._src.planner.host_link import HostTraffic, host_traffic, updated_param_bytes
 from zerojax._src.planner.lowering import Lowered, Target, lower, make_target
-from zerojax._src.planner.roofline import Chip, Prediction, host_transfer_bytes, predict
+from zerojax._src.planner.roofline import Chip, Prediction, predict
 
 
 # A candidate's status where theory alone rules it out, before anything compiles.
@@ -194,67 +194,9 @@ def program_cost(chip: Chip | None, program: Any) -> cost.ProgramCost:
   )
 
 
-def updated_param_bytes(plan: Any, stage: int) -> int:
-  """One chip's share of the parameters an offloaded update sends each way (the formula's
-  unit): its shards at stage 3; below it the whole parameters it holds, split over the shards."""
-  params = plan.bytes_per_device()['params']
-  return params if stage == 3 else params // max(plan.num_shards, 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class HostTraffic:
-  """Bytes over the host link per step and chip, and where the figure comes from
-  (`host_traffic`)."""
-
-  to_host: float
-  to_device: float
-  largest_to_device: int | None  # None where the figure is the formula's
-  in_loops: int | None  # both directions, from inside loop bodies; None likewise
-  overlapped: float  # the share of the bytes whose transfer overlaps compute
-  host_computations: int  # host computations started per step
-  source: str  # 'hlo' (counted in the program), 'formula' or 'none' (nothing moves)
-
-  @property
-  def moved(self) -> float:
-    """Bytes both ways."""
-    return self.to_host + self.to_device
-
-
 def as_dict(figures: HostTraffic | Prediction | None) -> dict:
   """`figures` as the JSON records write them: {} where there are none."""
   return {} if figures is None else dataclasses.asdict(figures)
-
-
-def host_traffic(program: Any, c: Any, host_bytes: int, param_bytes: int) -> HostTraffic:
-  """Bytes over the host link per step and chip, and where the figure comes from.
-
-  Counted in the compiled program (`count_host_transfers`: copies to and from
-  host memory, slices of host buffers in layer loops, what host computations
-  read and write) where it carries memory spaces, as the TPU compiler's does.
-  XLA:CPU's carries none: there an offload's bytes come from the formula
-  `host_transfer_bytes`, split evenly each way, with no overlap, and say so.
-  """
-  counted = host_link.count_host_transfers(program)
-  if counted.to_host + counted.to_device:
-    return HostTraffic(
-      to_host=counted.to_host,
-      to_device=counted.to_device,
-      largest_to_device=counted.largest_to_device,
-      in_loops=counted.in_loops,
-      overlapped=counted.overlapped,
-      host_computations=counted.host_computations,
-      source='hlo',
-    )
-  moved = host_transfer_bytes(c, host_bytes, param_bytes)
-  return HostTraffic(
-    to_host=moved / 2,
-    to_device=moved / 2,
-    largest_to_device=None,
-    in_loops=None,
-    overlapped=0.0,
-    host_computations=counted.host_computations,
-    source='formula' if moved else 'none',
-  )
 
 
 def evaluate(
