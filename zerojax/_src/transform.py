@@ -729,11 +729,6 @@ def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zero
     return
   shown = validation.listed(whole)
   got = f'tx.init got {len(whole)} parameters whole over the ZeRO axes {config.axes} ({shown})'
-  place = (
-    'To hold 1/N from the start, place them first: zerojax.nnx.shard(model, tx) (or create'
-    ' the model with zerojax.nnx.create_model), zerojax.create_train_state, or'
-    ' jax.device_put(params, zerojax.plan_for(tx, params).params).'
-  )
   if mesh_lib.any_explicit(config.mesh):
     # On Explicit axes the split is in the parameters' types: a model that reads them as
     # they are would stop at its next step with JAX's own ShardingTypeError, so they stay so.
@@ -750,7 +745,9 @@ def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zero
     message = (
       f'zero_stage(stage=3): {got}. The optimizer state is split from now on, and the first'
       ' update returns the parameters split, but until then every device holds all of them.'
-      f' {place}'
+      ' To hold 1/N from the start, place them first: zerojax.nnx.shard(model, tx) (or create'
+      ' the model with zerojax.nnx.create_model), zerojax.create_train_state, or'
+      ' jax.device_put(params, zerojax.plan_for(tx, params).params).'
     )
   warnings.warn(message, stacklevel=3)
 
