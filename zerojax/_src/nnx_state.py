@@ -15,7 +15,7 @@ from zerojax._src import gather as gather_lib
 from zerojax._src import grad as grad_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
-from zerojax._src import reduction, transform
+from zerojax._src import reduction, rules, transform
 
 
 def with_metadata_layouts(zero: Any, params: Any) -> Any:
@@ -52,7 +52,8 @@ def _check_metadata_axes(params: Any, specs: list, mesh: jax.sharding.Mesh) -> N
   logical name, read here where no `nnx.logical_axis_rules` turns it into a mesh axis."""
   paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(nnx.as_pure(params))[0]]
   for path, spec in zip(paths, specs):
-    unknown = [a for e in spec if isinstance(e, str) for a in [e] if a not in mesh.axis_names]
+    named = [e for e in spec if isinstance(e, (str, tuple))]
+    unknown = [a for e in named for a in rules.spec_axes(e) if a not in mesh.axis_names]
     if unknown:
       raise ValueError(
         f'params{jax.tree_util.keystr(path)}: its nnx.with_partitioning metadata reads {spec},'
