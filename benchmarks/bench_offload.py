@@ -188,7 +188,7 @@ def _decoder_rows(topology: str, model: str, seq_len: int) -> list[dict]:
   from tqdm import tqdm
 
   import zerojax
-  from zerojax._src.planner import candidates, lowering, tpu
+  from zerojax._src.planner import candidates, lowering, presets, tpu
 
   target = lowering.make_target(
     model,
@@ -196,7 +196,7 @@ def _decoder_rows(topology: str, model: str, seq_len: int) -> list[dict]:
     devices=tpu.topology_devices(topology),
     optimizer=lambda: optax.adamw(1e-4, weight_decay=0.1),
     mixed_precision=True,
-    seq_len=seq_len,
+    settings=presets.ModelSettings(seq_len=seq_len),
   )
   rows = []
   for offload, update_on in tqdm(DECODER_SETTINGS, desc='decoder', file=sys.stdout):

@@ -149,6 +149,40 @@ def search_flags(row, chip: str = 'v5e') -> list[str]:
                            '--attention', 'flash']  # fmt: skip
 
 
+def search_setup(row, chip: str = 'v5e') -> tuple:
+  """(the target, the candidates, `search.run_search`'s other arguments) of one row's search,
+  made through the planner's Python API as `search_flags` asks the command line for them:
+  MaxText's decoder at its batch, flash attention, ZeRO-3, the row's policies and layouts."""
+  import optax
+
+  from zerojax._src.planner import lowering, presets, program_cache, search, tpu
+
+  name, width, heads, mlp, layers, topology, _, batch, _ = row
+  decoder = decoder_model(width, heads, mlp, layers)[len('decoder:') :]
+  target = lowering.make_target(
+    presets.parse_decoder(decoder, SEQ),
+    topology,
+    devices=tpu.topology_devices(topology),
+    optimizer=lambda: optax.adamw(1e-4),
+    settings=presets.ModelSettings(seq_len=SEQ, attention='flash'),
+  )
+  if chip == 'v5e':
+    space = dict(layouts=('torus',), remat=REMATS)
+  else:
+    space = dict(layouts=('flat',), tensor=tensor_sizes(row), remat=V5P_REMATS)
+  found, invalid = search.search_space(
+    target, {}, stages=(3,), prefetch=(False,), batch_per_chip=(batch,), **space
+  )
+  run = dict(
+    invalid=invalid,
+    hbm_bytes=None,
+    measure=False,
+    cache_dir=str(program_cache.default_dir()),
+    compiler_options={},
+  )
+  return target, found, run
+
+
 def search_command(row, chip: str = 'v5e') -> str:
   """The command line that reproduces a row's search."""
   return 'python -m zerojax plan --search ' + shlex.join(search_flags(row, chip))
@@ -178,11 +212,11 @@ def policy(c) -> str:
 def search_row(row, before: dict | None = None, chip: str = 'v5e') -> dict:
   """The candidates of one row, compiled and ranked by the command's own search; from `before`
   (the committed record, `--reuse`), the candidates compiled as they were are kept."""
-  from zerojax._src.planner import cli, search
+  from zerojax._src.planner import search
 
   start = time.perf_counter()
   command = search_command(row, chip)
-  target, space, run = cli.search_target(search_flags(row, chip))
+  target, space, run = search_setup(row, chip)
   old = {}
   # A record from before commands were recorded is this row's search with the same flags.
   if before and setting(before.get('command', command)) == setting(command):

@@ -465,7 +465,7 @@ def test_a_plan_is_a_search_of_one_and_reads_its_program_once(monkeypatch, tmp_p
 
   import optax
 
-  from zerojax._src.planner import candidates, cli, hlo, lowering, search, tpu
+  from zerojax._src.planner import candidates, cli, hlo, lowering, presets, search, tpu
 
   parses, evaluated = [], []
   parse, evaluate = hlo._parse_computations, search.evaluate
@@ -486,7 +486,7 @@ def test_a_plan_is_a_search_of_one_and_reads_its_program_once(monkeypatch, tmp_p
     'v5e:2x4',
     devices=tpu.topology_devices('v5e:2x4'),
     optimizer=lambda: optax.adamw(1e-4),
-    seq_len=64,
+    settings=presets.ModelSettings(seq_len=64),
   )
   result = evaluate(target, one, hbm_bytes=None)
   assert result.fits and result.flops > 0 and result.ring_bytes > 0
@@ -518,7 +518,7 @@ def test_a_plan_whose_states_exceed_hbm_is_refused_before_it_compiles(monkeypatc
   err = capsys.readouterr().err.splitlines()
   # Stage 1, AdamW: fp32 parameters whole on each chip (4 bytes each), the two fp32 moments
   # split over the 8 chips (8 / 8 bytes each).
-  spec = presets.decoder_spec('llama2-7b', seq_len=64)
+  spec = presets.decoder_spec('llama2-7b', presets.ModelSettings(seq_len=64))
   shapes = jax.eval_shape(spec.init_fn, jax.random.key(0))
   psi = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
   assert err[-1] == (
@@ -625,7 +625,7 @@ def test_plan_target_is_what_the_plan_command_plans(capsys):
   )  # fmt: skip
   assert (candidate.stage, candidate.layout, candidate.remat) == (3, 'torus', 'save_qkv')
   assert (target.topology, target.grid, target.axis_names) == ('v5e:2x4', (2, 4), ('x', 'y'))
-  assert target.seq_len == 256 and target.gradients == 'zerojax'
+  assert target.settings.seq_len == 256 and target.gradients == 'zerojax'
   assert hbm == roofline.HBM_GIB['v5e'] * 2**30
   with pytest.raises(SystemExit):
     cli.plan_target(['--topology', 'v5e:2x4', '--model', 'tiny', '--remat', 'keep_nothing'])

@@ -171,7 +171,9 @@ def test_flops_per_chip_are_the_same_on_both_gradient_paths_and_equal_the_models
   devices = tpu.topology_devices('v5e:2x4')
   mesh = Mesh(np.array(devices), ('data',), axis_types=(AxisType.Auto,))
   cfg, rows = presets.PRESETS['tiny'], 16
-  spec = presets.decoder_spec('tiny', seq_len=seq, remat=remat, attention=attention)
+  spec = presets.decoder_spec(
+    'tiny', presets.ModelSettings(seq_len=seq, attention=attention), remat=remat
+  )
   tx = zero_stage.zero_stage(optax.adamw(1e-4), 3, mesh=mesh)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   state = train_state.abstract_train_state(spec.init_fn, key, tx=tx)

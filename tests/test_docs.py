@@ -796,7 +796,10 @@ def test_each_committed_v5e_search_is_the_command_its_table_prints():
   for row in V5E_ROWS:
     name, width, heads, mlp, layers, topology, _, batch, _ = row
     assert f'`{bench_recompute.search_command(row)}`' in written, name
-    target, space, run = cli.search_target(bench_recompute.search_flags(row))
+    target, space, run = bench_recompute.search_setup(row)
+    # the Python API's search is the command's its table prints
+    _, flagged, flagged_run = cli.search_target(bench_recompute.search_flags(row))
+    assert flagged == space and flagged_run == run, name
     assert [c.remat for c in space] == list(bench_recompute.REMATS)
     assert {(c.stage, c.layout, c.prefetch, c.batch_per_chip, c.micro_batches) for c in space} == {
       (3, 'torus', False, batch, 1)
@@ -811,7 +814,7 @@ def test_each_committed_v5e_search_is_the_command_its_table_prints():
     )  # fmt: skip
     committed = lowering.make_target(
       decoder, topology, devices=target.devices, optimizer=lambda: optax.adamw(1e-4),
-      attention='flash',
+      settings=presets.ModelSettings(attention='flash'),
     )  # fmt: skip
     key = lambda t, c: program_cache.program_key(lowering.lower(t, c).lowered, t.topology)
     for remat in {'full'} | {r['searched']['remat'] for r in records}:
@@ -840,7 +843,9 @@ def test_each_committed_v5p_search_is_its_command_and_its_plans_are_single_plans
   key = lambda t, c: program_cache.program_key(lowering.lower(t, c).lowered, t.topology)
   for row in ROWS:
     name, width, heads, mlp, layers, topology, tensor, batch, _ = row
-    target, space, run = cli.search_target(bench_recompute.search_flags(row, 'v5p'))
+    target, space, run = bench_recompute.search_setup(row, 'v5p')
+    _, flagged, flagged_run = cli.search_target(bench_recompute.search_flags(row, 'v5p'))
+    assert flagged == space and flagged_run == run, name
     assert run['hbm_bytes'] is None and run['compiler_options'] == {}
     records = [r for doc in runs for r in doc['rows'] if r['row'] == name]
     ident = lambda c: (c['remat'], c['tensor'], c.get('collective_offload'))

@@ -50,7 +50,7 @@ def test_estimate_counts_factored_state_as_it_is():
 def test_report_bytes_equal_hand_count_for_scanned_model():
   mesh = jax.make_mesh((8,), ('data',), axis_types=(AxisType.Auto,))
   cfg = presets.PRESETS['tiny']  # 4 layers, d 128, d_ff 512, vocab 256
-  spec = presets.decoder_spec('tiny', compute_dtype=jnp.float32)
+  spec = presets.decoder_spec('tiny', presets.ModelSettings(compute_dtype=jnp.float32))
   state = zerojax.inspect.abstract_train_state(
     spec.init_fn, jax.random.key(0), tx=zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh)
   )

@@ -397,7 +397,7 @@ def test_tpu_stream_moves_layers_down_and_compute_dtype_parameters_back(stage, m
     nothing goes down more than once per micro-batch, in fp32 at most.
   """
   pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
-  from zerojax._src.planner import candidates, lowering, tpu
+  from zerojax._src.planner import candidates, lowering, presets, tpu
 
   target = lowering.make_target(
     'tiny',
@@ -405,7 +405,7 @@ def test_tpu_stream_moves_layers_down_and_compute_dtype_parameters_back(stage, m
     devices=tpu.topology_devices('v5e:2x4'),
     optimizer=lambda: optax.adamw(1e-4, weight_decay=0.1),
     mixed_precision=True,
-    seq_len=64,
+    settings=presets.ModelSettings(seq_len=64),
   )
   candidate = candidates.Candidate(
     stage,

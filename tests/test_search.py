@@ -12,7 +12,7 @@ import pytest
 from _models import child_env
 
 import zerojax
-from zerojax._src.planner import candidates, lowering, roofline, search, search_report
+from zerojax._src.planner import candidates, lowering, presets, roofline, search, search_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -345,7 +345,11 @@ def test_the_search_passes_attention_chunk_to_the_presets():
 
   def jaxpr_text(chunk):
     target = lowering.make_target(
-      'tiny', 'cpu:8', devices=devices, optimizer=lambda: optax.sgd(0.1), attention_chunk=chunk
+      'tiny',
+      'cpu:8',
+      devices=devices,
+      optimizer=lambda: optax.sgd(0.1),
+      settings=presets.ModelSettings(attention_chunk=chunk),
     )
     lowered = lowering.lower(target, candidates.Candidate(stage=3, remat='full'))
     return str(lowered.traced.jaxpr)
@@ -356,7 +360,7 @@ def test_the_search_passes_attention_chunk_to_the_presets():
   with pytest.raises(ValueError) as err:
     lowering.make_target(
       lambda remat, prefetch: None, 'cpu:8', devices=devices, optimizer=optax.sgd,
-      attention_chunk=16,
+      settings=presets.ModelSettings(attention_chunk=16),
     )  # fmt: skip
   assert str(err.value) == (
     '`attention_chunk` is for the presets; a model function computes its own attention and loss.'

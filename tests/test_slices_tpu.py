@@ -171,5 +171,5 @@ def test_plan_search_over_slices_needs_a_published_dcn_figure():
   assert r.returncode != 0
   assert (
     'error: v6e has no published data-center network bandwidth, so a step across slices'
-    ' cannot be timed; search one slice, or a chip whose page gives it (v5e, v5p).'
+    ' cannot be timed; plan one slice, or a chip whose page gives it (v5e, v5p).'
   ) in r.stderr, r.stderr[-2000:]

@@ -29,7 +29,6 @@ from zerojax._src.planner import (
   lowering,
   plan_report,
   presets,
-  roofline,
   search,
   search_report,
 )
@@ -145,10 +144,6 @@ def _search_setup(args) -> tuple[Any, list, dict]:
   a space with no valid candidate, or more than --max-candidates, is refused."""
   devices, _ = flags.devices_of(args.topology)
   target, space, invalid = _search_space(args, devices)
-  if not space:
-    raise SystemExit(
-      f'error: these options leave no valid candidate: {candidates.why_none_valid(invalid)}.'
-    )
   if len(space) > args.max_candidates:
     raise SystemExit(
       f'error: {len(space)} candidates exceed --max-candidates {args.max_candidates};'
@@ -164,18 +159,19 @@ def _search_setup(args) -> tuple[Any, list, dict]:
   return target, space, run
 
 
-def _setup(args) -> dict:
-  """The training setup a plan and a search share (`lowering.Target`'s fields): the optimizer,
-  precision, sequence length and how the presets compute attention and the loss."""
-  return dict(
-    optimizer=lambda: flags.optimizer(args.optimizer),
-    mixed_precision=args.mixed_precision,
-    seq_len=args.seq_len,
-    compute_dtype=args.compute_dtype,
-    attention_chunk=args.attention_chunk,
-    attention=args.attention,
-    loss_chunk=args.loss_chunk,
-  )
+def _settings(args) -> presets.ModelSettings:
+  """How the presets compute, from the flags a plan and a search share."""
+  try:
+    return presets.ModelSettings(
+      seq_len=args.seq_len,
+      compute_dtype=args.compute_dtype,
+      attention=args.attention,
+      attention_chunk=args.attention_chunk,
+      loss_chunk=args.loss_chunk,
+      per_layer=not getattr(args, 'gather_all', False),
+    )
+  except (TypeError, ValueError) as e:
+    raise SystemExit(f'error: {e}') from None
 
 
 def _search_space(args, devices) -> tuple[Any, list, list]:
@@ -191,43 +187,42 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
     args.remats = (args.remats or candidates.default_remats(None, preset=False))[:1]
     args.prefetch_options = (False,)
   shares = flags.scheduler_shares(args, args.scheduler_shares, '--scheduler-shares')
+  given = dict(
+    remat=args.remats, scheduler_share=shares, collective_offload=args.collective_offloads
+  )
   try:
     target = lowering.make_target(
       model,
       args.topology,
       devices=devices,
-      **_setup(args),
+      optimizer=lambda: flags.optimizer(args.optimizer),
+      mixed_precision=args.mixed_precision,
+      settings=_settings(args),
       slice_devices={
         s: flags.devices_of(args.topology, s)[0] for s in set(args.slice_counts) if s > 1
       },
     )
-    offloads = args.collective_offloads or candidates.default_collective_offloads(
-      target.chip, dict(args.compiler_options)
-    )
-    candidates.check_collective_offloads(
-      args.topology, target.chip, offloads, dict(args.compiler_options), '--collective-offloads'
-    )
-    space, invalid = candidates.candidate_space(
+    space, invalid = search.search_space(
+      target,
+      dict(args.compiler_options),
+      names={
+        'scheduler_share': '--scheduler-shares',
+        'collective_offload': '--collective-offloads',
+      },
       stages=args.stages,
       layouts=args.layouts,
       micro_batches=args.micro_batches,
-      remat=args.remats or candidates.default_remats(target.chip),
       prefetch=args.prefetch_options,
       offload=args.offloads,
       update_on=args.update_ons,
       quantize=args.quantizes,
       batch_per_chip=args.batches_per_chip,
       slices=args.slice_counts,
-      scheduler_share=shares or (None,),
       tensor=args.tensor_sizes,
-      collective_offload=offloads,
-      grid_dims=len(target.grid),
-      chips=len(target.devices),
+      **{k: v for k, v in given.items() if v},
     )
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None
-  if shares is None:
-    space = candidates.with_default_shares(space, args.topology, dict(args.compiler_options))
   return target, space, invalid
 
 
@@ -346,27 +341,25 @@ def _plan_target(args, start: float) -> tuple[Any, Any, int | None]:
     f'topology {args.topology}: {n} devices ({devices[0].device_kind})'
     + (f' in {args.slices} slices joined by the data-center network' if args.slices > 1 else ''),
   )
-  chip = roofline.CHIPS.get(args.topology.split(':')[0])
-  if args.slices > 1 and chip is not None:
-    try:  # before a compile of minutes whose step could not be timed
-      roofline.check_dcn(chip)
-    except ValueError as e:
-      raise SystemExit(f'error: {e}') from None
   shape, names = _mesh_shape(args.mesh, n // args.slices, args.slices)
   full = ((SLICE, *names), (args.slices, *shape)) if args.slices > 1 else (names, shape)
   explicit = _gradients(args, full[0])
-  target = lowering.Target(
-    topology=args.topology,
-    devices=tuple(devices[: n // args.slices]),
-    grid=shape,
-    chip=chip,
-    model=_model(args),
-    **_setup(args),
-    slice_devices=((args.slices, tuple(devices)),) if args.slices > 1 else (),
-    axis_names=names,
-    gradients='zerojax' if explicit else 'jax',
-    gather_all=args.gather_all,
-  )
+  try:
+    target = lowering.make_target(
+      _model(args),
+      args.topology,
+      devices=devices[: n // args.slices],
+      optimizer=lambda: flags.optimizer(args.optimizer),
+      mixed_precision=args.mixed_precision,
+      settings=_settings(args),
+      slice_devices={args.slices: devices} if args.slices > 1 else {},
+      mesh=(shape, names),
+      gradients='zerojax' if explicit else 'jax',
+      time_steps=False,
+    )
+  except ValueError as e:
+    raise SystemExit(f'error: {e}') from None
+  chip = target.chip
   remat = 'none' if args.no_remat else args.remat
   offload = args.collective_offload
   try:

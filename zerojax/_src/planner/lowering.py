@@ -4,6 +4,7 @@ mesh, ZeRO options, abstract train state and training step, traced for the compi
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from zerojax._src import quantize as quantize_lib
 from zerojax._src.options import Options
 from zerojax._src.planner import candidates, presets
 from zerojax._src.planner.candidates import QUANTIZE, Candidate
-from zerojax._src.planner.roofline import CHIPS, Chip, calibrate_cpu, prices_host_link
+from zerojax._src.planner.roofline import CHIPS, Chip, calibrate_cpu, check_dcn, prices_host_link
 
 # The mesh axis a plan names for tensor parallelism; every other axis of a slice is a ZeRO axis.
 TENSOR = 'tensor'
@@ -46,11 +47,7 @@ class Target:
   model: Any
   optimizer: Callable[[], Any]
   mixed_precision: bool = False
-  seq_len: int | None = None
-  compute_dtype: Any = jnp.bfloat16
-  attention_chunk: int | None = None  # presets: attention this many queries at a time
-  attention: str = 'xla'  # presets: 'xla' or 'flash' (presets.ATTENTION)
-  loss_chunk: int | None = None  # presets: the head's logits and loss this many positions at a time
+  settings: presets.ModelSettings = presets.ModelSettings()  # how the presets compute
   # The devices of S slices of the topology, slice by slice, for each S > 1 searched.
   slice_devices: tuple = ()
   # The names of the 'torus' layout's axes (default GRID_AXES); an axis named TENSOR is
@@ -59,7 +56,6 @@ class Target:
   # 'zerojax' (zerojax.value_and_grad: the stage's collectives per layer) or 'jax'
   # (jax.value_and_grad: the compiler places the reduction).
   gradients: str = 'zerojax'
-  gather_all: bool = False  # presets: gather every parameter up front, not layer by layer
 
   def devices_for(self, slices: int) -> tuple:
     """The devices of `slices` slices of the topology."""
@@ -107,14 +103,9 @@ def model_spec(target: Target, c: Candidate):
     return target.model(c.remat, c.prefetch)
   return presets.decoder_spec(
     target.model,
-    seq_len=target.seq_len,
-    compute_dtype=jnp.dtype(target.compute_dtype),
+    target.settings,
     remat=c.remat,
-    per_layer=not target.gather_all,
     prefetch_next=c.prefetch,
-    attention_chunk=target.attention_chunk,
-    attention=target.attention,
-    loss_chunk=target.loss_chunk,
     lean_head=candidates.lean(c.remat),
   )
 
@@ -212,7 +203,9 @@ def _abstract_state(target: Target, c: Candidate, spec: Any, mesh: Any, zero_axe
     inner = precision.mixed_precision(inner)
   tx = transform.zero_optimizer(transform.make_config(inner, c.stage, mesh, options))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-  extra = {'param_dtype': jnp.dtype(target.compute_dtype)} if target.mixed_precision else {}
+  extra = (
+    {'param_dtype': jnp.dtype(target.settings.compute_dtype)} if target.mixed_precision else {}
+  )
   state = train_state.abstract_train_state(spec.init_fn, key, tx=tx, **extra)
   return state, transform.plan_for(state.tx, state.params)
 
@@ -273,7 +266,7 @@ def lower(target: Target, c: Candidate) -> Lowered:
   # gathered) and so do their gradients (the gather's transpose); below it the gradients of
   # the stored parameters are reduced and the updated parameters gathered, in their own dtype.
   if c.stage == 3:
-    unit = jnp.dtype(target.compute_dtype).itemsize
+    unit = jnp.dtype(target.settings.compute_dtype).itemsize
   else:
     unit = max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.params))
   return Lowered(
@@ -288,24 +281,34 @@ def make_target(
   devices: Sequence[Any],
   optimizer: Callable[[], Any],
   mixed_precision: bool = False,
-  seq_len: int | None = None,
-  compute_dtype: Any = jnp.bfloat16,
-  attention_chunk: int | None = None,
-  attention: str = 'xla',
-  loss_chunk: int | None = None,
+  settings: presets.ModelSettings | None = None,
   slice_devices: Any = (),
+  mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
+  gradients: str = 'zerojax',
+  time_steps: bool = True,
 ) -> Target:
-  """A `Target` for `topology` ('v5e:2x4', 'v5p:2x2x1', 'v6e:4x4' or 'cpu:N') and its devices
-  (`slice_devices`: {S: the devices of S slices} for each S > 1 to search).
+  """The `Target` of a plan or a search, every check of it made here: `topology` ('v5e:2x4',
+  'v5p:2x2x1', 'v6e:4x4' or 'cpu:N') and its `devices` (one slice's), the model (a preset's
+  name, a `presets.DecoderConfig`, or a function of (remat, prefetch) returning a `ModelSpec`),
+  how the presets compute (`settings`; default `presets.ModelSettings()`), the devices of S slices (`slice_devices`: {S: devices}
+  for each S > 1) and the data-center network they need, and the 'torus' layout's mesh
+  (`mesh`: its shape and axis names over one slice; default the topology's chip grid).
+  `time_steps`: a search ranks candidates by predicted step, so it needs the chip's constants
+  (on 'cpu:N' measured here, `roofline.calibrate_cpu`); a single plan (False) reports its step
+  where the chip table has the figures and leaves it untimed elsewhere (a chip not in the
+  table, or cpu:N, whose constants a single plan does not measure).
 
   Raises:
-    ValueError: a topology without roofline constants, or a preset name that does not exist.
+    ValueError: a topology without roofline constants (with `time_steps`), a preset name that does not exist,
+      presets' settings for a model function, slices on a chip without a published
+      data-center network, or a mesh whose size is not the slice's.
   """
+  settings = settings or presets.ModelSettings()
   chip_name, _, dims = topology.partition(':')
   if chip_name == 'cpu':
-    grid, chip = (len(devices),), calibrate_cpu(len(devices))
-  elif chip_name in CHIPS:
-    grid, chip = tuple(int(d) for d in dims.lower().split('x')), CHIPS[chip_name]
+    grid, chip = (len(devices),), calibrate_cpu(len(devices)) if time_steps else None
+  elif chip_name in CHIPS or not time_steps:
+    grid, chip = tuple(int(d) for d in dims.lower().split('x')), CHIPS.get(chip_name)
   else:
     raise ValueError(
       f'`topology`={topology!r}: no roofline constants for {chip_name!r}; the search knows'
@@ -313,22 +316,24 @@ def make_target(
     )
   if isinstance(model, str) and model not in presets.PRESETS:
     raise ValueError(f'`model`={model!r} is not a preset; choose one of {sorted(presets.PRESETS)}.')
-  for name, given in (
-    ('attention_chunk', attention_chunk),
-    ('attention', attention != 'xla'),
-    ('loss_chunk', loss_chunk),
-  ):
-    if given and callable(model):
-      raise ValueError(
-        f'`{name}` is for the presets; a model function computes its own attention and loss.'
-      )
-  if attention not in presets.ATTENTION:
-    raise ValueError(f'`attention`={attention!r}: choose one of {presets.ATTENTION}.')
-  if dict(slice_devices) and not chip.dcn_bandwidth:
+  if callable(model) and settings.given():
     raise ValueError(
-      f'{chip_name} has no published data-center network bandwidth, so a step across slices'
-      ' cannot be timed; search one slice, or a chip whose page gives it (v5e, v5p).'
+      f'`{settings.given()[0]}` is for the presets; a model function computes its own attention'
+      ' and loss.'
     )
+  if gradients not in GRADIENTS:
+    raise ValueError(f'`gradients`={gradients!r}: choose one of {GRADIENTS}.')
+  if dict(slice_devices) and chip is not None:
+    check_dcn(chip)
+  names = ()
+  if mesh is not None:
+    grid, names = tuple(mesh[0]), tuple(mesh[1])
+    if math.prod(grid) != len(devices) or len(grid) != len(names):
+      raise ValueError(
+        f'`mesh`={mesh!r}: {len(names)} names for {len(grid)} sizes whose product is'
+        f' {math.prod(grid)}, over one slice of {len(devices)} devices; give one name per size,'
+        f' the sizes multiplying to {len(devices)}.'
+      )
   return Target(
     topology,
     tuple(devices),
@@ -337,10 +342,8 @@ def make_target(
     model,
     optimizer,
     mixed_precision=mixed_precision,
-    seq_len=seq_len,
-    compute_dtype=compute_dtype,
-    attention_chunk=attention_chunk,
-    attention=attention,
-    loss_chunk=loss_chunk,
+    settings=settings,
     slice_devices=tuple((s, tuple(d)) for s, d in dict(slice_devices).items()),
+    axis_names=names,
+    gradients=gradients,
   )

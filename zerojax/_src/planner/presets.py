@@ -291,6 +291,53 @@ def tensor_constraint(plan: plan_lib.ZeroPlan, tensor: str = 'tensor'):
 ATTENTION = ('xla', 'flash')
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+  """How the presets compute, the same for every candidate of a plan or a search: the settings
+  a `lowering.Target` holds and `decoder_spec` reads (a candidate adds its remat, prefetch and
+  head). Each value is checked when the record is made.
+
+  Attributes:
+    seq_len: the sequence length; None: the preset's.
+    compute_dtype: the dtype of the matrix multiplies.
+    attention: 'xla' or 'flash' (`ATTENTION`).
+    attention_chunk: 'xla' attention this many queries at a time; None: all at once.
+    loss_chunk: the head's logits and loss this many positions at a time; None: at once.
+    per_layer: gather each block's parameters inside the layer loop; False gathers every
+      parameter up front.
+  """
+
+  seq_len: int | None = None
+  compute_dtype: Any = jnp.bfloat16
+  attention: str = 'xla'
+  attention_chunk: int | None = None
+  loss_chunk: int | None = None
+  per_layer: bool = True
+
+  def __post_init__(self):
+    if self.attention not in ATTENTION:
+      raise ValueError(f'`attention`={self.attention!r}: choose one of {ATTENTION}.')
+    if self.attention == 'flash' and self.attention_chunk:
+      raise ValueError(
+        "`attention_chunk` is for attention='xla'; flash attention works in blocks of its own."
+      )
+    for field in ('seq_len', 'attention_chunk', 'loss_chunk'):
+      value = getattr(self, field)
+      if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f'`{field}` must be a whole number >= 1 or None, got {value!r}.')
+    jnp.dtype(self.compute_dtype)  # an unknown dtype raises here, naming it
+
+  def given(self) -> tuple[str, ...]:
+    """The settings that differ from the defaults, by name (a model function of its own
+    computes its attention and loss, and takes none of the presets' ways of doing it)."""
+    defaults = ModelSettings()
+    return tuple(
+      f
+      for f in ('attention_chunk', 'attention', 'loss_chunk')
+      if getattr(self, f) != getattr(defaults, f)
+    )
+
+
 def _xla_attention(chunk: int | None):
   def attend(q, k, v):
     if chunk and chunk < q.shape[1]:
@@ -653,18 +700,15 @@ STACKED = {'embed': False, 'layers': True, 'final_norm': False, 'head': False}
 
 def decoder_spec(
   name: str | DecoderConfig,
+  settings: ModelSettings = ModelSettings(),
   *,
-  seq_len: int | None = None,
-  compute_dtype=jnp.bfloat16,
   remat: str = 'full',
-  per_layer: bool = True,
   prefetch_next: bool = False,
-  attention_chunk: int | None = None,
-  attention: str = 'xla',
-  loss_chunk: int | None = None,
   lean_head: bool = False,
 ) -> ModelSpec:
-  """A `ModelSpec` for a preset in `PRESETS`, or for a `DecoderConfig` of any shape.
+  """A `ModelSpec` for a preset in `PRESETS`, or for a `DecoderConfig` of any shape, computed
+  as `settings` says, with a candidate's `remat`, `prefetch_next` and `lean_head`
+  (`decoder_loss`).
 
   Raises:
     ValueError: for an unknown preset name.
@@ -675,17 +719,17 @@ def decoder_spec(
     raise ValueError(f'`model`={name!r} is not a preset; choose one of {sorted(PRESETS)}.')
   else:
     cfg = PRESETS[name]
-  seq = seq_len or cfg.seq_len
+  seq = settings.seq_len or cfg.seq_len
   loss = functools.partial(
     decoder_loss,
     cfg=cfg,
-    compute_dtype=compute_dtype,
+    compute_dtype=jnp.dtype(settings.compute_dtype),
     remat=remat,
-    per_layer=per_layer,
+    per_layer=settings.per_layer,
     prefetch_next=prefetch_next,
-    attention_chunk=attention_chunk,
-    attention=attention,
-    loss_chunk=loss_chunk,
+    attention_chunk=settings.attention_chunk,
+    attention=settings.attention,
+    loss_chunk=settings.loss_chunk,
     lean_head=lean_head,
   )
   return ModelSpec(

@@ -56,6 +56,7 @@ from zerojax._src.planner.candidates import (
 )
 from zerojax._src.planner.host_link import HostTraffic, host_traffic, updated_param_bytes
 from zerojax._src.planner.lowering import Lowered, Target, lower, make_target
+from zerojax._src.planner.presets import ModelSettings
 from zerojax._src.planner.roofline import Chip, Prediction, predict
 
 
@@ -583,35 +584,22 @@ def search_plans(
   Raises:
     ValueError: an unknown topology, model or option value, or a space with no valid candidate.
   """
-  devices = tpu.topology_devices(topology)
   counts = sorted({s for s in space.get('slices', (1,)) if isinstance(s, int) and s > 1})
   target = make_target(
     model,
     topology,
-    devices=devices,
+    devices=tpu.topology_devices(topology),
     optimizer=optimizer or (lambda: optax.adamw(1e-4)),
     mixed_precision=mixed_precision,
-    seq_len=seq_len,
-    attention_chunk=attention_chunk,
-    attention=attention,
-    loss_chunk=loss_chunk,
+    settings=ModelSettings(
+      seq_len=seq_len, attention_chunk=attention_chunk, attention=attention, loss_chunk=loss_chunk
+    ),
     slice_devices={s: tpu.topology_devices(topology, s) for s in counts},
   )
-  if not callable(model):  # a preset or a DecoderConfig: the presets' named activations
-    space.setdefault('remat', default_remats(target.chip))
-  check_scheduler_shares(topology, space.get('scheduler_share', ()), compiler_options)
-  space.setdefault('collective_offload', default_collective_offloads(target.chip, compiler_options))
-  check_collective_offloads(topology, target.chip, space['collective_offload'], compiler_options)
-  candidates, invalid = candidate_space(
-    grid_dims=len(target.grid), chips=len(target.devices), **space
-  )
-  if 'scheduler_share' not in space:
-    candidates = with_default_shares(candidates, topology, compiler_options)
-  if not candidates:
-    raise ValueError(f'these options leave no valid candidate: {why_none_valid(invalid)}.')
+  found, invalid = search_space(target, compiler_options, **space)
   return run_search(
     target,
-    candidates,
+    found,
     invalid=invalid,
     hbm_bytes=hbm_bytes,
     progress=progress,
@@ -619,3 +607,43 @@ def search_plans(
     cache_dir=cache_dir,
     compiler_options=compiler_options,
   )
+
+
+def search_space(
+  target: Target,
+  compiler_options: dict[str, Any] | None = None,
+  names: dict[str, str] | None = None,
+  **space: Any,
+) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+  """(the candidates, the combinations not valid with why) of a search of `target` over
+  `space` (`candidate_space`'s options), the defaults a search takes filled in: remat
+  (`default_remats` of the chip, for a preset or a `DecoderConfig`), the collectives'
+  placement (`default_collective_offloads`) and each candidate's scheduler share
+  (`default_scheduler_share`). `names` says how errors name an option (the command line's
+  flags); default its keyword.
+
+  Raises:
+    ValueError: a scheduler share or collective placement the topology cannot take, or a
+      space with no valid candidate.
+  """
+  names = {'scheduler_share': '`scheduler_share`', 'collective_offload': '`collective_offload`'} | (
+    names or {}
+  )
+  if not callable(target.model):  # a preset or a DecoderConfig: the presets' named activations
+    space.setdefault('remat', default_remats(target.chip))
+  shares = space.get('scheduler_share', ())
+  check_scheduler_shares(target.topology, shares, compiler_options, names['scheduler_share'])
+  space.setdefault('collective_offload', default_collective_offloads(target.chip, compiler_options))
+  check_collective_offloads(
+    target.topology,
+    target.chip,
+    space['collective_offload'],
+    compiler_options,
+    names['collective_offload'],
+  )
+  found, invalid = candidate_space(grid_dims=len(target.grid), chips=len(target.devices), **space)
+  if 'scheduler_share' not in space:
+    found = with_default_shares(found, target.topology, compiler_options)
+  if not found:
+    raise ValueError(f'these options leave no valid candidate: {why_none_valid(invalid)}.')
+  return found, invalid
