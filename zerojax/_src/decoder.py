@@ -1,0 +1,542 @@
+"""The decoder-only transformer zerojax trains and plans: the Llama family's architecture
+(RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; Qwen2's query/key/value biases,
+Qwen3's query/key norms, Mistral's sliding window) and GPT-2's GELU MLP, in plain JAX over a
+parameter pytree.
+
+Its blocks' parameters are stacked along a leading layer axis and run under `jax.lax.scan`, each
+block gathering its own ZeRO shards just before use (cast to the compute dtype on the way) and,
+with `remat`, dropping them after and gathering them again in the backward pass: per-layer
+ZeRO-3, the layout the memory formulas assume. Its activations carry the names the remat and
+offload policies keep (`POLICIES`). The planner's presets are this model
+(`zerojax._src.planner.presets`); `hf_decoder` reads Hugging Face's checkpoints into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zerojax._src import gather, prefetch
+from zerojax._src import plan as plan_lib
+from zerojax._src.planner import flash
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+  """Shape of a decoder-only transformer.
+
+  Attributes:
+    vocab: vocabulary size.
+    d_model: width of the residual stream.
+    n_layers: number of blocks.
+    n_heads: query heads.
+    n_kv_heads: key/value heads (fewer than `n_heads`: grouped-query attention).
+    d_ff: width of the MLP.
+    seq_len: default sequence length.
+    gated: SwiGLU MLP (LLaMA) rather than GELU (GPT-2).
+    head_size: width of each attention head; None: `d_model // n_heads`. MaxText's
+      family keeps 128 at any width, so its attention width `n_heads * head_size`
+      need not be `d_model`.
+  """
+
+  vocab: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  d_ff: int
+  seq_len: int
+  gated: bool
+  head_size: int | None = None
+
+  @property
+  def head_dim(self) -> int:
+    return self.head_size or self.d_model // self.n_heads
+
+  def param_specs(self, tensor: str) -> dict[str, Any]:
+    """Megatron-style tensor-parallel PartitionSpecs over mesh axis `tensor`: the query,
+    key, value, gate and input projections split by output (heads, MLP columns), the
+    output projections by input, the embedding and the head by vocabulary; norms whole.
+
+    Raises:
+      ValueError: a split that does not divide (named with the fix) is left to
+        `check_tensor`; this only writes the specs.
+    """
+    P = jax.sharding.PartitionSpec
+    cols, rows = P(None, None, tensor), P(None, tensor, None)
+    layers = {
+      'attn_norm': P(),
+      'mlp_norm': P(),
+      'wq': cols,
+      'wk': cols,
+      'wv': cols,
+      'wo': rows,
+      'w_in': cols,
+      'w_out': rows,
+    }
+    if self.gated:
+      layers['w_gate'] = cols
+    return {'embed': P(tensor, None), 'layers': layers, 'final_norm': P(), 'head': P(None, tensor)}
+
+  def check_tensor(self, size: int) -> None:
+    """Raises ValueError unless a tensor-parallel axis of `size` divides the heads, the
+    key/value heads, the MLP width and the vocabulary (naming each that it does not)."""
+    dims = {
+      'n_heads': self.n_heads,
+      'n_kv_heads': self.n_kv_heads,
+      'd_ff': self.d_ff,
+      'vocab': self.vocab,
+    }
+    bad = [f'{k}={v}' for k, v in dims.items() if v % size]
+    if bad:
+      raise ValueError(
+        f'a tensor axis of {size} does not divide {", ".join(bad)}: pick a tensor size that'
+        f' divides each (e.g. a divisor of {math.gcd(*dims.values())}), or drop the tensor axis.'
+      )
+
+  def shapes(self) -> dict[str, Any]:
+    """Parameter shapes; block parameters carry a leading layer axis."""
+    L, d, f = self.n_layers, self.d_model, self.d_ff
+    q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+    layers = {
+      'attn_norm': (L, d),
+      'wq': (L, d, q),
+      'wk': (L, d, kv),
+      'wv': (L, d, kv),
+      'wo': (L, q, d),
+      'mlp_norm': (L, d),
+      'w_in': (L, d, f),
+      'w_out': (L, f, d),
+    }
+    if self.gated:
+      layers['w_gate'] = (L, d, f)
+    return {'embed': (self.vocab, d), 'layers': layers, 'final_norm': (d,), 'head': (d, self.vocab)}
+
+  def num_params(self) -> int:
+    leaves = jax.tree.leaves(self.shapes(), is_leaf=lambda x: isinstance(x, tuple))
+    return sum(math.prod(s) for s in leaves)
+
+
+def init_decoder(cfg: DecoderConfig, key: jax.Array, dtype=jnp.float32) -> dict[str, Any]:
+  """Initialises the parameters: normal(0, 0.02) matrices, unit norms."""
+  shapes = cfg.shapes()
+  leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+  keys = jax.random.split(key, len(leaves))
+  out = []
+  for k, (path, shape) in zip(keys, leaves):
+    name = jax.tree_util.keystr(path)
+    if 'norm' in name:
+      out.append(jnp.ones(shape, dtype))
+    else:
+      out.append(0.02 * jax.random.normal(k, shape, dtype))
+  return jax.tree.unflatten(treedef, out)
+
+
+def _rms_norm(x, scale):
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+  return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def chunked_attention(q, k, v, chunk: int):
+  """Causal attention computed `chunk` queries at a time, each chunk rematerialised.
+
+  The same arithmetic as `jax.nn.dot_product_attention(q, k, v, is_causal=True)`
+  (every chunk scores against all keys, masked), but only one chunk's scores
+  (batch, heads, chunk, keys) are live at a time, forward and backward: a
+  memory-efficient formulation in plain JAX, as flash attention kernels are in
+  fused form.
+  """
+  b, t, h, d = q.shape
+  if t % chunk:
+    raise ValueError(f'attention_chunk={chunk} does not divide the sequence length {t}.')
+  keys = jnp.arange(k.shape[1])
+
+  @jax.checkpoint
+  def one(args):
+    i, qi = args
+    rows = i * chunk + jnp.arange(chunk)
+    mask = (rows[:, None] >= keys[None, :])[None, None]
+    return jax.nn.dot_product_attention(qi, k, v, mask=mask)
+
+  chunks = q.reshape(b, t // chunk, chunk, h, d).swapaxes(0, 1)
+  out = jax.lax.map(one, (jnp.arange(t // chunk), chunks))
+  return out.swapaxes(0, 1).reshape(b, t, h, d)
+
+
+# Names a block gives its activations (`jax.ad_checkpoint.checkpoint_name`) for the remat
+# policies below (docs/planner.md has their table): the query, key and value projections, the
+# attention's output, the MLP's hidden activations, and the block's input, which the layer loop
+# keeps for every layer (layers x batch x seq x d_model) unless a policy offloads that stack.
+# ATTENTION_RESIDUAL is the residual stream after the attention (the MLP norm's input): a policy
+# that keeps it need not run the output projection again in the backward pass.
+QKV, ATTENTION_OUT, MLP_HIDDEN = 'zerojax_qkv', 'zerojax_attention', 'zerojax_mlp_hidden'
+LAYER_INPUT, ATTENTION_RESIDUAL = 'zerojax_layer_input', 'zerojax_attention_residual'
+_MINIMAL_INPUTS = (QKV, MLP_HIDDEN, LAYER_INPUT)
+# What each policy keeps for the backward pass (the rest is recomputed) and what it offloads.
+POLICIES = {
+  'minimal': dict(save=(QKV, MLP_HIDDEN)),  # MaxText's 'minimal'
+  'save_qkv': dict(save=(QKV,)),
+  'save_attention': dict(save=(ATTENTION_OUT,)),
+  'save_qkv_attention': dict(save=(QKV, ATTENTION_OUT)),
+  'save_mlp': dict(save=(MLP_HIDDEN,)),
+  'offload_qkv': dict(offload=(QKV,)),
+  'offload_minimal': dict(offload=(QKV, MLP_HIDDEN)),
+  'save_qkv_offload_mlp': dict(save=(QKV,), offload=(MLP_HIDDEN,)),
+  'save_attention_offload_minimal': dict(save=(ATTENTION_OUT,), offload=(QKV, MLP_HIDDEN)),
+  'offload_all': dict(offload=(QKV, ATTENTION_OUT, MLP_HIDDEN)),
+  'offload_layer_inputs': dict(offload=(LAYER_INPUT,)),  # 'full', the stack on the host
+  'offload_minimal_inputs': dict(offload=_MINIMAL_INPUTS),
+  'save_attention_offload_minimal_inputs': dict(save=(ATTENTION_OUT,), offload=_MINIMAL_INPUTS),
+  'minimal_residual': dict(save=(QKV, MLP_HIDDEN, ATTENTION_RESIDUAL)),
+  'offload_minimal_residual': dict(offload=(QKV, MLP_HIDDEN, ATTENTION_RESIDUAL)),
+  'offload_all_residual': dict(offload=(QKV, ATTENTION_OUT, MLP_HIDDEN, ATTENTION_RESIDUAL)),
+}
+
+
+def _named(x, name: str):
+  return jax.ad_checkpoint.checkpoint_name(x, name)
+
+
+def remat_policy(remat: str):
+  """The `jax.checkpoint` policy of a remat name ('gathers', 'full' or one of `POLICIES`)."""
+  if remat == 'gathers':
+    return gather.recompute_gathers
+  if remat == 'full':
+    return jax.checkpoint_policies.nothing_saveable
+  kept = POLICIES[remat]
+  if not kept.get('offload'):
+    return jax.checkpoint_policies.save_only_these_names(*kept['save'])
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=list(kept.get('save', ())),
+    names_which_can_be_offloaded=list(kept['offload']),
+    offload_src='device',
+    offload_dst='pinned_host',
+  )
+
+
+def policy_code(remat: str) -> str:
+  """How a training loop spells a remat name's layer loop (for a search winner's lines)."""
+  fixed = {
+    'gathers': 'policy=zerojax.recompute_gathers',
+    'full': 'a full jax.checkpoint',
+    'none': 'no rematerialisation',
+  }
+  if remat in fixed:
+    return fixed[remat]
+  kept = POLICIES[remat]
+  tagged = ' (activations tagged with jax.ad_checkpoint.checkpoint_name)'
+  if not kept.get('offload'):
+    names = ', '.join(repr(n) for n in kept['save'])
+    return f'policy=jax.checkpoint_policies.save_only_these_names({names})' + tagged
+  return (
+    'policy=jax.checkpoint_policies.save_and_offload_only_these_names('
+    f'names_which_can_be_saved={list(kept.get("save", ()))!r},'
+    f' names_which_can_be_offloaded={list(kept["offload"])!r},'
+    " offload_src='device', offload_dst='pinned_host')" + tagged
+  )
+
+
+def offloads_activations(remat: str) -> bool:
+  """Whether a remat policy moves saved activations to host memory."""
+  return bool(POLICIES.get(remat, {}).get('offload'))
+
+
+def _no_constraint(x, kind: str):
+  del kind
+  return x
+
+
+def tensor_constraint(plan: plan_lib.ZeroPlan, tensor: str = 'tensor'):
+  """Activation layouts for a mesh with a tensor-parallel axis: the batch over the replica
+  axes (several slices) and the ZeRO axes, and over `tensor` the residual stream's width, the
+  heads and the MLP's columns (as MaxText lays them out), so that no activation a block keeps
+  is whole on a chip."""
+  P, axes = jax.sharding.PartitionSpec, plan.replica_axes + plan.axes
+  specs = {
+    'residual': P(axes, None, tensor),
+    'heads': P(axes, None, tensor, None),
+    'hidden': P(axes, None, tensor),
+  }
+
+  def constrain(x, kind: str):
+    # Inside zerojax.value_and_grad the ZeRO axes are manual: the constraint names the rest.
+    manual = tuple(getattr(jax.sharding.get_abstract_mesh(), 'manual_axes', ()))
+    if manual:
+      spec = gather.free_spec(specs[kind], manual, None) or P()
+      return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(plan.mesh, specs[kind]))
+
+  return constrain
+
+
+# How the presets compute attention: 'xla' (plain JAX: all queries at once, or
+# `attention_chunk` at a time) or 'flash' (`flash.flash_attention`, fused Pallas kernels
+# on TPU: MaxText's choice).
+ATTENTION = ('xla', 'flash')
+
+
+def _xla_attention(chunk: int | None):
+  def attend(q, k, v):
+    if chunk and chunk < q.shape[1]:
+      return chunked_attention(q, k, v, chunk)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+  return attend
+
+
+def _flash_attention(plan: plan_lib.ZeroPlan | None):
+  """Flash attention, run per device under `plan`'s mesh (a Pallas kernel is not split by
+  the compiler): the heads over a tensor-parallel 'tensor' axis and the batch over every other
+  axis (the ZeRO axes and any replica axis), in `jax.shard_map` over the axes not already
+  manual (inside `zerojax.value_and_grad`)."""
+  if plan is None:
+    return flash.flash_attention
+  mesh = plan.mesh
+  interpret = mesh.devices.flat[0].platform != 'tpu'
+  attend = functools.partial(flash.flash_attention, interpret=interpret)
+  manual = set(getattr(jax.sharding.get_abstract_mesh(), 'manual_axes', ()))
+  free = [a for a in mesh.axis_names if a not in manual]
+  if not free:
+    return attend
+  if manual:  # nested in zerojax.value_and_grad's shard_map: the context's mesh
+    mesh = jax.sharding.get_abstract_mesh()
+  tensor = 'tensor' if 'tensor' in free and 'tensor' not in plan.axes else None
+  batch = tuple(a for a in free if a != tensor) or None
+  spec = jax.sharding.PartitionSpec(batch, None, tensor, None)
+  return jax.shard_map(
+    attend,
+    mesh=mesh,
+    in_specs=(spec,) * 3,
+    out_specs=spec,
+    axis_names=set(free),
+    check_vma=False,
+  )
+
+
+def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint):
+  b, t, _ = x.shape
+  x = _named(constrain(x, 'residual'), LAYER_INPUT)
+  h = _rms_norm(x, p['attn_norm'])
+  q = _named(constrain((h @ p['wq']).reshape(b, t, cfg.n_heads, cfg.head_dim), 'heads'), QKV)
+  k = _named(constrain((h @ p['wk']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'), QKV)
+  v = _named(constrain((h @ p['wv']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'), QKV)
+  attn = _named(attend(q, k, v), ATTENTION_OUT)
+  x = constrain(x + attn.reshape(b, t, cfg.n_heads * cfg.head_dim) @ p['wo'], 'residual')
+  x = _named(x, ATTENTION_RESIDUAL)
+  h = _rms_norm(x, p['mlp_norm'])
+  if cfg.gated:
+    gate = _named(constrain(h @ p['w_gate'], 'hidden'), MLP_HIDDEN)
+    h = jax.nn.silu(gate) * _named(constrain(h @ p['w_in'], 'hidden'), MLP_HIDDEN)
+  else:
+    h = jax.nn.gelu(_named(constrain(h @ p['w_in'], 'hidden'), MLP_HIDDEN))
+  return constrain(x + h @ p['w_out'], 'residual')
+
+
+GatherFn = Callable[[Any, str, bool], Any]
+
+
+def plan_gather(plan: plan_lib.ZeroPlan, compute_dtype=None) -> GatherFn:
+  """A `decoder_loss` gather hook that all-gathers ZeRO shards per `plan`."""
+
+  def gather_fn(tree, group: str, scanned: bool):
+    layouts = plan.params['layers'] if group == 'layers' else {k: plan.params[k] for k in tree}
+    return gather.gather(tree, plan, layouts=layouts, scanned=scanned, dtype=compute_dtype)
+
+  return gather_fn
+
+
+# What a block recomputes in the backward pass (the plan search's `remat` too).
+REMAT = ('gathers', 'full', *POLICIES, 'none')
+
+
+def _gathered_top(params: dict, gather_fn: GatherFn | None, per_layer: bool):
+  """(params with the top-level leaves laid out for use, and the layers too unless gathered
+  per layer; the gather still to run per layer, or None)."""
+  if gather_fn is None:
+    return params, None
+  top = gather_fn({k: v for k, v in params.items() if k != 'layers'}, 'top', False)
+  if not per_layer:
+    return dict(top, layers=gather_fn(params['layers'], 'layers', False)), None
+  return dict(top, layers=params['layers']), gather_fn
+
+
+def _split_layers(params: dict) -> bool:
+  """Whether any layer leaf rests split (a `ShardedLeaf`, inside `value_and_grad`)."""
+  leaves = jax.tree.leaves(params['layers'], is_leaf=gather.is_sharded_leaf)
+  return any(gather.is_sharded_leaf(x) for x in leaves)
+
+
+def _layer_loop(block, x, layers, gather_fn: GatherFn | None, remat: str):
+  """The blocks as one `lax.scan`, each gathering its layer (if `gather_fn`) and
+  rematerialised per `remat`."""
+
+  def body(x, layer):
+    if gather_fn is not None:
+      layer = gather_fn(layer, 'layers', True)
+    return block(x, layer), None
+
+  if remat != 'none':
+    body = jax.checkpoint(body, policy=remat_policy(remat))
+  x, _ = jax.lax.scan(body, x, layers)
+  return x
+
+
+def _check_options(
+  remat: str, prefetch_next: bool, attention: str, attention_chunk, loss_chunk=None
+) -> None:
+  """`decoder_loss`'s option values, each refused by name."""
+  if remat not in REMAT:
+    raise ValueError(f'decoder_loss: remat must be one of {REMAT}, got {remat!r}.')
+  if attention not in ATTENTION:
+    raise ValueError(f'decoder_loss: attention must be one of {ATTENTION}, got {attention!r}.')
+  if attention == 'flash' and attention_chunk:
+    raise ValueError(
+      "decoder_loss: attention_chunk is for attention='xla'; flash attention works in blocks"
+      ' of its own.'
+    )
+  if prefetch_next and remat not in ('gathers', 'full', 'none'):
+    raise ValueError(
+      f"decoder_loss: prefetch_next runs remat 'gathers' or 'full', not {remat!r}: its layer"
+      ' loop (zerojax.scan_layers) keeps no named activations.'
+    )
+  if loss_chunk is not None and (not isinstance(loss_chunk, int) or loss_chunk < 1):
+    raise ValueError(f'decoder_loss: loss_chunk must be a whole number >= 1, got {loss_chunk!r}.')
+
+
+def decoder_loss(
+  params: dict[str, Any],
+  tokens: jax.Array,
+  cfg: DecoderConfig,
+  *,
+  plan: plan_lib.ZeroPlan | None = None,
+  gather_fn: GatherFn | None = None,
+  compute_dtype=jnp.bfloat16,
+  remat: str = 'full',
+  per_layer: bool = True,
+  prefetch_next: bool = False,
+  attention_chunk: int | None = None,
+  attention: str = 'xla',
+  loss_chunk: int | None = None,
+  lean_head: bool = False,
+) -> jax.Array:
+  """Next-token cross-entropy of `tokens` (batch, seq + 1).
+
+  Args:
+    params: from `init_decoder`, laid out as `plan.params`.
+    tokens: int32 token ids.
+    cfg: the model's shape.
+    plan: the ZeRO plan; when given, parameters are gathered where used.
+    gather_fn: instead of `plan`, a function (tree, 'top' or 'layers',
+      scanned) -> tree that lays parameters out for use.
+    compute_dtype: dtype of the matrix multiplies (parameters are cast before
+      they are gathered).
+    remat: what each block recomputes in the backward pass: 'full' (the
+      default) drops its gathered parameters and activations and recomputes
+      them; 'gathers' (`zerojax.recompute_gathers`) drops only the gathered
+      parameters and gathers them again; a policy of `POLICIES` keeps the
+      activations it names ('minimal', as MaxText's: the query, key, value and MLP
+      input projections) and recomputes the rest, its 'offload' names moved to
+      host memory in the forward pass and back in the backward; 'none' keeps
+      everything.
+    per_layer: gather each block's parameters inside the scan; False gathers
+      the whole model up front (simple, and ZeRO-3 then saves nothing at peak).
+    prefetch_next: inside `zerojax.value_and_grad(per_layer=True)` with
+      `remat`, run the blocks through `zerojax.scan_layers`: block i+1's
+      parameters are gathered while block i computes (one more block's
+      parameters live at a time).
+    attention_chunk: compute attention this many queries at a time
+      (`chunked_attention`; one chunk's scores live at a time); None: at once.
+    attention: 'xla' (plain JAX, `attention_chunk` applies) or 'flash'
+      (`zerojax._src.planner.flash.flash_attention`: fused Pallas kernels, causal
+      blocks skipped, scores never in HBM; TPU, or Pallas's interpreter elsewhere).
+    loss_chunk: compute the head's logits and the cross-entropy this many positions at a
+      time (`chunked_cross_entropy`: one chunk's f32 logits live at a time); None: at once.
+    lean_head: gather the head only after the layer loop (its shards pass an optimization
+      barrier beside the loop's output, so the compiler cannot start the gather earlier) and
+      take each target's logit with a one-hot mask (`one_hot_cross_entropy`) rather than a
+      gather, whose backward scatters into f32 logits kept live through the step. The same
+      loss; less memory at the step's peak. `loss_chunk` has its own cross-entropy.
+  """
+  _check_options(remat, prefetch_next, attention, attention_chunk, loss_chunk)
+  if plan is not None:
+    gather_fn = plan_gather(plan, compute_dtype)
+  late_gather = gather_fn if lean_head else None
+  head = params['head']
+  if late_gather is not None:
+    params = {k: v for k, v in params.items() if k != 'head'}
+  params, gather_fn = _gathered_top(params, gather_fn, per_layer)
+  constrain = _no_constraint
+  if plan is not None and 'tensor' in plan.mesh.axis_names and 'tensor' not in plan.axes:
+    constrain = tensor_constraint(plan)
+  cast = lambda t: jax.tree.map(lambda x: x.astype(compute_dtype), t)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  x = jnp.take(cast(params['embed']), inputs, axis=0)
+  attend = _flash_attention(plan) if attention == 'flash' else _xla_attention(attention_chunk)
+  block = lambda x, layer: _block(cfg, x, cast(layer), attend, constrain)
+  if prefetch_next and plan is not None and remat != 'none' and _split_layers(params):
+    # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
+    # loop, with layer i+1's gather issued while layer i computes.
+    x = prefetch.scan_layers(
+      lambda x, layer: _block(cfg, x, cast(layer), attend),
+      x,
+      params['layers'],
+      plan,
+      dtype=compute_dtype,
+      remat=remat,
+    )
+  else:
+    x = _layer_loop(block, x, params['layers'], gather_fn, remat)
+  if late_gather is not None:
+    x, head = jax.lax.optimization_barrier((x, head))
+    params = dict(params, head=late_gather({'head': head}, 'top', False)['head'])
+  x = _rms_norm(x, params['final_norm'])
+  if loss_chunk and loss_chunk < x.shape[1]:
+    return chunked_cross_entropy(x, cast(params['head']), targets, loss_chunk)
+  logits = (x @ cast(params['head'])).astype(jnp.float32)
+  if lean_head:
+    return one_hot_cross_entropy(logits, targets)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def one_hot_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean of logsumexp(logits) - logits[target] over positions, the target's logit taken by
+  a one-hot mask: elementwise forward and backward, no gather of `logits` (batch, seq, vocab)
+  and no scatter into its gradient."""
+  vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+  picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+  return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+
+def chunked_cross_entropy(x, head, targets, chunk: int):
+  """Mean next-token cross-entropy of `x @ head` against `targets`, `chunk` positions at a
+  time, each chunk rematerialised: the logits of one chunk (batch, chunk, vocab) are live at a
+  time, forward and backward, never those of the whole sequence.
+
+  The same arithmetic as `log_softmax` over all the logits in f32 (a sum of the same
+  per-token terms, taken in another order).
+
+  Raises:
+    ValueError: `chunk` does not divide the sequence length.
+  """
+  b, t, d = x.shape
+  if t % chunk:
+    raise ValueError(f'loss_chunk={chunk} does not divide the sequence length {t}.')
+
+  @jax.checkpoint
+  def one(args):
+    xi, ti = args
+    logits = (xi @ head).astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, ti[..., None], axis=-1)[..., 0]
+    return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+  xs = x.reshape(b, t // chunk, chunk, d).swapaxes(0, 1)
+  ts = targets.reshape(b, t // chunk, chunk).swapaxes(0, 1)
+  return jnp.sum(jax.lax.map(one, (xs, ts))) / (b * t)
