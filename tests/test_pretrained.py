@@ -128,11 +128,12 @@ def test_every_mismatch_is_listed_in_one_error_before_anything_is_placed(tmp_pat
     "  'classifier.bias' -> classifier/bias: checkpoint dtype int32 cannot be cast to the"
     " model's float32\n"
     "  'enc.embed.bias' -> embed/bias: checkpoint shape (65,), model expects (64,)\n"
-    "  'enc.layer.2.norm.bias' -> layers/norm/bias: not in the checkpoint\n"
+    "  'enc.layer.2.norm.bias' -> layers/norm/bias: not in the checkpoint (the model expects"
+    ' shape (64,))\n'
     "  'enc.layer.1.output.weight' -> layers/output/kernel: checkpoint shape (128, 64), model"
     " expects (64, 128); it matches transposed: Tensor('enc.layer.{layer}.output.weight',"
     ' transpose=False)\n'
-    "  'cls.predictions.bias' -> (none): the model has no place for it\n"
+    "  'cls.predictions.bias' -> (none): the model has no place for it (shape (5,))\n"
     'Fix the name map (zerojax.checkpoint.Tensor: name, transpose), or opt out by name:'
     ' `skip=[pattern, ...]` for checkpoint tensors not to read, `init=[pattern, ...]` for'
     ' model leaves to keep at their initial values (e.g. a new classification head).'

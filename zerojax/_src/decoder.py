@@ -21,10 +21,70 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zerojax._src import gather, prefetch
 from zerojax._src import plan as plan_lib
 from zerojax._src.planner import flash
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """Rotary position embeddings as transformers computes them: the two halves of each head's
+  dimensions rotate together by position x inv_freq, inv_freq_i = theta^(-2i / head_dim).
+
+  Attributes:
+    theta: the base (`rope_theta`).
+    kind: 'default'; 'linear' (every frequency divided by `factor`); 'llama3' (Llama 3.1's:
+      frequencies whose wavelength exceeds original / low_freq_factor divided by `factor`,
+      those under original / high_freq_factor kept, those between blended).
+    factor, low_freq_factor, high_freq_factor, original: the scaling's figures.
+  """
+
+  theta: float = 10000.0
+  kind: str = 'default'
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original: int = 8192
+
+  def __post_init__(self):
+    if self.kind not in ('default', 'linear', 'llama3'):
+      raise ValueError(f"Rope.kind={self.kind!r}: choose 'default', 'linear' or 'llama3'.")
+
+  def inverse_frequencies(self, head_dim: int) -> np.ndarray:
+    """inv_freq (head_dim / 2,), float32 as transformers keeps it, the scaling applied."""
+    inv = 1.0 / self.theta ** (
+      np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    )
+    inv = inv.astype(np.float32)
+    if self.kind == 'linear':
+      return (inv / self.factor).astype(np.float32)
+    if self.kind == 'default':
+      return inv
+    wavelength = 2 * math.pi / inv
+    low, high = self.original / self.low_freq_factor, self.original / self.high_freq_factor
+    scaled = np.where(wavelength > low, inv / self.factor, inv)
+    smooth = (self.original / wavelength - self.low_freq_factor) / (
+      self.high_freq_factor - self.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / self.factor + smooth * scaled
+    between = (wavelength >= high) & (wavelength <= low)
+    return np.where(between, blended, scaled).astype(np.float32)
+
+
+def rotate(x: jax.Array, rope: Rope, offset: int = 0) -> jax.Array:
+  """`x` (batch, seq, heads, head_dim) rotated by its positions (offset, offset + 1, ...),
+  in float32, returned in x's dtype."""
+  t, d = x.shape[1], x.shape[-1]
+  inv = jnp.asarray(rope.inverse_frequencies(d))
+  angles = (jnp.arange(offset, offset + t, dtype=jnp.float32)[:, None] * inv[None, :])[
+    None, :, None, :
+  ]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  x32 = x.astype(jnp.float32)
+  a, b = x32[..., : d // 2], x32[..., d // 2 :]
+  return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +103,16 @@ class DecoderConfig:
     head_size: width of each attention head; None: `d_model // n_heads`. MaxText's
       family keeps 128 at any width, so its attention width `n_heads * head_size`
       need not be `d_model`.
+    norm_eps: the RMSNorms' epsilon (`rms_norm_eps`).
+    rope: rotary position embeddings of the queries and keys; None: none (the planner's
+      presets as their committed programs were compiled: position-free, the same cost
+      within a few elementwise operations per layer).
+    qkv_bias: biases on the query, key and value projections (Qwen2).
+    out_bias: a bias on the attention's output projection (Llama's `attention_bias`).
+    qk_norm: an RMSNorm of each query and key head, before the rotation (Qwen3).
+    tied_head: the head is the embedding transposed (no parameter of its own).
+    sliding_window: each position attends to this many positions, itself included (Mistral);
+      None: every earlier position.
   """
 
   vocab: int
@@ -54,6 +124,13 @@ class DecoderConfig:
   seq_len: int
   gated: bool
   head_size: int | None = None
+  norm_eps: float = 1e-6
+  rope: Rope | None = None
+  qkv_bias: bool = False
+  out_bias: bool = False
+  qk_norm: bool = False
+  tied_head: bool = False
+  sliding_window: int | None = None
 
   @property
   def head_dim(self) -> int:
@@ -82,7 +159,21 @@ class DecoderConfig:
     }
     if self.gated:
       layers['w_gate'] = cols
-    return {'embed': P(tensor, None), 'layers': layers, 'final_norm': P(), 'head': P(None, tensor)}
+    layers |= {k: P(None, tensor) for k in self._extra_layer_leaves() if k in ('bq', 'bk', 'bv')}
+    layers |= {k: P() for k in self._extra_layer_leaves() if k not in ('bq', 'bk', 'bv')}
+    top = {'embed': P(tensor, None), 'layers': layers, 'final_norm': P()}
+    return top if self.tied_head else top | {'head': P(None, tensor)}
+
+  def _extra_layer_leaves(self) -> dict[str, int]:
+    """The Llama family's optional per-layer leaves and their widths."""
+    q, kv, out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, {}
+    if self.qkv_bias:
+      out |= {'bq': q, 'bk': kv, 'bv': kv}
+    if self.out_bias:
+      out['bo'] = self.d_model
+    if self.qk_norm:
+      out |= {'q_norm': self.head_dim, 'k_norm': self.head_dim}
+    return out
 
   def check_tensor(self, size: int) -> None:
     """Raises ValueError unless a tensor-parallel axis of `size` divides the heads, the
@@ -116,15 +207,25 @@ class DecoderConfig:
     }
     if self.gated:
       layers['w_gate'] = (L, d, f)
-    return {'embed': (self.vocab, d), 'layers': layers, 'final_norm': (d,), 'head': (d, self.vocab)}
+    layers |= {k: (L, width) for k, width in self._extra_layer_leaves().items()}
+    top = {'embed': (self.vocab, d), 'layers': layers, 'final_norm': (d,)}
+    return top if self.tied_head else top | {'head': (d, self.vocab)}
+
+  def stacked(self) -> dict[str, bool]:
+    """Which top-level parameters are stacked layers (`zerojax.zero_stage(stacked=...)`)."""
+    return {k: k == 'layers' for k in self.shapes()}
 
   def num_params(self) -> int:
     leaves = jax.tree.leaves(self.shapes(), is_leaf=lambda x: isinstance(x, tuple))
     return sum(math.prod(s) for s in leaves)
 
 
+# The per-layer biases (Qwen2's query/key/value, Llama's `attention_bias` output).
+BIASES = ('bq', 'bk', 'bv', 'bo')
+
+
 def init_decoder(cfg: DecoderConfig, key: jax.Array, dtype=jnp.float32) -> dict[str, Any]:
-  """Initialises the parameters: normal(0, 0.02) matrices, unit norms."""
+  """Initialises the parameters: normal(0, 0.02) matrices, unit norms, zero biases."""
   shapes = cfg.shapes()
   leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
   keys = jax.random.split(key, len(leaves))
@@ -133,25 +234,27 @@ def init_decoder(cfg: DecoderConfig, key: jax.Array, dtype=jnp.float32) -> dict[
     name = jax.tree_util.keystr(path)
     if 'norm' in name:
       out.append(jnp.ones(shape, dtype))
+    elif path[-1].key in BIASES:
+      out.append(jnp.zeros(shape, dtype))
     else:
       out.append(0.02 * jax.random.normal(k, shape, dtype))
   return jax.tree.unflatten(treedef, out)
 
 
-def _rms_norm(x, scale):
+def _rms_norm(x, scale, eps: float = 1e-6):
   x32 = x.astype(jnp.float32)
-  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def chunked_attention(q, k, v, chunk: int):
+def chunked_attention(q, k, v, chunk: int, window: int | None = None):
   """Causal attention computed `chunk` queries at a time, each chunk rematerialised.
 
   The same arithmetic as `jax.nn.dot_product_attention(q, k, v, is_causal=True)`
   (every chunk scores against all keys, masked), but only one chunk's scores
   (batch, heads, chunk, keys) are live at a time, forward and backward: a
   memory-efficient formulation in plain JAX, as flash attention kernels are in
-  fused form.
+  fused form. `window`: each query attends to that many positions, itself included.
   """
   b, t, h, d = q.shape
   if t % chunk:
@@ -162,8 +265,10 @@ def chunked_attention(q, k, v, chunk: int):
   def one(args):
     i, qi = args
     rows = i * chunk + jnp.arange(chunk)
-    mask = (rows[:, None] >= keys[None, :])[None, None]
-    return jax.nn.dot_product_attention(qi, k, v, mask=mask)
+    mask = rows[:, None] >= keys[None, :]
+    if window is not None:
+      mask &= rows[:, None] - keys[None, :] < window
+    return jax.nn.dot_product_attention(qi, k, v, mask=mask[None, None])
 
   chunks = q.reshape(b, t // chunk, chunk, h, d).swapaxes(0, 1)
   out = jax.lax.map(one, (jnp.arange(t // chunk), chunks))
@@ -282,10 +387,13 @@ def tensor_constraint(plan: plan_lib.ZeroPlan, tensor: str = 'tensor'):
 ATTENTION = ('xla', 'flash')
 
 
-def _xla_attention(chunk: int | None):
+def _xla_attention(chunk: int | None, window: int | None = None):
   def attend(q, k, v):
+    local = window if window is not None and window < q.shape[1] else None
     if chunk and chunk < q.shape[1]:
-      return chunked_attention(q, k, v, chunk)
+      return chunked_attention(q, k, v, chunk, local)
+    if local is not None:  # positions i - window < j <= i
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(local - 1, 0))
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
   return attend
@@ -320,17 +428,35 @@ def _flash_attention(plan: plan_lib.ZeroPlan | None):
   )
 
 
+def _projection(cfg: DecoderConfig, h, p, name: str, heads: int, constrain):
+  """One of the query, key and value projections, (batch, seq, heads, head_dim): its bias
+  (Qwen2), its per-head norm (Qwen3) and its rotation added where the config has them."""
+  b, t, _ = h.shape
+  y = h @ p['w' + name]
+  if 'b' + name in p:
+    y = y + p['b' + name]
+  y = y.reshape(b, t, heads, cfg.head_dim)
+  if name in 'qk' and cfg.qk_norm:
+    y = _rms_norm(y, p[name + '_norm'], cfg.norm_eps)
+  if name in 'qk' and cfg.rope is not None:
+    y = rotate(y, cfg.rope)
+  return _named(constrain(y, 'heads'), QKV)
+
+
 def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint):
   b, t, _ = x.shape
   x = _named(constrain(x, 'residual'), LAYER_INPUT)
-  h = _rms_norm(x, p['attn_norm'])
-  q = _named(constrain((h @ p['wq']).reshape(b, t, cfg.n_heads, cfg.head_dim), 'heads'), QKV)
-  k = _named(constrain((h @ p['wk']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'), QKV)
-  v = _named(constrain((h @ p['wv']).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), 'heads'), QKV)
+  h = _rms_norm(x, p['attn_norm'], cfg.norm_eps)
+  q = _projection(cfg, h, p, 'q', cfg.n_heads, constrain)
+  k = _projection(cfg, h, p, 'k', cfg.n_kv_heads, constrain)
+  v = _projection(cfg, h, p, 'v', cfg.n_kv_heads, constrain)
   attn = _named(attend(q, k, v), ATTENTION_OUT)
-  x = constrain(x + attn.reshape(b, t, cfg.n_heads * cfg.head_dim) @ p['wo'], 'residual')
+  out = attn.reshape(b, t, cfg.n_heads * cfg.head_dim) @ p['wo']
+  if 'bo' in p:
+    out = out + p['bo']
+  x = constrain(x + out, 'residual')
   x = _named(x, ATTENTION_RESIDUAL)
-  h = _rms_norm(x, p['mlp_norm'])
+  h = _rms_norm(x, p['mlp_norm'], cfg.norm_eps)
   if cfg.gated:
     gate = _named(constrain(h @ p['w_gate'], 'hidden'), MLP_HIDDEN)
     h = jax.nn.silu(gate) * _named(constrain(h @ p['w_in'], 'hidden'), MLP_HIDDEN)
@@ -465,10 +591,58 @@ def decoder_loss(
       loss; less memory at the step's peak. `loss_chunk` has its own cross-entropy.
   """
   _check_options(remat, prefetch_next, attention, attention_chunk, loss_chunk)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  x, head = decoder_hidden(
+    params,
+    inputs,
+    cfg,
+    plan=plan,
+    gather_fn=gather_fn,
+    compute_dtype=compute_dtype,
+    remat=remat,
+    per_layer=per_layer,
+    prefetch_next=prefetch_next,
+    attention_chunk=attention_chunk,
+    attention=attention,
+    lean_head=lean_head,
+  )
+  if loss_chunk and loss_chunk < x.shape[1]:
+    return chunked_cross_entropy(x, head, targets, loss_chunk)
+  logits = (x @ head).astype(jnp.float32)
+  if lean_head:
+    return one_hot_cross_entropy(logits, targets)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def decoder_hidden(
+  params: dict[str, Any],
+  inputs: jax.Array,
+  cfg: DecoderConfig,
+  *,
+  plan: plan_lib.ZeroPlan | None = None,
+  gather_fn: GatherFn | None = None,
+  compute_dtype=jnp.bfloat16,
+  remat: str = 'full',
+  per_layer: bool = True,
+  prefetch_next: bool = False,
+  attention_chunk: int | None = None,
+  attention: str = 'xla',
+  lean_head: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """(the final norm's output (batch, seq, d_model), the head (d_model, vocab)), both in
+  `compute_dtype`, for token ids `inputs` (batch, seq); the keywords as `decoder_loss`'s.
+  Raises ValueError for a sliding window shorter than the sequence under flash attention."""
+  t = inputs.shape[1]
+  if attention == 'flash' and cfg.sliding_window is not None and cfg.sliding_window < t:
+    raise ValueError(
+      f"sliding_window={cfg.sliding_window} under {t} positions: flash attention's kernels"
+      " attend to every earlier position; use attention='xla' (attention_chunk for memory)."
+    )
   if plan is not None:
     gather_fn = plan_gather(plan, compute_dtype)
-  late_gather = gather_fn if lean_head else None
-  head = params['head']
+  late_gather = gather_fn if lean_head and 'head' in params else None
+  head = params.get('head')
   if late_gather is not None:
     params = {k: v for k, v in params.items() if k != 'head'}
   params, gather_fn = _gathered_top(params, gather_fn, per_layer)
@@ -476,9 +650,11 @@ def decoder_loss(
   if plan is not None and 'tensor' in plan.mesh.axis_names and 'tensor' not in plan.axes:
     constrain = tensor_constraint(plan)
   cast = lambda t: jax.tree.map(lambda x: x.astype(compute_dtype), t)
-  inputs, targets = tokens[:, :-1], tokens[:, 1:]
   x = jnp.take(cast(params['embed']), inputs, axis=0)
-  attend = _flash_attention(plan) if attention == 'flash' else _xla_attention(attention_chunk)
+  if attention == 'flash':
+    attend = _flash_attention(plan)
+  else:
+    attend = _xla_attention(attention_chunk, cfg.sliding_window)
   block = lambda x, layer: _block(cfg, x, cast(layer), attend, constrain)
   if prefetch_next and plan is not None and remat != 'none' and _split_layers(params):
     # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
@@ -496,14 +672,18 @@ def decoder_loss(
   if late_gather is not None:
     x, head = jax.lax.optimization_barrier((x, head))
     params = dict(params, head=late_gather({'head': head}, 'top', False)['head'])
-  x = _rms_norm(x, params['final_norm'])
-  if loss_chunk and loss_chunk < x.shape[1]:
-    return chunked_cross_entropy(x, cast(params['head']), targets, loss_chunk)
-  logits = (x @ cast(params['head'])).astype(jnp.float32)
-  if lean_head:
-    return one_hot_cross_entropy(logits, targets)
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+  x = _rms_norm(x, params['final_norm'], cfg.norm_eps)
+  head = cast(params['embed']).T if cfg.tied_head else cast(params['head'])
+  return x, head
+
+
+def decoder_logits(
+  params: dict[str, Any], inputs: jax.Array, cfg: DecoderConfig, **kw
+) -> jax.Array:
+  """float32 logits (batch, seq, vocab) of token ids `inputs` (batch, seq); the keywords as
+  `decoder_hidden`'s (plan=, compute_dtype=, remat=, attention=, ...)."""
+  x, head = decoder_hidden(params, inputs, cfg, **kw)
+  return (x @ head).astype(jnp.float32)
 
 
 def one_hot_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

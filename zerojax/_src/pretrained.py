@@ -223,7 +223,7 @@ def _check_leaf(leaf: _Source, entries: dict[str, _Entry]) -> list[str]:
     entry = entries.get(name)
     where = f'  {name!r} -> {leaf.path}'
     if entry is None:
-      problems.append(f'{where}: not in the checkpoint')
+      problems.append(f'{where}: not in the checkpoint (the model expects shape {want})')
     elif entry.shape != want:
       hint = ''
       if entry.shape == tuple(reversed(want)) and len(want) >= 2:
@@ -292,7 +292,9 @@ def match(
   unused = sorted(set(entries) - used)
   skipped = [n for n in unused if any(fnmatch.fnmatchcase(n, s) for s in skip)]
   problems += [
-    f'  {n!r} -> (none): the model has no place for it' for n in unused if n not in skipped
+    f'  {n!r} -> (none): the model has no place for it (shape {entries[n].shape})'
+    for n in unused
+    if n not in skipped
   ]
   if problems:
     raise ValueError(

@@ -231,5 +231,5 @@ def decoder_spec(
     loss_fn=lambda params, tokens, plan: loss(params, tokens, plan=plan),
     batch=lambda global_batch: jax.ShapeDtypeStruct((global_batch, seq + 1), jnp.int32),
     tensor_specs=lambda axis, size: (cfg.check_tensor(size), cfg.param_specs(axis))[1],
-    stacked=STACKED,
+    stacked=cfg.stacked(),
   )

@@ -1,0 +1,40 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3): one decoder, read from and
+written to Hugging Face checkpoints, at any ZeRO stage. The planner's decoder presets are the
+same model.
+
+- `config_from_hf(folder)`: the `DecoderConfig` of a checkpoint's `config.json` (either rope
+  spelling: `rope_parameters`, or `rope_theta` and `rope_scaling`).
+- `load(folder, tx)`: (parameters in `tx`'s layout, config), each process reading its slices.
+- `logits(params, tokens, cfg, plan=...)` and `loss(params, tokens, cfg, plan=...)`: the model,
+  gathering each layer's parameters inside its scanned layer loop (`plan`: `zerojax.plan_for`).
+- `save(params, folder, cfg, source=...)`: the family's safetensors with the source's config
+  and tokenizer files, read back by transformers' `from_pretrained`.
+- `names(cfg)`: the name map, for `zerojax.checkpoint.load_safetensors`/`save_safetensors`.
+- `init(cfg, key)`: random parameters (a model from scratch, or for tests).
+"""
+
+from zerojax._src.decoder import DecoderConfig as DecoderConfig
+from zerojax._src.decoder import Rope as Rope
+from zerojax._src.decoder import decoder_hidden as hidden
+from zerojax._src.decoder import decoder_logits as logits
+from zerojax._src.decoder import decoder_loss as loss
+from zerojax._src.decoder import init_decoder as init
+from zerojax._src.hf_decoder import FAMILIES as FAMILIES
+from zerojax._src.hf_decoder import config_from_hf as config_from_hf
+from zerojax._src.hf_decoder import load as load
+from zerojax._src.hf_decoder import names as names
+from zerojax._src.hf_decoder import save as save
+
+__all__ = [
+  'DecoderConfig',
+  'Rope',
+  'FAMILIES',
+  'config_from_hf',
+  'load',
+  'save',
+  'names',
+  'init',
+  'logits',
+  'hidden',
+  'loss',
+]
