@@ -178,3 +178,37 @@ def test_saved_parameters_are_the_checkpoint_again_with_its_config_and_tokenizer
   assert json.loads((tmp_path / 'out' / 'config.json').read_text()) == config
   assert (tmp_path / 'out' / 'tokenizer.json').read_text() == '{"version": "1.0"}'
   assert not os.path.exists(tmp_path / 'out' / 'merges.txt')  # only what the source had
+
+
+DATA = os.path.join(os.path.dirname(__file__), 'data')
+# Written by transformers itself (tools/make_hf_fixtures.py: `save_pretrained`, and the logits
+# its own classes computed on fixed tokens).
+TRANSFORMERS_WRITTEN = [
+  'hf-tiny-llama',
+  'hf-tiny-llama-tied',
+  'hf-tiny-mistral',
+  'hf-tiny-qwen2',
+  'hf-tiny-qwen3',
+]
+
+
+@pytest.mark.parametrize('stage', [0, 3])
+@pytest.mark.parametrize('name', TRANSFORMERS_WRITTEN)
+def test_checkpoints_transformers_wrote_give_its_logits(mesh, name, stage):
+  folder = os.path.join(DATA, name)
+  want = np.load(os.path.join(folder, 'expected.npz'))
+  tx = zerojax.zero_stage(optax.adamw(1e-4), stage, mesh=mesh, stacked={'layers': True})
+  params, cfg = zerojax.llama.load(folder, tx)
+  plan = zerojax.plan_for(tx, params)
+  got = jax.jit(
+    lambda p, t: zerojax.llama.logits(p, t, cfg, plan=plan, compute_dtype=jnp.float32)
+  )(params, jnp.asarray(want['tokens'], jnp.int32))
+  scale = np.abs(want['logits']).max()
+  assert scale > 1.0
+  np.testing.assert_allclose(np.asarray(got), want['logits'], atol=1e-5 * scale, rtol=0)
+  # and the reference, from the same files, agrees with transformers
+  tensors = load_file(os.path.join(folder, 'model.safetensors'))
+  with open(os.path.join(folder, 'config.json')) as f:
+    config = json.load(f)
+  ref = reference_logits(tensors, config, want['tokens'])
+  np.testing.assert_allclose(ref, want['logits'], atol=1e-5 * scale, rtol=0)

@@ -9,6 +9,8 @@ transformers' own classes, saves each with `save_pretrained` (safetensors, Huggi
 names and layouts), writes a WordPiece vocabulary for BERT and a byte-level BPE for GPT-2
 (trained with `tokenizers` on a few sentences), and records the logits transformers computes
 on fixed inputs in `expected.npz`: what zerojax's Flax models must reproduce from those files.
+The Llama family's (`DECODERS`: Llama, Mistral, Qwen2, Qwen3) are made the same way with
+`AutoModelForCausalLM`, for `zerojax.llama`.
 """
 
 from __future__ import annotations
@@ -96,6 +98,48 @@ def gpt2(out: str) -> None:
   _expected(out, tokens=tokens, logits=logits)
 
 
+# The Llama family's fixtures: (folder, model_type, config changes). Together they hold each
+# feature the decoder reads: head_dim apart from hidden / heads, llama3 and linear rope scaling,
+# tied and untied heads, Mistral's sliding window, Qwen2's biases, Qwen3's q/k norms.
+DECODERS = [
+  ('hf-tiny-llama', 'llama', dict(head_dim=16, rope_theta=500000.0, rope_scaling={
+    'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+    'original_max_position_embeddings': 16})),
+  ('hf-tiny-llama-tied', 'llama', dict(tie_word_embeddings=True, attention_bias=True,
+                                       rope_scaling={'rope_type': 'linear', 'factor': 2.0})),
+  ('hf-tiny-mistral', 'mistral', dict(sliding_window=6)),
+  ('hf-tiny-qwen2', 'qwen2', dict(tie_word_embeddings=True)),
+  ('hf-tiny-qwen3', 'qwen3', dict(head_dim=16)),
+]  # fmt: skip
+
+
+def decoder(out: str, model_type: str, changes: dict) -> None:
+  """A randomly initialised Llama-family model, its weights drawn wide (biases and norms too,
+  which transformers' init leaves at 0 and 1), saved with `save_pretrained`, and its logits on
+  fixed tokens."""
+  from transformers import AutoConfig, AutoModelForCausalLM
+
+  os.makedirs(out, exist_ok=True)
+  torch.manual_seed(0)
+  config = AutoConfig.for_model(
+    model_type, vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    rms_norm_eps=1e-6, attn_implementation='eager', **changes,
+  )  # fmt: skip
+  model = AutoModelForCausalLM.from_config(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if 'norm' in name:
+        p.copy_(1 + 0.1 * torch.randn_like(p))
+      else:
+        p.copy_(0.2 * torch.randn_like(p))
+  model.save_pretrained(out, safe_serialization=True)
+  tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+  with torch.no_grad():
+    logits = model(input_ids=tokens).logits
+  _expected(out, tokens=tokens, logits=logits)
+
+
 def _json(out: str, name: str, value: dict) -> None:
   with open(os.path.join(out, name), 'w') as f:
     json.dump(value, f, indent=2)
@@ -109,3 +153,5 @@ if __name__ == '__main__':
   root = sys.argv[1] if len(sys.argv) > 1 else 'tests/data'
   bert(os.path.join(root, 'hf-tiny-bert'))
   gpt2(os.path.join(root, 'hf-tiny-gpt2'))
+  for folder, model_type, changes in DECODERS:
+    decoder(os.path.join(root, folder), model_type, changes)

@@ -9,6 +9,7 @@ same model.
   gathering each layer's parameters inside its scanned layer loop (`plan`: `zerojax.plan_for`).
 - `save(params, folder, cfg, source=...)`: the family's safetensors with the source's config
   and tokenizer files, read back by transformers' `from_pretrained`.
+- `to_hf_config(cfg)`: a `config.json` for a model made here (saved beside its weights).
 - `names(cfg)`: the name map, for `zerojax.checkpoint.load_safetensors`/`save_safetensors`.
 - `init(cfg, key)`: random parameters (a model from scratch, or for tests).
 """
@@ -24,6 +25,7 @@ from zerojax._src.hf_decoder import config_from_hf as config_from_hf
 from zerojax._src.hf_decoder import load as load
 from zerojax._src.hf_decoder import names as names
 from zerojax._src.hf_decoder import save as save
+from zerojax._src.hf_decoder import to_hf_config as to_hf_config
 
 __all__ = [
   'DecoderConfig',
@@ -32,6 +34,7 @@ __all__ = [
   'config_from_hf',
   'load',
   'save',
+  'to_hf_config',
   'names',
   'init',
   'logits',

@@ -242,3 +242,62 @@ def save(
         shutil.copyfile(src, os.path.join(os.fspath(directory), name))
         written.append(os.path.join(os.fspath(directory), name))
   return written
+
+
+def to_hf_config(cfg: DecoderConfig, **fields: Any) -> dict:
+  """A `config.json` for `cfg` (a model made here rather than read, for `save`): the family
+  its features name (Qwen3 with query/key norms, Qwen2 with query/key/value biases only,
+  Mistral with a sliding window, else Llama), in the spelling transformers has read since
+  its 4.x releases (`rope_theta`, `rope_scaling`); `fields` (token ids, say) are added.
+
+  >>> to_hf_config(DecoderConfig(96, 48, 2, 4, 2, 80, 64, gated=True, rope=Rope()))['model_type']
+  'llama'
+  """
+  if not cfg.gated or cfg.rope is None:
+    raise ValueError(
+      'to_hf_config: the Llama family has a SwiGLU MLP and rotary embeddings; this config has'
+      f' gated={cfg.gated}, rope={cfg.rope}.'
+    )
+  if cfg.qk_norm:
+    family = 'qwen3'
+  elif cfg.qkv_bias and not cfg.out_bias:
+    family = 'qwen2'
+  elif cfg.sliding_window is not None:
+    family = 'mistral'
+  else:
+    family = 'llama'
+  rope = cfg.rope
+  scaling = None
+  if rope.kind == 'linear':
+    scaling = {'rope_type': 'linear', 'factor': rope.factor}
+  elif rope.kind == 'llama3':
+    scaling = {
+      'rope_type': 'llama3',
+      'factor': rope.factor,
+      'low_freq_factor': rope.low_freq_factor,
+      'high_freq_factor': rope.high_freq_factor,
+      'original_max_position_embeddings': rope.original,
+    }
+  out = {
+    'architectures': [FAMILIES[family]],
+    'model_type': family,
+    'vocab_size': cfg.vocab,
+    'hidden_size': cfg.d_model,
+    'intermediate_size': cfg.d_ff,
+    'num_hidden_layers': cfg.n_layers,
+    'num_attention_heads': cfg.n_heads,
+    'num_key_value_heads': cfg.n_kv_heads,
+    'head_dim': cfg.head_dim,
+    'hidden_act': 'silu',
+    'max_position_embeddings': cfg.seq_len,
+    'rms_norm_eps': cfg.norm_eps,
+    'rope_theta': rope.theta,
+    'rope_scaling': scaling,
+    'tie_word_embeddings': cfg.tied_head,
+    'torch_dtype': 'float32',
+  }
+  if family in ('llama', 'qwen3'):
+    out['attention_bias'] = cfg.out_bias
+  if family == 'mistral':
+    out['sliding_window'] = cfg.sliding_window
+  return out | fields
