@@ -1,12 +1,17 @@
 """python -m zerojax: each flag applies to its command or is an error."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 from _models import child_env
+
+import zerojax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -600,15 +605,63 @@ def test_a_search_of_a_users_model_tries_gathers_alone_unless_told():
   assert 'note:' not in proc.stderr
 
 
-def test_a_named_policy_is_refused_for_a_model_that_names_no_activations():
-  proc = _cli('--topology', 'cpu:8', '--model', '_custom_model:spec', '--remat', 'save_qkv')
+def test_a_named_policy_is_refused_for_a_model_that_cannot_be_told_it():
+  from _models import run_cli
+
+  proc = run_cli(
+    'plan', '--topology', 'cpu:8', '--model', '_custom_model:spec', '--remat', 'save_qkv'
+  )
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1] == (
-    "error: remat 'save_qkv' keeps activations the presets' blocks name; --model"
-    ' _custom_model:spec runs its own layer loop and names none of them, so the policy would'
-    ' keep nothing. Give its loop a jax.checkpoint policy of your own, or plan a preset or'
-    ' decoder:... with it.'
+    "error: remat 'save_qkv' is a policy the model applies in its own layer loop, and --model"
+    ' _custom_model:spec takes no `remat` argument to be told it. Give spec a `remat` parameter'
+    ' and checkpoint its layer with jax.checkpoint(layer, policy=zerojax.remat.policy(remat)),'
+    " its activations tagged with zerojax.remat's names (jax.ad_checkpoint.checkpoint_name); or"
+    ' plan a preset or decoder:... with it.'
   )
+
+
+def test_a_named_policy_plans_a_users_model_that_tags_what_it_keeps(tmp_path):
+  """`plan module:function --remat NAME`: a function taking `remat` is told the policy; a model
+  tagging what it keeps compiles, one missing a tag is refused naming it."""
+  from _models import run_cli
+
+  out = tmp_path / 'plan.json'
+  proc = run_cli('plan', '--topology', 'cpu:8', '--model', '_custom_model:tagged', '--remat', 'minimal',
+              '--json', str(out))  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads(out.read_text())['model'] == 'tagged'
+  proc = run_cli(
+    'plan', '--topology', 'cpu:8', '--model', '_custom_model:untagged', '--remat', 'minimal'
+  )
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1] == (
+    "error: remat 'minimal' keeps the activations tagged zerojax_qkv, zerojax_mlp_hidden; the"
+    " model 'untagged' does not tag zerojax_mlp_hidden (it tags zerojax_qkv). Tag them in its"
+    ' layer with jax.ad_checkpoint.checkpoint_name(x, zerojax.remat.QKV) and the like'
+    " (zerojax.remat's names), or plan 'gathers', 'full' or 'none'."
+  )
+
+
+@pytest.mark.parametrize(
+  'remat, kept', [('minimal', {'zerojax_qkv': 1, 'zerojax_mlp_hidden': 1}),
+                  ('save_qkv', {'zerojax_qkv': 1}), ('save_mlp', {'zerojax_mlp_hidden': 1}),
+                  ('full', {})],
+)  # fmt: skip
+def test_a_users_layer_keeps_exactly_what_its_policy_names(remat, kept, capsys):
+  """zerojax.remat.policy on a model of one's own: the residuals its layer keeps for the
+  backward pass are the activations the policy names, beside the layer's arguments."""
+  import _custom_model
+
+  _, layer = _custom_model._layered(remat, (zerojax.remat.QKV, zerojax.remat.MLP_HIDDEN))
+  params = _custom_model.tagged().init_fn(jax.random.key(0))
+  w = jax.tree.map(lambda x: x[0], params['layers'])
+  x = jnp.ones((4, 64))
+  jax.ad_checkpoint.print_saved_residuals(lambda x, w: jnp.sum(layer(x, w)[0]), x, w)
+  lines = capsys.readouterr().out.splitlines()
+  named = [line.split("'")[1] for line in lines if ' named ' in line]
+  assert {n: named.count(n) for n in set(named)} == kept
+  assert all('from the argument' in line or ' named ' in line for line in lines), lines
 
 
 @pytest.mark.tpu

@@ -200,9 +200,9 @@ def test_checkpoints_transformers_wrote_give_its_logits(mesh, name, stage):
   tx = zerojax.zero_stage(optax.adamw(1e-4), stage, mesh=mesh, stacked={'layers': True})
   params, cfg = zerojax.llama.load(folder, tx)
   plan = zerojax.plan_for(tx, params)
-  got = jax.jit(
-    lambda p, t: zerojax.llama.logits(p, t, cfg, plan=plan, compute_dtype=jnp.float32)
-  )(params, jnp.asarray(want['tokens'], jnp.int32))
+  got = jax.jit(lambda p, t: zerojax.llama.logits(p, t, cfg, plan=plan, compute_dtype=jnp.float32))(
+    params, jnp.asarray(want['tokens'], jnp.int32)
+  )
   scale = np.abs(want['logits']).max()
   assert scale > 1.0
   np.testing.assert_allclose(np.asarray(got), want['logits'], atol=1e-5 * scale, rtol=0)
@@ -212,3 +212,26 @@ def test_checkpoints_transformers_wrote_give_its_logits(mesh, name, stage):
     config = json.load(f)
   ref = reference_logits(tensors, config, want['tokens'])
   np.testing.assert_allclose(ref, want['logits'], atol=1e-5 * scale, rtol=0)
+
+
+def test_the_planner_plans_a_published_model_from_its_config_alone(tmp_path):
+  """`python -m zerojax plan --model hf:DIR`: the decoder of the folder's config.json, with
+  every parameter the checkpoint holds (the weights themselves are not read)."""
+  from _models import run_cli
+
+  folder = tmp_path / 'qwen3'
+  folder.mkdir()
+  (folder / 'config.json').write_text(
+    open(os.path.join(DATA, 'hf-tiny-qwen3', 'config.json')).read()
+  )
+  out = tmp_path / 'plan.json'
+  proc = run_cli('plan', '--model', f'hf:{folder}', '--topology', 'cpu:8', '--stage', '3',
+                 '--seq-len', '32', '--json', str(out))  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  tensors = load_file(os.path.join(DATA, 'hf-tiny-qwen3', 'model.safetensors'))
+  assert json.loads(out.read_text())['num_params'] == sum(t.size for t in tensors.values())
+  proc = run_cli('plan', '--model', f'hf:{tmp_path}', '--topology', 'cpu:8')
+  assert proc.stderr.strip().splitlines()[-1] == (
+    f'error: --model: {tmp_path}/config.json: no config.json; give the folder of a Hugging Face'
+    ' checkpoint (the one `huggingface-cli download` or `save_pretrained` writes).'
+  )

@@ -57,7 +57,7 @@ __all__ = [
   'Quantize',
 ]
 
-SUBMODULES = ('linen', 'nnx', 'checkpoint', 'inspect', 'distributed', 'llama')
+SUBMODULES = ('linen', 'nnx', 'checkpoint', 'inspect', 'distributed', 'llama', 'remat')
 
 # Names of zerojax 0.x before one name per concept, and where each went (CHANGELOG: 0.2.0).
 MOVED = {

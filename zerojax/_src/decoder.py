@@ -309,8 +309,30 @@ def _named(x, name: str):
   return jax.ad_checkpoint.checkpoint_name(x, name)
 
 
+def policy_names(remat: str) -> tuple[str, ...]:
+  """The activation names a remat policy keeps or offloads (none for 'gathers', 'full' and
+  'none'): what a model must tag (`jax.ad_checkpoint.checkpoint_name`) for the policy to keep
+  anything.
+
+  >>> policy_names('minimal')
+  ('zerojax_qkv', 'zerojax_mlp_hidden')
+  """
+  if remat not in REMAT:
+    raise ValueError(f'remat {remat!r}: choose one of {REMAT}.')
+  kept = POLICIES.get(remat, {})
+  return tuple(dict.fromkeys((*kept.get('save', ()), *kept.get('offload', ()))))
+
+
 def remat_policy(remat: str):
-  """The `jax.checkpoint` policy of a remat name ('gathers', 'full' or one of `POLICIES`)."""
+  """The `jax.checkpoint` policy of a remat name ('gathers', 'full' or one of `POLICIES`):
+  `jax.checkpoint(layer, policy=remat_policy('offload_minimal'))` keeps (or moves to host
+  memory) the activations the layer tags with the names `policy_names` gives, and recomputes
+  the rest in the backward pass. ('none' keeps everything: no `jax.checkpoint` at all.)"""
+  if remat not in REMAT or remat == 'none':
+    raise ValueError(
+      f"remat {remat!r}: choose one of {REMAT[:-1]} (for 'none', call the layer without"
+      ' jax.checkpoint).'
+    )
   if remat == 'gathers':
     return gather.recompute_gathers
   if remat == 'full':

@@ -5,7 +5,8 @@
 - `dependencies`, `divisions_by`: what each value is computed from (the
   parameters, the batch), and divisions by values computed from the batch
   (`value_and_grad`'s check of a loss's normalisation);
-- `traced_flops`: matmul FLOPs, loops counted per iteration (the plan search).
+- `traced_flops`: matmul FLOPs, loops counted per iteration (the plan search);
+- `checkpoint_names`: the activation names a function tags, for a remat policy to keep.
 """
 
 from __future__ import annotations
@@ -168,3 +169,15 @@ def traced_flops(jaxpr: Any) -> float:
     else:
       total += sum(traced_flops(sub) for sub in sub_jaxprs(eqn))
   return total
+
+
+def checkpoint_names(jaxpr: Any) -> set[str]:
+  """The activation names a function tags (`jax.ad_checkpoint.checkpoint_name`), in its body
+  and every loop, branch, call and `jax.checkpoint` inside it: what a remat policy can keep."""
+  found = set()
+  for eqn in _eqns(jaxpr):
+    if eqn.primitive.name == 'name' and isinstance(eqn.params.get('name'), str):
+      found.add(eqn.params['name'])
+    for sub in sub_jaxprs(eqn):
+      found |= checkpoint_names(sub)
+  return found

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import os
@@ -19,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax._src import checkpoint, precision
+from zerojax._src import checkpoint, hf_decoder, precision
 from zerojax._src.options import Options
 from zerojax._src.planner import (
   candidates,
@@ -88,6 +89,11 @@ def _model(args) -> Any:
       return presets.parse_decoder(args.model[len('decoder:') :], args.seq_len)
     except ValueError as e:
       raise SystemExit(f'error: --model: {e}') from None
+  if args.model.startswith('hf:'):  # a published checkpoint's config.json
+    try:
+      return hf_decoder.config_from_hf(args.model[len('hf:') :], seq_len=args.seq_len or 2048)
+    except (ValueError, FileNotFoundError) as e:
+      raise SystemExit(f'error: --model: {e}') from None
   if ':' not in args.model:
     return args.model
   for flag, given in (
@@ -101,24 +107,34 @@ def _model(args) -> Any:
         ' attention and loss (use zerojax.inspect.chunked_attention or'
         ' zerojax.inspect.flash_attention there, or leave it out).'
       )
+  module_name, attr = args.model.split(':', 1)
+  function = getattr(importlib.import_module(module_name), attr)
+  takes_remat = 'remat' in inspect.signature(function).parameters
   named = [
     r for r in (args.remats or () if args.search else (args.remat,)) if r in presets.POLICIES
   ]
-  if named:
+  if named and not takes_remat:
     raise SystemExit(
-      f"error: remat {', '.join(map(repr, named))} keeps activations the presets' blocks name;"
-      f' --model {args.model} runs its own layer loop and names none of them, so the policy'
-      ' would keep nothing. Give its loop a jax.checkpoint policy of your own, or plan a'
-      ' preset or decoder:... with it.'
+      f'error: remat {", ".join(map(repr, named))} is a policy the model applies in its own'
+      f' layer loop, and --model {args.model} takes no `remat` argument to be told it. Give'
+      f' {attr} a `remat` parameter and checkpoint its layer with'
+      ' jax.checkpoint(layer, policy=zerojax.remat.policy(remat)), its activations tagged with'
+      " zerojax.remat's names (jax.ad_checkpoint.checkpoint_name); or plan a preset or"
+      ' decoder:... with it.'
     )
-  module_name, attr = args.model.split(':', 1)
-  spec = getattr(importlib.import_module(module_name), attr)()
-  if not isinstance(spec, presets.ModelSpec):
-    raise SystemExit(
-      f'error: --model {args.model} returned a {type(spec).__name__}; it must return a'
-      ' zerojax.inspect.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
-    )
-  return lambda remat, prefetch: spec
+
+  def spec(remat: str, prefetch: bool) -> presets.ModelSpec:
+    made = function(remat=remat) if takes_remat else function()
+    if not isinstance(made, presets.ModelSpec):
+      raise SystemExit(
+        f'error: --model {args.model} returned a {type(made).__name__}; it must return a'
+        ' zerojax.inspect.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
+      )
+    return made
+
+  spec((args.remats or (args.remat,))[0] if args.search else args.remat, False)  # checked now
+  spec.takes_remat = takes_remat
+  return spec
 
 
 def cmd_search(args) -> int:
@@ -178,14 +194,18 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
   """(target, candidates, invalid combinations) of `plan --search`'s flags."""
   model = _model(args)
   if callable(model):  # a user's model: its layer loop is its own
-    if len(args.remats or ()) > 1 or True in args.prefetch_options:
+    remats = args.remats or candidates.default_remats(None, preset=False)
+    searched = remats if model.takes_remat else remats[:1]
+    if len(searched) < len(remats) or True in args.prefetch_options:
       print(
-        f'note: --model {args.model} runs its own layer loop: --remats and'
-        ' --prefetch-options are not searched for it',
+        f'note: --model {args.model} runs its own layer loop'
+        + ('' if model.takes_remat else ' and takes no `remat`: --remats and')
+        + ' --prefetch-options '
+        + ('is' if model.takes_remat else 'are')
+        + ' not searched for it',
         file=sys.stderr,
       )
-    args.remats = (args.remats or candidates.default_remats(None, preset=False))[:1]
-    args.prefetch_options = (False,)
+    args.remats, args.prefetch_options = searched, (False,)
   shares = flags.scheduler_shares(args, args.scheduler_shares, '--scheduler-shares')
   given = dict(
     remat=args.remats, scheduler_share=shares, collective_offload=args.collective_offloads
@@ -230,7 +250,8 @@ def _write_search(args, report, text: str) -> None:
   """`--out`: the search's table (.txt), its figures (.json) and its plot (.png)."""
   os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(
-    args.out, f'search_{args.model.replace(":", "_")}_{args.topology.replace(":", "-")}'
+    args.out,
+    f'search_{args.model.replace(":", "_").replace(os.sep, "_")}_{args.topology.replace(":", "-")}',
   )
   with open(stem + '.txt', 'w') as f:
     f.write(text + '\n')

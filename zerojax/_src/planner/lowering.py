@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax._src import decoder, jaxprs, precision, train_state, transform
 from zerojax._src import grad as grad_lib
 from zerojax._src import plan as plan_lib
-from zerojax._src import precision, train_state, transform
 from zerojax._src import quantize as quantize_lib
 from zerojax._src.options import Options
 from zerojax._src.planner import candidates, presets
@@ -229,6 +229,28 @@ def _gradient_fn(target: Target, c: Candidate, spec: Any, state: Any, plan: Any)
   )
 
 
+def _check_tags(spec: presets.ModelSpec, remat: str, jaxpr: Any) -> None:
+  """Refuses a named remat policy for a model of the user's own that tags none of, or only
+  some of, the activations the policy keeps (it would keep nothing, or less than its name
+  says), naming the tags missing."""
+  needed = decoder.policy_names(remat)
+  found = jaxprs.checkpoint_names(jaxpr)
+  missing = [n for n in needed if n not in found]
+  if missing:
+    known = {
+      n
+      for kept in presets.POLICIES.values()
+      for n in (*kept.get('save', ()), *kept.get('offload', ()))
+    }
+    tags = ', '.join(sorted(found & known)) or 'none of them'
+    raise ValueError(
+      f'remat {remat!r} keeps the activations tagged {", ".join(needed)}; the model'
+      f' {spec.name!r} does not tag {", ".join(missing)} (it tags {tags}). Tag them in its'
+      ' layer with jax.ad_checkpoint.checkpoint_name(x, zerojax.remat.QKV) and the like'
+      " (zerojax.remat's names), or plan 'gathers', 'full' or 'none'."
+    )
+
+
 def lower(target: Target, c: Candidate) -> Lowered:
   """The candidate's training step traced and lowered for the compiler.
 
@@ -260,6 +282,8 @@ def lower(target: Target, c: Candidate) -> Lowered:
     return state.apply_gradients(grads=grads), loss
 
   traced = jax.jit(train_step, donate_argnums=0).trace(state, batch)
+  if callable(target.model):
+    _check_tags(spec, c.remat, traced.jaxpr)
   lowered = traced.lower()
   phases['trace and lower'] = time.perf_counter() - start
   # The floor's unit: at stage 3 parameters travel in the compute dtype (cast before they are
