@@ -1,4 +1,4 @@
-"""Flash attention (`zerojax._src.planner.flash`): causal attention's numbers, and the cost its kernels
+"""Flash attention (`zerojax._src.flash`): causal attention's numbers, and the cost its kernels
 state, which the planner reads."""
 
 import re
@@ -10,7 +10,8 @@ import pytest
 from _models import run_cli
 from _tolerance import assert_close, reordered
 
-from zerojax._src.planner import cost, flash, presets
+from zerojax._src import flash
+from zerojax._src.planner import cost, presets
 
 
 def _qkv(t=128, heads=4, kv_heads=2, d=16, b=1):

@@ -19,12 +19,12 @@ Choosing a configuration:
   queries at a time) and `flash_attention(q, k, v)` (fused Pallas kernels on TPU).
 """
 
+from zerojax._src.flash import flash_attention as flash_attention
 from zerojax._src.planner.collectives import CollectiveStats as CollectiveStats
 from zerojax._src.planner.collectives import count_collectives as count_collectives
 from zerojax._src.planner.estimate import MemoryEstimate as MemoryEstimate
 from zerojax._src.planner.estimate import estimate_memory as estimate_memory
 from zerojax._src.planner.estimate import format_estimates as format_estimates
-from zerojax._src.planner.flash import flash_attention as flash_attention
 from zerojax._src.planner.host_link import count_host_transfers as count_host_transfers
 from zerojax._src.planner.presets import ModelSpec as ModelSpec
 from zerojax._src.planner.presets import chunked_attention as chunked_attention

@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax._src import gather, prefetch
+from zerojax._src import flash, gather, prefetch
 from zerojax._src import plan as plan_lib
-from zerojax._src.planner import flash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -602,7 +601,7 @@ def decoder_loss(
     attention_chunk: compute attention this many queries at a time
       (`chunked_attention`; one chunk's scores live at a time); None: at once.
     attention: 'xla' (plain JAX, `attention_chunk` applies) or 'flash'
-      (`zerojax._src.planner.flash.flash_attention`: fused Pallas kernels, causal
+      (`zerojax._src.flash.flash_attention`: fused Pallas kernels, causal
       blocks skipped, scores never in HBM; TPU, or Pallas's interpreter elsewhere).
     loss_chunk: compute the head's logits and the cross-entropy this many positions at a
       time (`chunked_cross_entropy`: one chunk's f32 logits live at a time); None: at once.

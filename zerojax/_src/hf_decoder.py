@@ -227,7 +227,8 @@ def save(
 ) -> list[str]:
   """Writes `params` as the family's checkpoint (`save_safetensors`), with `source`'s config
   and tokenizer files (`COPIED`) beside them, so that transformers' `from_pretrained` and
-  `load` read the folder. Every process must call it; process 0 writes.
+  `load` read the folder; without a source config, `to_hf_config(cfg)` is written. Every
+  process must call it; process 0 writes.
 
   Returns:
     The files written (on process 0).
@@ -235,12 +236,18 @@ def save(
   written = pretrained.save_safetensors(
     params, directory, names=names(cfg), max_shard_bytes=max_shard_bytes
   )
-  if source is not None and jax.process_index() == 0:
-    for name in COPIED:
-      src = os.path.join(os.fspath(source), name)
-      if os.path.exists(src):
-        shutil.copyfile(src, os.path.join(os.fspath(directory), name))
-        written.append(os.path.join(os.fspath(directory), name))
+  if jax.process_index() != 0:
+    return written
+  for name in COPIED if source is not None else ():
+    src = os.path.join(os.fspath(source), name)
+    if os.path.exists(src):
+      shutil.copyfile(src, os.path.join(os.fspath(directory), name))
+      written.append(os.path.join(os.fspath(directory), name))
+  config = os.path.join(os.fspath(directory), 'config.json')
+  if source is None or not os.path.exists(os.path.join(os.fspath(source), 'config.json')):
+    with open(config, 'w') as f:
+      json.dump(to_hf_config(cfg), f, indent=2)
+    written.append(config)
   return written
 
 

@@ -7,6 +7,7 @@ python -m zerojax estimate --params 7e9 --devices 256
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import json
@@ -123,18 +124,28 @@ def _model(args) -> Any:
       ' decoder:... with it.'
     )
 
-  def spec(remat: str, prefetch: bool) -> presets.ModelSpec:
-    made = function(remat=remat) if takes_remat else function()
+  model = _UserModel(args.model, function, takes_remat)
+  model((args.remats or (args.remat,))[0] if args.search else args.remat, False)  # checked now
+  return model
+
+
+@dataclasses.dataclass(frozen=True)
+class _UserModel:
+  """`--model module:function` as a `lowering.Target` takes a model function: (remat,
+  prefetch) -> `ModelSpec`, the function told the remat where it has a `remat` parameter."""
+
+  flag: str
+  function: Any
+  takes_remat: bool
+
+  def __call__(self, remat: str, prefetch: bool) -> presets.ModelSpec:
+    made = self.function(remat=remat) if self.takes_remat else self.function()
     if not isinstance(made, presets.ModelSpec):
       raise SystemExit(
-        f'error: --model {args.model} returned a {type(made).__name__}; it must return a'
+        f'error: --model {self.flag} returned a {type(made).__name__}; it must return a'
         ' zerojax.inspect.ModelSpec(name=..., init_fn=..., loss_fn=..., batch=...).'
       )
     return made
-
-  spec((args.remats or (args.remat,))[0] if args.search else args.remat, False)  # checked now
-  spec.takes_remat = takes_remat
-  return spec
 
 
 def cmd_search(args) -> int:

@@ -201,7 +201,7 @@ def plan_parser(sub) -> argparse.ArgumentParser:
     ' decoder:FILE.json of the same keys; a published Llama, Mistral or Qwen model from its'
     " Hugging Face folder's config.json alone, hf:DIR (zerojax.llama's decoder, at --seq-len,"
     ' default 2048); or module:function returning a zerojax.inspect.ModelSpec (given a `remat`'
-    ' parameter, it is told each candidate\'s policy)',
+    " parameter, it is told each candidate's policy)",
   )
   p.add_argument(
     '--topology', default='v5e:2x4', help='TPU topology (v5e:16x16, v4:2x2x1, ...) or cpu:N'
