@@ -91,6 +91,12 @@ class ModelSettings:
     )
 
 
+# The keys of `parse_decoder`: a decoder's shape (hf:DIR reads the Llama family's other
+# settings, rotary embeddings, biases and norms, from a config.json).
+SHAPE_KEYS = ('vocab', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'd_ff', 'seq_len')
+SHAPE_KEYS += ('gated', 'head_size')
+
+
 def parse_decoder(text: str, seq_len: int | None = None) -> DecoderConfig:
   """A `DecoderConfig` from 'key=value,...' (its field names; `gated` true/false) or a
   JSON file of the same keys: a decoder of any shape, planned without writing code.
@@ -120,7 +126,7 @@ def parse_decoder(text: str, seq_len: int | None = None) -> DecoderConfig:
       if not eq:
         raise ValueError(f'decoder shape: expected key=value, got {part!r}.')
       given[key.strip()] = value.strip()
-  fields = {f.name for f in dataclasses.fields(DecoderConfig)}
+  fields = set(SHAPE_KEYS)
   unknown = sorted(set(given) - fields)
   if unknown:
     raise ValueError(f'decoder shape: unknown {unknown}; the keys are {sorted(fields)}.')

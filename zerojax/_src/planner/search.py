@@ -489,45 +489,11 @@ def run_search(
       # 70B step holds about half a GB there, so a long search would run out of host memory.
       jax.clear_caches()
       results.append(r)
-      finished(f'  {c.label():<60} {r.status} {_phases(r)}')
+      finished(f'  {c.label():<60} {r.status} {display.phases(r)}')
   report = SearchReport(target, results, list(invalid), time.perf_counter() - start, hbm)
   if progress:
-    print(phase_summary(report), flush=True)
+    print(display.phase_summary(report), flush=True)
   return report
-
-
-_SOURCE = {'cache': 'read back from the cache', 'memo': 'the same program as an earlier one'}
-
-
-def _phases(r: Result) -> str:
-  """'(lower 0.4 s, compile 31.2 s, analyse 0.9 s)', or how the program was reused."""
-  if not r.phase_seconds:
-    return ''
-  parts = [f'{k} {v:.1f} s' for k, v in r.phase_seconds.items()]
-  if r.program_source in _SOURCE:
-    parts[1:2] = [_SOURCE[r.program_source]]
-  return '(' + ', '.join(parts) + ')'
-
-
-def phase_totals(report: SearchReport) -> tuple[dict[str, float], dict[str, int]]:
-  """(seconds by phase, programs by where they came from: compiled, cache, memo)."""
-  totals: dict[str, float] = {}
-  for r in report.results:
-    for k, v in r.phase_seconds.items():
-      totals[k] = totals.get(k, 0.0) + v
-  sources = [r.program_source for r in report.results if r.program_source]
-  return totals, {s: sources.count(s) for s in ('compiled', 'cache', 'memo')}
-
-
-def phase_summary(report: SearchReport) -> str:
-  """Where a search's time went, by phase, and how many programs it compiled or reused."""
-  totals, counts = phase_totals(report)
-  return (
-    f'search: {report.seconds:.1f} s for {len(report.results)} candidates: '
-    + ', '.join(f'{k} {v:.1f} s' for k, v in totals.items())
-    + f'; {counts["compiled"]} programs compiled, {counts["cache"]} read back from the cache,'
-    f" {counts['memo']} the same as an earlier candidate's"
-  )
 
 
 def search_plans(

@@ -8,9 +8,10 @@ import math
 
 from zerojax._src.planner import presets
 from zerojax._src.planner.candidates import QUANTIZE
+from zerojax._src.planner.display import phase_totals
 from zerojax._src.planner.lowering import TENSOR, mesh_shape, model_label, model_spec, zero_options
 from zerojax._src.planner.roofline import GiB
-from zerojax._src.planner.search import SearchReport, as_dict, phase_totals
+from zerojax._src.planner.search import SearchReport, as_dict
 
 
 def winner_code(report: SearchReport) -> str:
