@@ -20,7 +20,14 @@ from zerojax._src import quantize as quantize_lib
 from zerojax._src.options import Options
 from zerojax._src.planner import candidates, presets
 from zerojax._src.planner.candidates import QUANTIZE, Candidate
-from zerojax._src.planner.roofline import CHIPS, Chip, calibrate_cpu, check_dcn, prices_host_link
+from zerojax._src.planner.roofline import (
+  CHIPS,
+  ONE_CHIP_VM_HOST_BYTES,
+  Chip,
+  calibrate_cpu,
+  check_dcn,
+  prices_host_link,
+)
 
 # The mesh axis a plan names for tensor parallelism; every other axis of a slice is a ZeRO axis.
 TENSOR = 'tensor'
@@ -333,6 +340,8 @@ def make_target(
     grid, chip = (len(devices),), calibrate_cpu(len(devices)) if time_steps else None
   elif chip_name in CHIPS or not time_steps:
     grid, chip = tuple(int(d) for d in dims.lower().split('x')), CHIPS.get(chip_name)
+    if len(devices) == 1 and chip_name in ONE_CHIP_VM_HOST_BYTES:  # a one-chip VM's memory
+      chip = dataclasses.replace(chip, host_bytes_per_chip=ONE_CHIP_VM_HOST_BYTES[chip_name])
   else:
     raise ValueError(
       f'`topology`={topology!r}: no roofline constants for {chip_name!r}; the search knows'

@@ -49,7 +49,7 @@ def report_plan(args, target: Any, result: Any, hbm_gib: int | None) -> dict:
   sizes = {k: v for k, v in plan.bytes_per_device().items() if v or k != 'host'}
   print('plan per chip: ' + ', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in sizes.items()))
   print(report)
-  fits = _print_fit(args, hbm_gib, report, sizes)
+  fits = _print_fit(hbm_gib, report, sizes, target.chip)
   largest = priced.largest_arrays()
   print(_format_largest(largest))
   chip, traffic, work = target.chip, priced.host_traffic, priced.work
@@ -151,7 +151,7 @@ def _print_prediction(topology: str, chip: Any, priced: Any):
   return predicted
 
 
-def _print_fit(args, hbm_gib: int | None, report, sizes: dict) -> bool | None:
+def _print_fit(hbm_gib: int | None, report, sizes: dict, chip: Any) -> bool | None:
   """Prints peak memory against HBM (and host memory against the host's share); returns
   whether the plan fits (None where the device memory is not known)."""
   fits, peak = None, report.memory.peak
@@ -169,7 +169,6 @@ def _print_fit(args, hbm_gib: int | None, report, sizes: dict) -> bool | None:
       f'\npeak {peak / 2**30:.2f} GiB of {hbm_gib} GiB HBM per chip'
       f' ({100 * peak / (hbm_gib * 2**30):.0f}%): {"FITS" if fits else "DOES NOT FIT"}'
     )
-  chip = roofline.CHIPS.get(args.topology.split(':')[0])
   host_limit = chip.host_bytes_per_chip if chip is not None else None
   if sizes.get('host'):
     within = host_limit is None or sizes['host'] <= host_limit

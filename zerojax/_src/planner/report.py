@@ -357,7 +357,9 @@ def _mib(n: float) -> str:
 def format_report(report: StepReport) -> str:
   """The printed form of a `StepReport`."""
   lines = _memory_lines(report) + _collective_lines(report.collectives)
-  if report.floor_bytes is not None:
+  if report.floor_bytes is not None and report.num_devices == 1:
+    lines.append('ZeRO floor: 0 bytes (one device: nothing is split, nothing is exchanged)')
+  elif report.floor_bytes is not None:
     c = report.collectives
     ici = c.total_ici_bytes if report.num_slices > 1 else c.total_ring_bytes
     ratio = ici / report.floor_bytes if report.floor_bytes else float('nan')

@@ -95,6 +95,13 @@ class Chip:
 # = 3.125 GB/s a chip; v5p 50 Gbps a chip (its page's "DCN bandwidth per chip"), 6.25 GB/s; v6e's
 # page gives none. SparseCores: v5p 4 a chip (its page's "Number of SparseCores per chip"); the
 # v5e and v6e pages give none, so no collective is offloaded to them there.
+# The host memory of a one-chip VM, where it differs from the chip's share of a host's
+# (`Chip.host_bytes_per_chip`): v5e's page lists ct5lp-hightpu-1t (Colab's v5e-1) with 48 GB
+# of RAM in its table of VM types. v6e's page gives DRAM per 8-chip host only, so a v6e:1x1
+# plan keeps that share (192 GiB), not a published figure for its one-chip VM.
+ONE_CHIP_VM_HOST_BYTES = {'v5e': 48 * 10**9}
+
+
 def prices_host_link(chip: Chip | None) -> bool:
   """Whether `chip` has the host-link figures (bandwidth and host memory per chip) that price
   moving activations to host memory and back."""

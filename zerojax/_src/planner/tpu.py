@@ -109,6 +109,7 @@ def topology_devices(topology: str, slices: int = 1) -> list:
   from jax.experimental import topologies
 
   extra = {'num_slices': slices} if slices > 1 else {}
+  extra |= _one_host_bounds(topology)
   try:
     with quiet_libtpu():
       desc = topologies.get_topology_desc(topology_name=topology, platform='tpu', **extra)
@@ -126,6 +127,25 @@ def topology_devices(topology: str, slices: int = 1) -> list:
   devices = list(desc.devices)
   # Slice by slice, each in the order libtpu lists it.
   return sorted(devices, key=lambda d: getattr(d, 'slice_index', 0) or 0)
+
+
+# The chips one host of v5e and v6e holds by default (libtpu's chips_per_host_bounds), the
+# least slice libtpu forms unless told the host holds fewer: Colab's one-chip runtimes, v5e-1
+# and v6e-1, are hosts of one chip.
+_HOST_CHIPS = 4
+
+
+def _one_host_bounds(topology: str) -> dict:
+  """libtpu's `chips_per_host_bounds` for a v5e or v6e slice of fewer chips than one host
+  holds by default (v5e:1x1, v6e:1x1, v5e:1x2): the whole slice on one host; else nothing."""
+  chip, _, dims = topology.partition(':')
+  try:
+    shape = [int(d) for d in dims.lower().split('x')]
+  except ValueError:
+    return {}
+  if chip not in ('v5e', 'v6e') or len(shape) != 2 or shape[0] * shape[1] >= _HOST_CHIPS:
+    return {}
+  return {'chips_per_host_bounds': [*shape, 1]}
 
 
 # What libtpu prints to stderr when it starts on a machine without a TPU: it
