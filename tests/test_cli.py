@@ -744,3 +744,21 @@ def test_search_target_is_what_the_search_command_searches():
     'error: 2 candidates exceed --max-candidates 1; narrow the space (e.g. --stages 3'
     ' --remats gathers) or raise the limit'
   )
+
+
+def test_a_search_of_a_users_model_tries_its_named_policies_and_names_a_missing_tag():
+  """A function taking `remat` is searched over --remats; a policy whose tags its model lacks is
+  that candidate's failure, naming them, and the others still rank."""
+  from _models import run_cli
+
+  proc = run_cli('plan', '--search', '--topology', 'cpu:8', '--model', '_custom_model:untagged',
+                 '--stages', '3', '--layouts', 'flat', '--remats', 'gathers,minimal',
+                 '--prefetch-options', 'off')  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert '1 s3 flat b1 remat:gathers' in proc.stdout
+  assert (
+    's3 flat b1 remat:minimal                                     failed: ValueError: remat'
+    " 'minimal' keeps the activations tagged zerojax_qkv, zerojax_mlp_hidden; the model"
+    " 'untagged' does not tag zerojax_mlp_hidden"
+  ) in proc.stdout
+  assert 'note:' not in proc.stderr  # its --remats are searched, not cut to one
