@@ -207,7 +207,7 @@ def load(
   Args:
     folder: the checkpoint's folder (config.json and model.safetensors, or shards listed in
       model.safetensors.index.json).
-    tx: the optimizer from `zerojax.zero_stage` (stacked={'layers': True}: `STACKED`).
+    tx: the optimizer from `zerojax.zero_stage` (stacked={'layers': True}, or `cfg.stacked()`).
     cfg: default `config_from_hf(folder)`.
     dtype: the parameters' dtype (bf16 checkpoints are cast).
   """

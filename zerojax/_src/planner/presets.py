@@ -192,11 +192,6 @@ class ModelSpec:
   stacked: Any = None
 
 
-# The decoder's parameters: its layer loop walks the leading axis of every leaf of 'layers',
-# and the others have no layer axis (any dimension may carry ZeRO's, the TPU lanes decide).
-STACKED = {'embed': False, 'layers': True, 'final_norm': False, 'head': False}
-
-
 def decoder_spec(
   name: str | DecoderConfig,
   settings: ModelSettings = ModelSettings(),
