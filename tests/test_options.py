@@ -23,6 +23,7 @@ def test_defaults_and_one_spelling_per_choice():
     'param_axis': None,
     'offload': None,
     'update_on': 'device',
+    'offload_params': False,
     'quantize': None,
     'replica_axis': None,
   }
@@ -102,7 +103,8 @@ def test_zero_stage_names_an_unknown_option_and_every_known_one():
     zerojax.zero_stage(optax.adam(1e-3), 2, mesh=None, shard_axis='data')
   assert str(e.value) == (
     'zerojax.zero_stage got unknown option(s) shard_axis; the ZeRO options (zerojax.Options) are'
-    ' axis, policy, replicate_below_bytes, param_specs, stacked, param_axis, offload, update_on, quantize, replica_axis.'
+    ' axis, policy, replicate_below_bytes, param_specs, stacked, param_axis, offload, update_on, offload_params, quantize,'
+    ' replica_axis.'
   )
   assert options_lib.NAMES == tuple(f.name for f in dataclasses.fields(zerojax.Options))
 

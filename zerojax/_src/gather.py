@@ -68,6 +68,8 @@ def recompute_gathers(prim, *args, **params) -> bool:
   # save_anything_except_these_names saves everything in jax 0.10.
   if prim.name == 'custom_vjp_call':  # a gather with its own gradient (ZeRO++ qwZ, qgZ)
     return not jaxprs.is_gather(params.get('call_jaxpr'))
+  if prim.name == 'device_put':  # an offloaded shard brought to the device (offload_params)
+    return not all(d == jax.memory.Space.Device for d in params.get('devices', ()))
   return prim.name not in _GATHER_PRIMITIVES
 
 
@@ -104,6 +106,9 @@ class ShardedLeaf:
       tensor-parallel axis), for the `ndim` dimensions; None where it is split
       over none. Its collectives then run manual over those axes too (see
       `on_free_axes`).
+    host: `shard` is in host memory (`Options(offload_params=True)`): the gather
+      first brings it to the device (inside a layer loop, one layer at a time),
+      and its gradient goes to `sink`.
 
   Outside a gather it is not an array, and says so:
 
@@ -124,6 +129,7 @@ class ShardedLeaf:
   sink: jax.Array | None = None
   replicas: tuple[str, ...] = dataclasses.field(default=(), metadata=dict(static=True))
   free: PartitionSpec | None = dataclasses.field(default=None, metadata=dict(static=True))
+  host: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   def replace(self, **changes) -> ShardedLeaf:
     return dataclasses.replace(self, **changes)
@@ -146,6 +152,8 @@ class ShardedLeaf:
     dim = self.dim - sliced
     if dim < 0:
       raise layer_axis_split(self.path, self.axes, self.dim)
+    if self.host:
+      x = jax.device_put(x, jax.memory.Space.Device)
     if self.sink is not None:
       x = to_sink(x, self.sink)
     free = None if self.free is None else PartitionSpec(*tuple(self.free)[sliced:])

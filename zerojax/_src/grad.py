@@ -89,6 +89,9 @@ class LeafRoute:
     free: its layout at rest over the mesh axes left to the compiler (a tensor axis), or None;
       its collectives run manual over those too (`gather.on_free_axes`).
     grad_free: the same for its gradient.
+    fetched: in host memory at rest (`offload_params`) and brought to the device by the
+      model's own gather, layer by layer (stage 3, `per_layer`); other offloaded leaves
+      come to the device before the step's region.
   """
 
   path: str
@@ -102,6 +105,7 @@ class LeafRoute:
   acc_dtype: Any
   free: PartitionSpec | None = None
   grad_free: PartitionSpec | None = None
+  fetched: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +160,12 @@ def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any
     manual = config.replica_axes + axes
     free = gather_lib.free_spec(rest.spec, manual, (model_split or gather or (None,))[0])
     grad_free = gather_lib.free_spec(grad.spec, manual, (scatter or (None,))[0])
+    fetched = (
+      rest.memory_kind == plan_lib.HOST
+      and stage == 3
+      and model_split is not None
+      and _sink_dtype(x.ndim, x.dtype) == x.dtype
+    )
     routes.append(
       LeafRoute(
         f'params{jax.tree_util.keystr(path)}',
@@ -169,6 +179,7 @@ def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any
         reduce_dtype or x.dtype,
         free,
         grad_free,
+        fetched,
       )
     )
   return tuple(routes), plan
@@ -211,6 +222,7 @@ def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], l
           # axes, in the dtype it was reduce-scattered in (the compute dtype, at stage 3).
           replicas=r.replica_axes if r.micro_batches == 1 else (),
           free=route.free,
+          host=route.fetched,
         )
       )
     elif route.gather is not None:
@@ -241,7 +253,8 @@ def _with_diff(x: Any, v: Any) -> Any:
 
 
 def _sink_dtype(ndim: int, dtype: Any) -> Any:
-  """The dtype a leaf's gradient travels to host memory in.
+  """The dtype a leaf's gradient travels to host memory in (a leaf of `dtype` that a
+  layer loop may read row by row from host memory: `offload_params`).
 
   The TPU compiler cannot write one row of a 16-bit vector into a stack in host
   memory (two rows share a packed word), as a layer loop over stacked vectors
@@ -509,6 +522,17 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
 # -- the public function ----------------------------------------------------------
 
 
+def _fetch_whole(leaves: list, routes: tuple, plan: Any) -> list:
+  """Offloaded parameters (`offload_params`) the model does not fetch layer by layer, moved
+  to device memory whole before the step's region (their layout at rest, on the device)."""
+  out = []
+  for x, route, s in zip(leaves, routes, jax.tree.leaves(plan.params)):
+    if s.memory_kind == plan_lib.HOST and not route.fetched:
+      x = jax.device_put(x, s.with_memory_kind('device'))
+    out.append(x)
+  return out
+
+
 def _first(x: jax.Array, mesh: Mesh) -> jax.Array:
   """One device's copy of a value every device computed alike."""
   if mesh_lib.any_explicit(mesh):
@@ -644,7 +668,8 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
     config, params, per_layer=per_layer, reduce_dtype=options['reduce_dtype']
   )
   row_axes = _row_axes(batch, replica + axes)
-  stream = per_layer and config.options.update_on == 'stream'
+  # Offloaded parameters stream their gradients down too: the update runs in host memory.
+  stream = per_layer and (config.options.update_on == 'stream' or config.options.offload_params)
   if stream and replica:
     raise ValueError(
       f"update_on='stream' sends gradient shards to host memory from inside the backward pass,"
@@ -673,6 +698,7 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
     # axes (no-ops when they are there already), so any batch layout works.
     leaves = [jax.sharding.reshard(x, s) for x, s in zip(leaves, jax.tree.leaves(plan.params))]
     batch = jax.tree.map(lambda x: jax.sharding.reshard(x, NamedSharding(mesh, rows)), batch)
+  leaves = _fetch_whole(leaves, routes, plan)
   loss, aux, grads, weight = mapped(leaves, batch, args, scale)
   grads = [
     _host_finish(noted, list(g), weight, route.acc_dtype, meta['weighted']) if s else g

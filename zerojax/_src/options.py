@@ -66,6 +66,14 @@ class Options:
       their compute dtype, one leaf at a time; see the README's "Offload").
       Gradients that arrive in device memory, or an optimizer without
       `mixed_precision`, run as 'host' does, with a warning.
+    offload_params: keep the parameters themselves in host memory between steps
+      (DeepSpeed's `offload_param`), for a model whose weights alone fill the
+      device. Inside `zerojax.value_and_grad(..., per_layer=True)` at stage 3 each
+      layer's shard comes to the device in the layer loop, one layer ahead of use
+      (in the backward pass too), and its gradient goes down as it is produced;
+      other leaves, and every leaf at stages 0-2, come to the device whole at the
+      step's start. The update runs where they live: needs `offload` and
+      `update_on='host'` or `'stream'`, and the new parameters stay in host memory.
     quantize: ZeRO++ quantized collectives, a `zerojax.Quantize`, or None.
     replica_axis: data-parallel mesh axes outside ZeRO (e.g. 'slice', across TPU slices):
       every position along them holds a whole copy of the ZeRO-split state, the batch's
@@ -90,6 +98,7 @@ class Options:
   param_axis: AxisName | None = None
   offload: Offload = None
   update_on: Literal['device', 'host', 'stream'] = 'device'
+  offload_params: bool = False
   quantize: quantize_lib.Quantize | None = None
   replica_axis: AxisName | None = None
 
@@ -133,6 +142,7 @@ class Options:
         f'Options(update_on={self.update_on!r}) runs the update where offloaded state lives:'
         " pass offload='opt_state' (or 'opt_state+master') too."
       )
+    _check_offload_params(self)
     if self.update_on == 'stream' and self.policy == 'pad':
       raise ValueError(
         "Options(update_on='stream') does not pad: its gradients reach host memory in the"
@@ -179,6 +189,23 @@ def from_keywords(options: dict[str, Any], where: str) -> Options:
       f' are {", ".join(NAMES)}.'
     )
   return Options(**options)
+
+
+def _check_offload_params(o: Options) -> None:
+  """`Options.offload_params`: a bool, with an update on the host and no padding."""
+  if not isinstance(o.offload_params, bool):
+    raise TypeError(f'Options(offload_params=...) must be True or False, got {o.offload_params!r}.')
+  if o.offload_params and o.update_on == 'device':
+    raise ValueError(
+      'Options(offload_params=True) keeps the parameters in host memory, so the optimizer'
+      " update runs there too: pass offload='opt_state' (or 'opt_state+master') and"
+      f" update_on='stream' (or 'host'), not update_on={o.update_on!r}."
+    )
+  if o.offload_params and o.policy == 'pad':
+    raise ValueError(
+      'Options(offload_params=True) does not pad: parameters in host memory are read in'
+      " their own shapes. Use policy='replicate' (or 'error') with it."
+    )
 
 
 def _is_int(x: Any) -> bool:

@@ -50,7 +50,8 @@ class ZeroPlan:
     stage: the ZeRO stage, 0 to 3.
     mesh: the device mesh.
     axes: the mesh axes that ZeRO partitions over.
-    params: NamedSharding per parameter, at rest (sharded only at stage 3).
+    params: NamedSharding per parameter, at rest (sharded only at stage 3; in host
+      memory with `offload_params`).
     grads: NamedSharding per gradient, as reduced (sharded from stage 2).
     opt_state: NamedSharding per optimizer-state leaf (sharded from stage 1).
     param_shards: NamedSharding per parameter, fully sharded: the slice of the
@@ -103,8 +104,8 @@ class ZeroPlan:
   def bytes_per_device(self) -> dict[str, int]:
     """Bytes per device of params and optimizer state at rest, and of grads.
 
-    Offloaded optimizer state is counted under 'host' (host memory per device),
-    not under 'opt_state'.
+    Offloaded optimizer state and parameters (`offload_params`) are counted under
+    'host' (host memory per device), not under 'opt_state' or 'params'.
     """
     out = {'params': 0, 'grads': 0, 'opt_state': 0, 'host': 0}
     for r in self.rows:
@@ -446,7 +447,8 @@ def _assemble(
   hpz = param_axes if param_axes != axes else None
   rows, p_rest, p_grad, p_shard = [], [], [], []
   for (path, _), rule in zip(param_leaves.entries, param_leaves.rules):
-    p_rest.append(named(_layout(rule, must['params'], axes, padded_ok=False, within=hpz)))
+    memory = HOST if config.options.offload_params and rule.shape else None  # offload_params
+    p_rest.append(named(_layout(rule, must['params'], axes, padded_ok=False, within=hpz), memory))
     p_grad.append(named(_layout(rule, must['grads'], axes, padded_ok=False)))
     p_shard.append(named(_layout(rule, config.stage >= 1, axes)))
     reason = _why(rule, must['params'] or must['grads'], padded_ok=False)
@@ -459,6 +461,7 @@ def _assemble(
         p_rest[-1].spec,
         p_grad[-1].spec,
         reason,
+        offloaded=memory is not None,
       )
     )
   s_rest = []

@@ -259,7 +259,7 @@ def _update_on_host(inner, grads, state, params, extra_args):
   return _move(updates, jax.memory.Space.Device), state
 
 
-def _host_master_step(step, grads, state, params, arrays, others, noted):
+def _host_master_step(step, grads, state, params, arrays, others, noted, stay_on_host=False):
   """`update_on='stream'` with `mixed_precision`: its master step runs in host memory on the
   host, and only the new parameters come back, in their compute dtype, one leaf at a time.
 
@@ -275,19 +275,24 @@ def _host_master_step(step, grads, state, params, arrays, others, noted):
   hows = [n for n in noted if n is not None]
   sources = [g if n is None else None for g, n in zip(leaves, noted)]
 
-  def update(sources, parts, weights, state, arrays):
+  def update(sources, parts, weights, state, arrays, kept):
     found = iter(zip(hows, parts, weights))
     flat = [streaming.finish(*next(found)) if g is None else g for g in sources]
-    return step(jax.tree.unflatten(treedef, flat), state, dtypes, **others, **arrays)
+    rounded, state = step(jax.tree.unflatten(treedef, flat), state, dtypes, **others, **arrays)
+    return (rounded if kept is None else updates_to(rounded, kept)), state
 
-  # The new parameters are written straight to device memory.
-  run = compat.compute_on_host(update, out_memory_spaces=(jax.memory.Space.Device, host))
+  # The new parameters are written straight to device memory. Parameters kept in host memory
+  # (`stay_on_host`) are read there, and the updates to them are taken in this same
+  # computation: a second host computation would hold its input in device memory.
+  space = host if stay_on_host else jax.memory.Space.Device
+  run = compat.compute_on_host(update, out_memory_spaces=(space, host))
   return run(
     _move(sources, host),
     [n.parts for n in hows],
     [n.weight for n in hows],
     _move(state, host),
     _move(arrays, host),
+    params if stay_on_host else None,
   )
 
 
@@ -621,7 +626,7 @@ class _Step:
     """Updates from their shards to the parameters' layout: stages 1-2 all-gather them."""
     mesh = self.config.mesh
     updates = mesh_lib.constrain(updates, self.plan.param_shards, mesh)
-    return mesh_lib.constrain(_unpad(updates, self.plan, like), self.plan.params, mesh)
+    return mesh_lib.constrain(_unpad(updates, self.plan, like), _on_device(self.plan.params), mesh)
 
 
 def _device_update(step: _Step, grads, state, params, arrays, noted):
@@ -646,7 +651,8 @@ def _host_update(step: _Step, grads, state, params, arrays, noted):
   grads, params = step.to_layout(grads, params)
   extra_args = {**step.others, **arrays}
   updates, state = _update_on_host(step.inner, grads, state, params, extra_args)
-  return step.gathered(updates, like), _to_plan_memory(state, step.plan.opt_state)
+  updates = _to_memory(step.gathered(updates, like), step.plan.params, host=True)
+  return updates, _to_plan_memory(state, step.plan.opt_state)
 
 
 def _streamed_update(step: _Step, grads, state, params, arrays, noted):
@@ -658,11 +664,17 @@ def _streamed_update(step: _Step, grads, state, params, arrays, noted):
     return _host_update(step, grads, state, params, arrays, noted)
   plan, mesh = step.plan, step.config.mesh
   grads, params = step.to_layout(grads, params)
+  # Offloaded stage-3 parameters are updated where they live: the new ones stay in host
+  # memory, in the shards the host computed them in (stages 1-2 gather them on the device).
+  stay = step.config.options.offload_params and step.config.stage == 3
   rounded, state = _host_master_step(
-    step.master_step, grads, state, params, arrays, step.others, noted
+    step.master_step, grads, state, params, arrays, step.others, noted, stay_on_host=stay
   )
+  if stay:  # the updates themselves, in host memory
+    return rounded, _to_plan_memory(state, plan.opt_state)
   rounded = mesh_lib.constrain(rounded, plan.param_shards, mesh)
-  rounded = mesh_lib.constrain(rounded, plan.params, mesh)
+  rounded = mesh_lib.constrain(rounded, _on_device(plan.params), mesh)
+  rounded = _to_memory(rounded, plan.params, host=True)
   return updates_to(rounded, params), _to_plan_memory(state, plan.opt_state)
 
 

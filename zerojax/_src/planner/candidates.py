@@ -126,6 +126,8 @@ class Candidate:
     collective_offload: 'sparsecore' runs the step's collectives on the chip's SparseCores
       (`SPARSECORE_OPTIONS`), asynchronous beside the TensorCores; None leaves them where the
       compiler puts them.
+    offload_params: the parameters at rest in host memory (`Options.offload_params`): at
+      stage 3 with per-layer gathers each layer's shard comes to the device one layer ahead.
   """
 
   stage: int
@@ -141,6 +143,7 @@ class Candidate:
   scheduler_share: int | None = None
   tensor: int = 1
   collective_offload: str | None = None
+  offload_params: bool = False
 
   def label(self) -> str:
     parts = [f's{self.stage}', self.layout] + ([f't{self.tensor}'] if self.tensor > 1 else [])
@@ -149,7 +152,9 @@ class Candidate:
     parts += [f'mb{self.micro_batches}'] if self.micro_batches > 1 else []
     parts += [f'remat:{self.remat}'] + (['prefetch'] if self.prefetch else [])
     if self.offload is not None:
-      parts.append(f'offload:{self.offload}@{self.update_on}')
+      parts.append(
+        f'offload:{self.offload}{"+params" if self.offload_params else ""}@{self.update_on}'
+      )
     parts += [f'q:{self.quantize}'] if self.quantize is not None else []
     parts += [f'sched:{self.scheduler_share}%'] if self.scheduler_share else []
     return ' '.join(
@@ -185,6 +190,10 @@ class Candidate:
       (
         self.update_on != 'device' and self.offload is None,
         f'update_on={self.update_on!r} needs an offload',
+      ),
+      (
+        self.offload_params and (self.offload is None or self.update_on == 'device'),
+        'offload_params updates the parameters where they live: an offload updated on the host',
       ),
       (
         self.quantize in ('w8g8', 'w8g4') and self.stage != 3,
@@ -324,6 +333,7 @@ def candidate_space(
   scheduler_share: Sequence[int | None] = (None,),
   tensor: Sequence[int] = (1,),
   collective_offload: Sequence[str | None] = (None,),
+  offload_params: Sequence[bool] = (False,),
   grid_dims: int = 2,
   chips: int | None = None,
 ) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
@@ -374,6 +384,7 @@ def candidate_space(
     scheduler_share,
     tensor,
     collective_offload,
+    offload_params,
   ):
     c = Candidate(*combo)
     why = c.invalid()

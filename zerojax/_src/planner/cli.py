@@ -246,6 +246,7 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       prefetch=args.prefetch_options,
       offload=args.offloads,
       update_on=args.update_ons,
+      offload_params=args.offload_params_options,
       quantize=args.quantizes,
       batch_per_chip=args.batches_per_chip,
       slices=args.slice_counts,
@@ -410,6 +411,7 @@ def _plan_target(args, start: float) -> tuple[Any, Any, int | None]:
     prefetch=args.prefetch,
     offload=args.offload,
     update_on=args.update_on,
+    offload_params=args.offload_params,
     batch_per_chip=args.batch_per_chip,
     slices=args.slices,
     scheduler_share=shares[0]

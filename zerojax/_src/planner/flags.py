@@ -81,14 +81,14 @@ def _none_or(choices):
 # other, each is an error, not ignored.
 SEARCH_ONLY = tuple(
   'stages layouts tensor_sizes micro_batches remats prefetch_options offloads update_ons'
-  ' quantizes batches_per_chip hbm_gib max_candidates out slice_counts scheduler_shares'
+  ' offload_params_options quantizes batches_per_chip hbm_gib max_candidates out slice_counts scheduler_shares'
   ' collective_offloads'.split()
 )
 
 
 SINGLE_ONLY = tuple(
   'stage batch_per_chip no_remat remat gather_all mesh grad prefetch json offload update_on'
-  ' slices scheduler_share collective_offload'.split()
+  ' offload_params slices scheduler_share collective_offload'.split()
 )
 
 
@@ -322,6 +322,13 @@ def _precision_and_offload_arguments(p: argparse.ArgumentParser) -> None:
     help="where an offloaded update runs: 'device', 'host', or 'stream' (gradients written"
     ' to host memory layer by layer in the backward pass; needs --mixed-precision)',
   )
+  p.add_argument(
+    '--offload-params',
+    action='store_true',
+    help='keep the parameters in host memory too (zerojax.Options(offload_params=True)): at'
+    ' stage 3 each layer comes to the device in the layer loop; needs --offload and'
+    ' --update-on host or stream',
+  )
   p.add_argument('--json', help='also write the report as JSON here')
   _compiler_arguments(p)
 
@@ -430,6 +437,12 @@ def search_arguments(p: argparse.ArgumentParser) -> None:
     type=_csv(str),
     default=('device',),
     help='device, host, stream (the update on the host, gradients sent down layer by layer)',
+  )
+  s.add_argument(
+    '--offload-params-options',
+    type=_csv(_on_off),
+    default=(False,),
+    help='off, on: parameters in host memory too (needs an offload updated on the host)',
   )
   s.add_argument(
     '--quantizes',

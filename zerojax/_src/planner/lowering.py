@@ -141,6 +141,7 @@ def zero_options(
     param_axis=names[-1] if c.layout == 'hpz' else None,
     offload=c.offload,
     update_on=c.update_on,
+    offload_params=c.offload_params,
     quantize=None if q is None else quantize_lib.Quantize(**q, min_size=1 << 16),
     replica_axis=SLICE if c.slices > 1 else None,
     stacked=stacked,

@@ -533,7 +533,7 @@ def search_plans(
     compiler_options: XLA or libtpu options every candidate is compiled with, as
       `jax.jit(..., compiler_options=...)` takes them.
     **space: `candidate_space`'s options (stages, layouts, micro_batches, remat, prefetch,
-      offload, update_on, quantize, batch_per_chip, slices, scheduler_share,
+      offload, update_on, offload_params, quantize, batch_per_chip, slices, scheduler_share,
       collective_offload, tensor: sizes of a tensor-parallel axis beside the 'flat' layout's
       ZeRO axis). For a
       preset or a `DecoderConfig`, remat defaults to `candidates.default_remats` of the chip
