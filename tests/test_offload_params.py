@@ -208,3 +208,30 @@ def test_tpu_parameters_leave_device_memory_and_its_peak_stops_growing_with_dept
   base_slope = (got[False, 8]['device'] - got[False, 4]['device']) / 4
   slope = (got[True, 8]['device'] - got[True, 4]['device']) / 4
   assert slope <= base_slope - per_layer, (slope, base_slope, per_layer)
+
+
+@pytest.mark.slow
+def test_the_one_chip_benchmark_runs_tiny_and_every_setting_trains_alike(tmp_path):
+  """benchmarks/bench_one_chip_gpu.py at a tiny size on the CPU: its JSON and table are written,
+  and the settings (everything on the device; the parameters in host memory too) train to the
+  same losses."""
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).parents[1] / 'benchmarks' / 'bench_one_chip_gpu.py'
+  spec = importlib.util.spec_from_file_location('bench_one_chip_gpu', path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  argv = ['--tiny', '--settings', 'plain,+params', '--seq-len', '16', '--batch', '2']
+  assert bench.main([*argv, '--steps', '2', '--out', str(tmp_path)]) == 0
+  import json
+
+  run = json.loads((tmp_path / 'one_chip_gpu.json').read_text())
+  rows = {r['setting']: r for r in run['rows']}
+  assert set(rows) == {'plain', '+params'} and run['device'] == 'cpu'
+  assert len(rows['plain']['losses']) == 4  # two warm-up steps and two timed
+  assert rows['+params']['losses'] == rows['plain']['losses']
+  assert rows['plain']['losses'][-1] < rows['plain']['losses'][0]
+  table = (tmp_path / 'one_chip_gpu.md').read_text()
+  assert '| +params | tiny-a | 106,816 |' in table
+  assert 'Largest that trained: plain tiny-a, +params tiny-a' in table

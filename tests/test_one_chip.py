@@ -43,3 +43,31 @@ def test_a_one_chip_runtime_is_planned_with_its_vms_host_memory(tmp_path, chip, 
   assert 'nan' not in r.stdout
   assert plan['plan_bytes_per_chip']['host'] > 0  # the optimizer state and master on the host
   assert roofline.ONE_CHIP_VM_HOST_BYTES.get(chip, host_bytes) == host_bytes
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+def test_a_one_chip_search_tries_every_offload_unless_told():
+  """On one chip nothing is split: host memory is what fits a larger model, so `plan --search`
+  tries the optimizer-state, master and parameter offloads there by default (those that can
+  run), on a pod slice none, and on either what --offloads / --update-ons /
+  --offload-params-options say."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  from zerojax._src.planner import cli
+
+  def tried(*argv):
+    common = ['--model', 'tiny', '--seq-len', '64', '--mixed-precision', '--stages', '3']
+    space = cli.search_target([*common, '--remats', 'full', '--prefetch-options', 'off', *argv])[1]
+    return {(c.offload, c.update_on, c.offload_params) for c in space}
+
+  one = tried('--topology', 'v5e:1x1')
+  assert (None, 'device', False) in one
+  assert ('opt_state+master', 'stream', True) in one and ('opt_state', 'host', True) in one
+  assert ('opt_state+master', 'device', True) not in one  # the update must run on the host
+  assert len(one) == 11
+  assert tried('--topology', 'v5e:2x4') == {(None, 'device', False)}
+  told = tried('--topology', 'v5e:1x1', '--offloads', 'opt_state+master', '--update-ons', 'stream')
+  assert told == {('opt_state+master', 'stream', False), ('opt_state+master', 'stream', True)}
+  assert tried('--topology', 'v5e:1x1', '--offload-params-options', 'off') == one - {
+    c for c in one if c[2]
+  }

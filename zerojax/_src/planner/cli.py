@@ -221,6 +221,10 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
   given = dict(
     remat=args.remats, scheduler_share=shares, collective_offload=args.collective_offloads
   )
+  # Not given: the search's defaults (every offload on a one-chip topology).
+  offloads = dict(
+    offload=args.offloads, update_on=args.update_ons, offload_params=args.offload_params_options
+  )
   try:
     target = lowering.make_target(
       model,
@@ -244,14 +248,12 @@ def _search_space(args, devices) -> tuple[Any, list, list]:
       layouts=args.layouts,
       micro_batches=args.micro_batches,
       prefetch=args.prefetch_options,
-      offload=args.offloads,
-      update_on=args.update_ons,
-      offload_params=args.offload_params_options,
       quantize=args.quantizes,
       batch_per_chip=args.batches_per_chip,
       slices=args.slice_counts,
       tensor=args.tensor_sizes,
       **{k: v for k, v in given.items() if v},
+      **{k: v for k, v in offloads.items() if v is not None},
     )
   except ValueError as e:
     raise SystemExit(f'error: {e}') from None

@@ -429,20 +429,23 @@ def search_arguments(p: argparse.ArgumentParser) -> None:
   s.add_argument(
     '--offloads',
     type=_csv(_none_or(OFFLOADS[1:])),
-    default=(None,),
-    help='none, opt_state, opt_state+master (host memory)',
+    default=None,
+    help='none, opt_state, opt_state+master (host memory); default none, and all three on a'
+    ' one-chip topology',
   )
   s.add_argument(
     '--update-ons',
     type=_csv(str),
-    default=('device',),
-    help='device, host, stream (the update on the host, gradients sent down layer by layer)',
+    default=None,
+    help='device, host, stream (the update on the host, gradients sent down layer by layer);'
+    ' default device, and all three on a one-chip topology',
   )
   s.add_argument(
     '--offload-params-options',
     type=_csv(_on_off),
-    default=(False,),
-    help='off, on: parameters in host memory too (needs an offload updated on the host)',
+    default=None,
+    help='off, on: parameters in host memory too (needs an offload updated on the host);'
+    ' default off, and both on a one-chip topology',
   )
   s.add_argument(
     '--quantizes',

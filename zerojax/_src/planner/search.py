@@ -575,6 +575,15 @@ def search_plans(
   )
 
 
+# What a search of a one-chip target tries where it is not told (the offloads' whole space;
+# `Candidate.reasons` drops the combinations that cannot run).
+ONE_CHIP_OFFLOADS = dict(
+  offload=(None, 'opt_state', 'opt_state+master'),
+  update_on=('device', 'host', 'stream'),
+  offload_params=(False, True),
+)
+
+
 def search_space(
   target: Target,
   compiler_options: dict[str, Any] | None = None,
@@ -585,8 +594,8 @@ def search_space(
   `space` (`candidate_space`'s options), the defaults a search takes filled in: remat
   (`default_remats` of the chip, for a preset or a `DecoderConfig`), the collectives'
   placement (`default_collective_offloads`) and each candidate's scheduler share
-  (`default_scheduler_share`). `names` says how errors name an option (the command line's
-  flags); default its keyword.
+  (`default_scheduler_share`), and on a one-chip target every offload (`ONE_CHIP_OFFLOADS`).
+  `names` says how errors name an option (the command line's flags); default its keyword.
 
   Raises:
     ValueError: a scheduler share or collective placement the topology cannot take, or a
@@ -597,6 +606,12 @@ def search_space(
   )
   if not callable(target.model):  # a preset or a DecoderConfig: the presets' named activations
     space.setdefault('remat', default_remats(target.chip))
+  if len(target.devices) == 1 and len(target.slice_devices) == 0:
+    # One chip: nothing to split, so host memory is what makes a larger model fit.
+    for key, values in ONE_CHIP_OFFLOADS.items():
+      if key == 'update_on' and not target.mixed_precision:  # 'stream' needs the master step
+        values = tuple(v for v in values if v != 'stream')
+      space.setdefault(key, values)
   shares = space.get('scheduler_share', ())
   check_scheduler_shares(target.topology, shares, compiler_options, names['scheduler_share'])
   space.setdefault('collective_offload', default_collective_offloads(target.chip, compiler_options))
