@@ -410,22 +410,9 @@ def _layout_space(s) -> None:
   )
 
 
-def search_arguments(p: argparse.ArgumentParser) -> None:
-  """`plan --search` and the space it searches."""
-  s = p.add_argument_group(
-    'plan search (--search)',
-    'compile every combination of these for the topology and rank them by predicted step time',
-  )
-  s.add_argument('--search', action='store_true', help='search the space below instead of one plan')
-  _layout_space(s)
-  s.add_argument('--micro-batches', type=_csv(int), default=(1,), help='micro-batches per step')
-  s.add_argument('--remats', type=_csv(str), default=None, help=_REMATS_HELP)
-  s.add_argument(
-    '--prefetch-options',
-    type=_csv(_on_off),
-    default=(False, True),
-    help='on, off: scan_layers prefetch of the next layer (stage 3)',
-  )
+def _offload_space(s) -> None:
+  """The search's host offloads; not given, a one-chip topology tries them all
+  (`search.ONE_CHIP_OFFLOADS`)."""
   s.add_argument(
     '--offloads',
     type=_csv(_none_or(OFFLOADS[1:])),
@@ -447,6 +434,25 @@ def search_arguments(p: argparse.ArgumentParser) -> None:
     help='off, on: parameters in host memory too (needs an offload updated on the host);'
     ' default off, and both on a one-chip topology',
   )
+
+
+def search_arguments(p: argparse.ArgumentParser) -> None:
+  """`plan --search` and the space it searches."""
+  s = p.add_argument_group(
+    'plan search (--search)',
+    'compile every combination of these for the topology and rank them by predicted step time',
+  )
+  s.add_argument('--search', action='store_true', help='search the space below instead of one plan')
+  _layout_space(s)
+  s.add_argument('--micro-batches', type=_csv(int), default=(1,), help='micro-batches per step')
+  s.add_argument('--remats', type=_csv(str), default=None, help=_REMATS_HELP)
+  s.add_argument(
+    '--prefetch-options',
+    type=_csv(_on_off),
+    default=(False, True),
+    help='on, off: scan_layers prefetch of the next layer (stage 3)',
+  )
+  _offload_space(s)
   s.add_argument(
     '--quantizes',
     type=_csv(_none_or(tuple(q for q in candidates.QUANTIZE if q))),
