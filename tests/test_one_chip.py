@@ -71,3 +71,34 @@ def test_a_one_chip_search_tries_every_offload_unless_told():
   assert tried('--topology', 'v5e:1x1', '--offload-params-options', 'off') == one - {
     c for c in one if c[2]
   }
+
+
+LLAMA_3B_SHAPE = (
+  'decoder:vocab=128256,d_model=3072,n_layers=28,n_heads=24,n_kv_heads=8,d_ff=8192,head_size=128,'
+  'gated=true'
+)
+
+
+@pytest.mark.tpu
+@pytest.mark.xdist_group('libtpu')
+@pytest.mark.parametrize(
+  'model, extra, offloaded',
+  [('llama2-7b', (), '75.31'), (LLAMA_3B_SHAPE, ('--offload-params',), '47.03')],
+)
+def test_a_model_whose_host_state_exceeds_the_one_chip_vm_is_refused_before_compiling(
+  model, extra, offloaded
+):
+  """The v5e-1 VM's 45 GiB of host memory: llama2-7b's fp32 master and moments alone, or a
+  Llama-3.2-3B shape with its bf16 parameters offloaded as well, do not fit, and the plan says
+  so without compiling (the 3B shape without parameter offload fits: the committed
+  plan_llama3.2-3b-shape_v5e-1x1 result)."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  r = run_cli('plan', '--model', model, '--topology', 'v5e:1x1', '--stage', '3', '--seq-len',
+              '2048', '--mixed-precision', '--offload', 'opt_state+master', '--update-on',
+              'stream', '--no-cache', *extra)  # fmt: skip
+  assert r.returncode == 3, r.stderr[-2000:]
+  assert (
+    f'DOES NOT FIT: pruned: offloaded state exceeds host memory ({offloaded} GiB per chip'
+    ' offloaded)'
+  ) in r.stderr
+  assert 'compiling' not in r.stderr + r.stdout
