@@ -235,3 +235,21 @@ def test_the_one_chip_benchmark_runs_tiny_and_every_setting_trains_alike(tmp_pat
   table = (tmp_path / 'one_chip_gpu.md').read_text()
   assert '| +params | tiny-a | 106,816 |' in table
   assert 'Largest that trained: plain tiny-a, +params tiny-a' in table
+
+
+def test_a_mesh_with_replica_axes_refuses_offloaded_parameters_per_layer():
+  """Offloaded parameters send gradient shards down from inside the backward pass, before the
+  sum over replica axes: refused, with the fix, before anything is placed."""
+  mesh = jax.make_mesh((2, 4), ('replica', 'data'), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  tx = zerojax.zero_stage(
+    optax.adam(1e-3), 3, mesh=mesh, replica_axis='replica', offload='opt_state',
+    update_on='host', offload_params=True,
+  )  # fmt: skip
+  grad_fn = zerojax.value_and_grad(lambda p, x: jnp.mean(mlp_apply(p, x) ** 2), tx, per_layer=True)
+  with pytest.raises(ValueError) as e:
+    jax.eval_shape(grad_fn, mlp_params(), jnp.zeros((32, 16)))
+  assert str(e.value) == (
+    'offload_params=True sends gradient shards to host memory from inside the backward pass,'
+    " before they could be summed over the replica axes ('replica',); keep the parameters on"
+    ' the device (offload_params=False) on a mesh with replica axes (e.g. several TPU slices).'
+  )

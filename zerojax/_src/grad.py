@@ -164,7 +164,7 @@ def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any
       rest.memory_kind == plan_lib.HOST
       and stage == 3
       and model_split is not None
-      and _sink_dtype(x.ndim, x.dtype) == x.dtype
+      and not _packed_rows(x.ndim, x.dtype)
     )
     routes.append(
       LeafRoute(
@@ -252,18 +252,18 @@ def _with_diff(x: Any, v: Any) -> Any:
   return x.replace(shard=v) if x.sink is None else x.replace(sink=v)
 
 
-def _sink_dtype(ndim: int, dtype: Any) -> Any:
-  """The dtype a leaf's gradient travels to host memory in (a leaf of `dtype` that a
-  layer loop may read row by row from host memory: `offload_params`).
+def _packed_rows(ndim: int, dtype: Any) -> bool:
+  """Whether a layer loop over a stacked leaf would move single rows of a packed 16-bit
+  vector to or from host memory (two rows share a word), which the TPU compiler cannot:
+  leaves of fewer than three dimensions in a 16-bit float."""
+  return ndim < 3 and jnp.dtype(dtype).itemsize < 4 and jnp.issubdtype(dtype, jnp.floating)
 
-  The TPU compiler cannot write one row of a 16-bit vector into a stack in host
-  memory (two rows share a packed word), as a layer loop over stacked vectors
-  (norm scales) would: leaves of fewer than three dimensions go as 32-bit and
-  are cast back on the host.
-  """
-  if ndim < 3 and jnp.dtype(dtype).itemsize < 4 and jnp.issubdtype(dtype, jnp.floating):
-    return jnp.float32
-  return dtype
+
+def _sink_dtype(ndim: int, dtype: Any) -> Any:
+  """The dtype a leaf's gradient travels to host memory in: 32-bit where its rows would
+  be packed (`_packed_rows`; cast back on the host). Offloaded parameters with packed rows
+  (norm scales) come to the device whole instead of row by row."""
+  return jnp.float32 if _packed_rows(ndim, dtype) else dtype
 
 
 def _host_stand_in(shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -671,10 +671,15 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
   # Offloaded parameters stream their gradients down too: the update runs in host memory.
   stream = per_layer and (config.options.update_on == 'stream' or config.options.offload_params)
   if stream and replica:
+    why, fix = (
+      ('offload_params=True', 'keep the parameters on the device (offload_params=False)')
+      if config.options.offload_params
+      else ("update_on='stream'", "use update_on='host'")
+    )
     raise ValueError(
-      f"update_on='stream' sends gradient shards to host memory from inside the backward pass,"
-      f' before they could be summed over the replica axes {replica}; use'
-      " update_on='host' on a mesh with replica axes (e.g. several TPU slices)."
+      f'{why} sends gradient shards to host memory from inside the backward pass,'
+      f' before they could be summed over the replica axes {replica}; {fix}'
+      ' on a mesh with replica axes (e.g. several TPU slices).'
     )
   noted = streaming.start() if stream else None
   r = Routes(routes, mesh, config.stage, axes, row_axes, m, options['has_aux'], stream, replica)

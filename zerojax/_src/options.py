@@ -69,8 +69,8 @@ class Options:
     offload_params: keep the parameters themselves in host memory between steps
       (DeepSpeed's `offload_param`), for a model whose weights alone fill the
       device. Inside `zerojax.value_and_grad(..., per_layer=True)` at stage 3 each
-      layer's shard comes to the device in the layer loop, one layer ahead of use
-      (in the backward pass too), and its gradient goes down as it is produced;
+      layer's shard comes to the device where the layer loop uses it (in the backward
+      pass too), and its gradient goes down as it is produced;
       other leaves, and every leaf at stages 0-2, come to the device whole at the
       step's start. The update runs where they live: needs `offload` and
       `update_on='host'` or `'stream'`, and the new parameters stay in host memory.

@@ -261,7 +261,8 @@ def _update_on_host(inner, grads, state, params, extra_args):
 
 def _host_master_step(step, grads, state, params, arrays, others, noted, stay_on_host=False):
   """`update_on='stream'` with `mixed_precision`: its master step runs in host memory on the
-  host, and only the new parameters come back, in their compute dtype, one leaf at a time.
+  host, and only the new parameters come back, in their compute dtype, one leaf at a time
+  (`stay_on_host`: the updates to `params`, which are in host memory, stay there instead).
 
   Streamed gradients that `value_and_grad` noted (`noted`, per leaf) are finished
   from their micro-batch parts in this same host computation: an output of a
@@ -667,12 +668,12 @@ def _streamed_update(step: _Step, grads, state, params, arrays, noted):
   # Offloaded stage-3 parameters are updated where they live: the new ones stay in host
   # memory, in the shards the host computed them in (stages 1-2 gather them on the device).
   stay = step.config.options.offload_params and step.config.stage == 3
-  rounded, state = _host_master_step(
+  new, state = _host_master_step(
     step.master_step, grads, state, params, arrays, step.others, noted, stay_on_host=stay
   )
-  if stay:  # the updates themselves, in host memory
-    return rounded, _to_plan_memory(state, plan.opt_state)
-  rounded = mesh_lib.constrain(rounded, plan.param_shards, mesh)
+  if stay:  # `new` is the updates themselves, in host memory
+    return new, _to_plan_memory(state, plan.opt_state)
+  rounded = mesh_lib.constrain(new, plan.param_shards, mesh)
   rounded = mesh_lib.constrain(rounded, _on_device(plan.params), mesh)
   rounded = _to_memory(rounded, plan.params, host=True)
   return updates_to(rounded, params), _to_plan_memory(state, plan.opt_state)

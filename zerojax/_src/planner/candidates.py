@@ -127,7 +127,7 @@ class Candidate:
       (`SPARSECORE_OPTIONS`), asynchronous beside the TensorCores; None leaves them where the
       compiler puts them.
     offload_params: the parameters at rest in host memory (`Options.offload_params`): at
-      stage 3 with per-layer gathers each layer's shard comes to the device one layer ahead.
+      stage 3 with per-layer gathers each layer's shard comes to the device in the layer loop.
   """
 
   stage: int

@@ -81,8 +81,8 @@ def _none_or(choices):
 # other, each is an error, not ignored.
 SEARCH_ONLY = tuple(
   'stages layouts tensor_sizes micro_batches remats prefetch_options offloads update_ons'
-  ' offload_params_options quantizes batches_per_chip hbm_gib max_candidates out slice_counts scheduler_shares'
-  ' collective_offloads'.split()
+  ' offload_params_options quantizes batches_per_chip hbm_gib max_candidates out slice_counts'
+  ' scheduler_shares collective_offloads'.split()
 )
 
 
