@@ -2,6 +2,7 @@
 device layer by layer inside zerojax.value_and_grad, updated where they live."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +15,11 @@ import zerojax
 from zerojax._src.planner import presets
 
 
-def _decoder_run(mesh, stage, *, offload_params, update_on, micro_batches=1, steps=3):
+def _decoder_run(mesh, stage, *, offload_params, update_on, micro_batches=1, steps=3, fused=True):
   """`steps` AdamW steps of the tiny scanned bf16 decoder (mixed_precision, fp32 master and
-  moments in host memory): the losses, the parameters and the optimizer state."""
+  moments in host memory): the losses, the parameters and the optimizer state. `fused` takes
+  the new parameters through `tx.update.apply_gradients`, else `tx.update` and
+  `optax.apply_updates`."""
   cfg = presets.PRESETS['tiny']
   ztx = zerojax.zero_stage(
     zerojax.mixed_precision(optax.adamw(1e-2, weight_decay=0.1)),
@@ -37,6 +40,9 @@ def _decoder_run(mesh, stage, *, offload_params, update_on, micro_batches=1, ste
   @jax.jit
   def step(params, opt_state, tokens):
     value, grads = grad_fn(params, tokens)
+    if fused:
+      params, opt_state = ztx.update.apply_gradients(grads, opt_state, params)
+      return params, opt_state, value
     updates, opt_state = ztx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
@@ -53,7 +59,7 @@ def _decoder_run(mesh, stage, *, offload_params, update_on, micro_batches=1, ste
 def _without_offload(stage, micro_batches):
   mesh = jax.make_mesh((8,), ('data',), axis_types=(jax.sharding.AxisType.Auto,))
   return _decoder_run(
-    mesh, stage, offload_params=False, update_on='stream', micro_batches=micro_batches
+    mesh, stage, offload_params=False, update_on='stream', micro_batches=micro_batches, fused=False
   )
 
 
@@ -83,6 +89,77 @@ def test_trains_bit_for_bit_like_parameters_on_the_device(
   assert {x.sharding.memory_kind for x in jax.tree.leaves(base[1])} == {'device'}
 
 
+# The exact warning of `tx.update` on offloaded stage-3 parameters.
+UPDATE_WARNING = (
+  'offload_params=True at stage 3: tx.update returns the updates for optax.apply_updates,'
+  ' and the compiler holds them, every layer at once, in device memory for that add; the'
+  " device's peak then grows with the layer count. Take the new parameters in the update's"
+  ' own host computation instead: params, opt_state = tx.update.apply_gradients(grads,'
+  ' opt_state, params) (a train state from zerojax.create_train_state does this in'
+  ' state.apply_gradients).'
+)
+
+
+@pytest.mark.parametrize('update_on', ['stream', 'host'])
+def test_update_and_its_add_equal_apply_gradients_and_warn(update_on, auto_mesh):
+  """`tx.update` + `optax.apply_updates` on offloaded stage-3 parameters: bit for bit what
+  `tx.update.apply_gradients` makes in the update's host computation, with the warning naming
+  that call (tracing the step warns once)."""
+  fused = _decoder_run(auto_mesh, 3, offload_params=True, update_on=update_on, steps=2)
+  with pytest.warns(UserWarning) as caught:
+    split = _decoder_run(
+      auto_mesh, 3, offload_params=True, update_on=update_on, steps=2, fused=False
+    )
+  assert [str(w.message) for w in caught if 'offload_params' in str(w.message)] == [UPDATE_WARNING]
+  np.testing.assert_array_equal(fused[0], split[0])
+  for a, b in zip(jax.tree.leaves(fused[1:]), jax.tree.leaves(split[1:])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(fused[1])} == {'pinned_host'}
+
+
+def test_apply_gradients_needs_params_and_elsewhere_is_update_then_add(auto_mesh):
+  params = mlp_params()
+  ztx = zerojax.zero_stage(optax.adam(1e-2), 2, mesh=auto_mesh)
+  state = ztx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  with pytest.raises(TypeError) as e:
+    ztx.update.apply_gradients(grads, state, None)
+  assert str(e.value) == (
+    'apply_gradients(grads, state, params): params is None; pass the parameters the'
+    ' gradients are of (the new ones are made from them).'
+  )
+  assert not ztx.update.fuses
+  new, new_state = jax.jit(ztx.update.apply_gradients)(grads, state, params)
+  updates, ref_state = jax.jit(ztx.update)(grads, state, params)
+  ref = optax.apply_updates(params, updates)
+  for a, b in zip(jax.tree.leaves((new, new_state)), jax.tree.leaves((ref, ref_state))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_train_state_takes_offloaded_parameters_in_one_call(auto_mesh):
+  """`zerojax.create_train_state`'s state: `apply_gradients` on offloaded stage-3 parameters
+  goes through `tx.update.apply_gradients` (no warning; the same values as the split call);
+  without offload it is flax's own."""
+  from flax.training import train_state as flax_train_state
+
+  tx = zerojax.zero_stage(
+    optax.adamw(1e-2), 3, mesh=auto_mesh, offload='opt_state', update_on='host', offload_params=True
+  )
+  state = zerojax.create_train_state(lambda: mlp_params(), tx=tx, apply_fn=None)
+  assert isinstance(state, flax_train_state.TrainState)
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), state.params)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    new = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+  with pytest.warns(UserWarning, match='offload_params=True at stage 3'):
+    updates, _ = jax.jit(tx.update)(grads, state.opt_state, state.params)
+  ref = jax.jit(optax.apply_updates)(state.params, updates)
+  assert int(new.step) == 1
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(new.params)} == {'pinned_host'}
+
+
 def test_plain_optimizer_updates_on_the_host(auto_mesh):
   """Without mixed_precision (fp32 parameters, update_on='host'): equal to plain optax on the
   same gradients, parameters in host memory."""
@@ -107,8 +184,7 @@ def test_plain_optimizer_updates_on_the_host(auto_mesh):
   @jax.jit
   def step(p, s, x):
     _, g = grad_fn(p, x)
-    u, s = ztx.update(g, s, p)
-    return optax.apply_updates(p, u), s
+    return ztx.update.apply_gradients(g, s, p)
 
   new, _ = step(placed, state, x)
   ref_state = tx.init(params)
@@ -147,25 +223,27 @@ def test_options_say_what_offloaded_parameters_need():
     zerojax.Options(offload='opt_state', update_on='host', offload_params=True, policy='pad')
 
 
-def _tpu_compiled(n_layers, offload_params):
-  """The tiny decoder's stage-3 streamed step (bf16 parameters, fp32 master and moments in host
-  memory, per-layer gathers, remat 'gathers') compiled for a TPU v5e:2x4."""
+def _tpu_compiled(n_layers, offload_params, topology='v5e:2x4', remat='gathers', model=None):
+  """A decoder's stage-3 streamed step (bf16 parameters, fp32 master and moments in host
+  memory, per-layer gathers) compiled for a TPU: by default the tiny preset with remat
+  'gathers' on v5e:2x4. The planner's train state takes offloaded parameters through
+  `tx.update.apply_gradients`."""
   import dataclasses
 
   from zerojax._src.planner import candidates, lowering, tpu
 
-  model = dataclasses.replace(presets.PRESETS['tiny'], n_layers=n_layers)
+  model = dataclasses.replace(model or presets.PRESETS['tiny'], n_layers=n_layers)
   target = lowering.make_target(
     model,
-    'v5e:2x4',
-    devices=tpu.topology_devices('v5e:2x4'),
+    topology,
+    devices=tpu.topology_devices(topology),
     optimizer=lambda: optax.adamw(1e-4, weight_decay=0.1),
     mixed_precision=True,
     settings=presets.ModelSettings(seq_len=64),
   )
   candidate = candidates.Candidate(
     3,
-    remat='gathers',
+    remat=remat,
     offload='opt_state+master',
     update_on='stream',
     offload_params=offload_params,
@@ -185,7 +263,16 @@ def _tpu_compiled(n_layers, offload_params):
     for (_, x), s in zip(flat, jax.tree.leaves(lowered.plan.param_shards))
   ]
   moved = zerojax.inspect.count_host_transfers(compiled)
-  return dict(device=device, args=stats.argument_size_in_bytes, shards=sum(shards), moved=moved)
+  return dict(
+    device=device,
+    args=stats.argument_size_in_bytes,
+    shards=sum(shards),
+    # The leaves fetched layer by layer: the stacked matrices (16-bit stacks of norm scales
+    # come to the device whole, docs/design.md).
+    per_layer_leaves=sum(b for (_, x), b in zip(flat, shards) if x.ndim >= 3),
+    moved=moved,
+    host_temp=stats.host_temp_size_in_bytes,
+  )
 
 
 @pytest.mark.tpu
@@ -208,6 +295,42 @@ def test_tpu_parameters_leave_device_memory_and_its_peak_stops_growing_with_dept
   base_slope = (got[False, 8]['device'] - got[False, 4]['device']) / 4
   slope = (got[True, 8]['device'] - got[True, 4]['device']) / 4
   assert slope <= base_slope - per_layer, (slope, base_slope, per_layer)
+
+
+@pytest.mark.tpu
+@pytest.mark.slow
+@pytest.mark.xdist_group('libtpu')
+def test_one_chip_device_peak_is_flat_in_depth_with_parameters_offloaded():
+  """Compiled for one v5e chip (a 512-wide gated decoder, 128 tokens, remat 'full'): with the
+  parameters offloaded, the device's peak (arguments + outputs - aliased + temporaries, host
+  memory apart) is the same at 4 and at 8 layers (libtpu 0.0.42: 23,708,672 and 23,571,456
+  bytes, where it grows by 16,946,560 bytes per layer with them on the device); the gradients'
+  host stand-ins are what grows, in host memory. The host link carries what the formula of
+  docs/design.md says."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  model = presets.DecoderConfig(4096, 512, 4, 8, 8, 2048, 128, gated=True)
+  got = {
+    (op, n): _tpu_compiled(n, op, 'v5e:1x1', 'full', model) for op in (False, True) for n in (4, 8)
+  }
+  per_layer = (got[False, 8]['shards'] - got[False, 4]['shards']) / 4
+  base_slope = (got[False, 8]['device'] - got[False, 4]['device']) / 4
+  slope = (got[True, 8]['device'] - got[True, 4]['device']) / 4
+  assert base_slope >= per_layer, (base_slope, per_layer)
+  assert abs(slope) <= 0.002 * got[True, 4]['device'], (slope, got[True, 4]['device'])
+  assert got[True, 4]['args'] <= got[False, 4]['args'] - got[False, 4]['shards']
+  assert got[True, 8]['host_temp'] - got[True, 4]['host_temp'] >= 4 * per_layer
+  # The host link, per step: each layer's matrices come up twice (forward and backward
+  # passes), the other leaves once (whole, at the step's start), besides a scalar; the
+  # streamed gradients go down as without parameter offload, and nothing else does.
+  for n in (4, 8):
+    up, base, fetched = (
+      got[True, n]['moved'],
+      got[False, n]['moved'],
+      got[True, n]['per_layer_leaves'],
+    )
+    formula = 2 * fetched + (got[True, n]['shards'] - fetched)
+    assert 0 <= up.to_device - formula <= 64, (n, up.to_device, formula)
+    assert up.to_host == base.to_host, (n, up.to_host, base.to_host)
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import jax
@@ -14,6 +15,31 @@ from zerojax._src import plan as plan_lib
 from zerojax._src import precision, rules, transform, validation
 
 State = TypeVar('State')
+
+
+@functools.cache
+def fused_train_state() -> type:
+  """flax's `TrainState` whose `apply_gradients` takes offloaded stage-3 parameters from their
+  zero-wrapped optimizer in one call (`ZeroUpdate.apply_gradients`), made where they rest, in
+  host memory; any other state updates as flax's does. The default class of
+  `create_train_state`."""
+  from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+  from flax.training import train_state as flax_train_state
+
+  class TrainState(flax_train_state.TrainState):
+    """flax's `TrainState`; `apply_gradients` updates offloaded stage-3 parameters in one
+    call (`tx.update.apply_gradients`), so they never come to the device whole."""
+
+    def apply_gradients(self, *, grads, **kwargs):
+      update = getattr(self.tx, 'update', None)
+      # fp8's overwritten values (flax's OVERWRITE_WITH_GRADIENT) take flax's own path.
+      fp8 = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
+      if not isinstance(update, transform.ZeroUpdate) or fp8 or not update.fuses:
+        return super().apply_gradients(grads=grads, **kwargs)
+      params, opt_state = update.apply_gradients(grads, self.opt_state, self.params)
+      return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
+
+  return TrainState
 
 
 def is_train_state(obj: Any) -> bool:
@@ -140,9 +166,7 @@ def _layout(
   """
   config = require_zero_tx(tx, fields, where)
   if state_class is None:
-    from flax.training import train_state as flax_train_state
-
-    state_class = flax_train_state.TrainState
+    state_class = fused_train_state()
   initial = jax.eval_shape(init_fn, *init_args)  # the parameters init_fn gives, abstractly
   abstract_params = initial
   if param_dtype is not None:  # the plan's accounting uses the dtype the state will hold
@@ -197,7 +221,9 @@ def create_train_state(
     *init_args: arguments of `init_fn` (e.g. a PRNG key).
     tx: the optimizer from `zerojax.zero_stage(optax_tx, stage, mesh=..., ...)`.
     apply_fn: the model's apply function, stored in the state.
-    state_class: a TrainState class or subclass; default flax's `TrainState`.
+    state_class: a TrainState class or subclass; default flax's `TrainState` with an
+      `apply_gradients` that takes the new parameters in one call
+      (`tx.update.apply_gradients`: offloaded stage-3 parameters never come to the device).
     param_dtype: if given (e.g. `jnp.bfloat16`), the state's parameters are
       cast to it after `tx.init` has seen them at full precision: with
       `zerojax.mixed_precision(tx)` the fp32 master copy lives in the

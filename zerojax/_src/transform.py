@@ -247,22 +247,28 @@ def _explicit_callback(fn: Any, plan: plan_lib.ZeroPlan) -> Any:
   return call
 
 
-def _update_on_host(inner, grads, state, params, extra_args):
-  """Runs `inner.update` in host memory on the host (`compute_type='device_host'`)."""
+def _update_on_host(inner, grads, state, params, extra_args, applied=False):
+  """Runs `inner.update` in host memory on the host (`compute_type='device_host'`); with
+  `applied`, the new parameters (`optax.apply_updates`) in the same computation, left in
+  host memory (a second host computation would hold its input in device memory)."""
   host = jax.memory.Space.Host
 
   def update(grads, state, params):
-    return inner.update(grads, state, params, **extra_args)
+    updates, state = inner.update(grads, state, params, **extra_args)
+    return (optax.apply_updates(params, updates) if applied else updates), state
 
   run = compat.compute_on_host(update, out_memory_spaces=host)
-  updates, state = run(_move(grads, host), _move(state, host), _move(params, host))
-  return _move(updates, jax.memory.Space.Device), state
+  out, state = run(_move(grads, host), _move(state, host), _move(params, host))
+  return (out if applied else _move(out, jax.memory.Space.Device)), state
 
 
-def _host_master_step(step, grads, state, params, arrays, others, noted, stay_on_host=False):
+def _host_master_step(
+  step, grads, state, params, arrays, others, noted, stay_on_host=False, applied=False
+):
   """`update_on='stream'` with `mixed_precision`: its master step runs in host memory on the
   host, and only the new parameters come back, in their compute dtype, one leaf at a time
-  (`stay_on_host`: the updates to `params`, which are in host memory, stay there instead).
+  (`stay_on_host`: the updates to `params`, which are in host memory, stay there instead;
+  with `applied` too, `params` plus those updates, as `optax.apply_updates` adds them).
 
   Streamed gradients that `value_and_grad` noted (`noted`, per leaf) are finished
   from their micro-batch parts in this same host computation: an output of a
@@ -280,7 +286,10 @@ def _host_master_step(step, grads, state, params, arrays, others, noted, stay_on
     found = iter(zip(hows, parts, weights))
     flat = [streaming.finish(*next(found)) if g is None else g for g in sources]
     rounded, state = step(jax.tree.unflatten(treedef, flat), state, dtypes, **others, **arrays)
-    return (rounded if kept is None else updates_to(rounded, kept)), state
+    if kept is None:
+      return rounded, state
+    updates = updates_to(rounded, kept)
+    return (optax.apply_updates(kept, updates) if applied else updates), state
 
   # The new parameters are written straight to device memory. Parameters kept in host memory
   # (`stay_on_host`) are read there, and the updates to them are taken in this same
@@ -328,6 +337,23 @@ def _warn_if_not_streamed(grads: Any, params: Any, master_step: Any, stacklevel:
       ' to stream them layer by layer.',
       stacklevel=stacklevel,
     )
+
+
+def _warn_if_update_leaves_host(config: ZeroConfig, stacklevel: int) -> None:
+  """Offloaded stage-3 parameters updated through `tx.update`: the caller's
+  `optax.apply_updates` is a second host computation, so the compiler holds the updates, whole
+  layer stacks, in device memory for it; says so, and the call that avoids it."""
+  if not (config.options.offload_params and config.stage == 3):  # `ZeroUpdate.fuses`
+    return
+  warnings.warn(
+    'offload_params=True at stage 3: tx.update returns the updates for optax.apply_updates,'
+    ' and the compiler holds them, every layer at once, in device memory for that add; the'
+    " device's peak then grows with the layer count. Take the new parameters in the update's"
+    ' own host computation instead: params, opt_state = tx.update.apply_gradients(grads,'
+    ' opt_state, params) (a train state from zerojax.create_train_state does this in'
+    ' state.apply_gradients).',
+    stacklevel=stacklevel,
+  )
 
 
 def in_host_memory(x: Any) -> bool:
@@ -401,6 +427,34 @@ class ZeroUpdate:
 
   def __call__(self, updates, state, params=None, **extra_args):
     return self.fn(updates, state, params, **extra_args)
+
+  @property
+  def fuses(self) -> bool:
+    """Whether `apply_gradients` makes the new parameters inside the update itself (offloaded
+    stage-3 parameters); elsewhere it is `tx.update` and `optax.apply_updates`."""
+    return bool(self.config.options.offload_params) and self.config.stage == 3
+
+  def apply_gradients(self, grads, state, params, **extra_args):
+    """`(new_params, new_state)`: this update and `optax.apply_updates` in one call.
+
+    The same arithmetic as `updates, state = tx.update(grads, state, params)` followed by
+    `optax.apply_updates(params, updates)`. With `offload_params` at stage 3 and the update
+    on the host (`update_on='host'` or `'stream'`) the new parameters are made in the
+    update's own host computation, where they rest: the updates never come to the device.
+    Called as `tx.update.apply_gradients(grads, opt_state, params)`.
+
+    Raises:
+      TypeError: `params` is None (the new parameters are made from them).
+    """
+    if params is None:
+      raise TypeError(
+        'apply_gradients(grads, state, params): params is None; pass the parameters the'
+        ' gradients are of (the new ones are made from them).'
+      )
+    if not self.fuses:
+      updates, state = self.fn(grads, state, params, **extra_args)
+      return optax.apply_updates(params, updates), state
+    return self.fn(grads, state, params, _applied=True, **extra_args)
 
 
 def config_of(tx: Any) -> ZeroConfig | None:
@@ -551,21 +605,24 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     updates: optax.Updates,
     state: optax.OptState,
     params: optax.Params | None = None,
+    _applied: bool = False,
     **extra_args: Any,
   ) -> tuple[optax.Updates, optax.OptState]:
     validation.abstract_arrays(updates, 'grads')
     if params is not None:
       validation.check_like_params(updates, params, 'grads')
+    if not _applied:
+      _warn_if_update_leaves_host(config, stacklevel=3)
     if isinstance(state, layouts_lib.ZeroState):
-      return _recorded_update(config, inner, run, updates, state, params, extra_args)
-    return run(config, updates, state, params, extra_args)
+      return _recorded_update(config, inner, run, updates, state, params, extra_args, _applied)
+    return run(config, updates, state, params, extra_args, _applied)
 
-  def run(bound, updates, state, params, extra_args):
+  def run(bound, updates, state, params, extra_args, applied=False):
     plan = bound.plan(params if params is not None else updates, opt_state=state)
     plan = _kept_as_typed(plan, params, updates, bound)
     _check_state_not_replicated(state, plan, mesh)
     arrays, others = _split_extra_args(extra_args, plan, mesh)
-    step = _Step(bound, inner, master_step, plan, others)
+    step = _Step(bound, inner, master_step, plan, others, applied)
     noted = step.streamed_parts(updates, params)
     body = mesh_lib.run_in_layout(
       functools.partial(strategy, step), mesh, (plan.params, plan.opt_state)
@@ -585,6 +642,8 @@ class _Step:
     master_step: `mixed_precision`'s master step, or None.
     plan: the plan of these parameters.
     others: the extra args that are not arrays (callables, numbers).
+    applied: return the new parameters, not the updates (`ZeroUpdate.apply_gradients`, where
+      it `fuses`).
   """
 
   config: ZeroConfig
@@ -592,6 +651,12 @@ class _Step:
   master_step: Any
   plan: plan_lib.ZeroPlan
   others: dict
+  applied: bool = False
+
+  @property
+  def updates_where_params_live(self) -> bool:
+    """Offloaded stage-3 parameters, updated in host memory in the shards they rest in."""
+    return self.config.options.offload_params and self.config.stage == 3
 
   def streamed_parts(self, grads: Any, params: Any) -> list | None:
     """With update_on='stream': the parts each gradient was finished from (per leaf, None
@@ -651,6 +716,10 @@ def _host_update(step: _Step, grads, state, params, arrays, noted):
   like = grads
   grads, params = step.to_layout(grads, params)
   extra_args = {**step.others, **arrays}
+  if step.applied and step.updates_where_params_live:
+    # The new parameters are made where they rest, in the host computation itself.
+    new, state = _update_on_host(step.inner, grads, state, params, extra_args, applied=True)
+    return new, _to_plan_memory(state, step.plan.opt_state)
   updates, state = _update_on_host(step.inner, grads, state, params, extra_args)
   updates = _to_memory(step.gathered(updates, like), step.plan.params, host=True)
   return updates, _to_plan_memory(state, step.plan.opt_state)
@@ -667,11 +736,19 @@ def _streamed_update(step: _Step, grads, state, params, arrays, noted):
   grads, params = step.to_layout(grads, params)
   # Offloaded stage-3 parameters are updated where they live: the new ones stay in host
   # memory, in the shards the host computed them in (stages 1-2 gather them on the device).
-  stay = step.config.options.offload_params and step.config.stage == 3
+  stay = step.updates_where_params_live
   new, state = _host_master_step(
-    step.master_step, grads, state, params, arrays, step.others, noted, stay_on_host=stay
+    step.master_step,
+    grads,
+    state,
+    params,
+    arrays,
+    step.others,
+    noted,
+    stay_on_host=stay,
+    applied=step.applied,
   )
-  if stay:  # `new` is the updates themselves, in host memory
+  if stay:  # `new`: the updates themselves (or the new parameters), in host memory
     return new, _to_plan_memory(state, plan.opt_state)
   rounded = mesh_lib.constrain(new, plan.param_shards, mesh)
   rounded = mesh_lib.constrain(rounded, _on_device(plan.params), mesh)
@@ -679,9 +756,10 @@ def _streamed_update(step: _Step, grads, state, params, arrays, noted):
   return updates_to(rounded, params), _to_plan_memory(state, plan.opt_state)
 
 
-def _recorded_update(config, inner, run, updates, state, params, extra_args):
+def _recorded_update(config, inner, run, updates, state, params, extra_args, applied=False):
   """The update of a state that carries its parameters' layouts (`layouts.ZeroState`): `run`
-  (the update's body) with the config told those layouts, the record passed on unchanged."""
+  (the update's body) with the config told those layouts, the record passed on unchanged
+  (`applied`: the new parameters in place of the updates, at stage 3)."""
   if config.stage == 0 and config.options.offload is None:
     # Stage 0 splits nothing over the ZeRO axes: the wrapped optimizer as it is, so the
     # compiler lays the state out over the other axes as it would without zerojax (pinned
@@ -690,7 +768,7 @@ def _recorded_update(config, inner, run, updates, state, params, extra_args):
   else:
     like, name = (params, 'params') if params is not None else (updates, 'grads')
     bound = config.with_recorded(state.layouts, like, name)
-    updates, inner_state = run(bound, updates, state.inner, params, extra_args)
+    updates, inner_state = run(bound, updates, state.inner, params, extra_args, applied)
   return updates, layouts_lib.ZeroState(inner_state, state.layouts)
 
 
