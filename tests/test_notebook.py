@@ -1,6 +1,7 @@
 """The quickstart notebook executes top to bottom (on the faked CPU mesh)."""
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -40,6 +41,15 @@ def test_quickstart_notebook_executes(tmp_path):
   # The pod slice, compiled ahead of time by the TPU compiler on this CPU machine.
   assert 'gpt2-small | 0.16B params | ZeRO stage 3 | adamw | v5e:2x4 (8 chips)' in text
   assert 'reduce-scatter' in text and 'FITS' in text
+  # One chip (here one CPU device against a pretend 64 MiB chip): the smallest decoder whose
+  # states at rest exceed it by a quarter, planned for a v5e-1 with and without the offload,
+  # fine-tuned with the offload, its measured step beside the prediction.
+  assert 'chip: cpu, 0.06 GiB; planned as v5e:1x1' in text
+  sized = re.search(r'model: (\d+) layers, [\d,]+M parameters; states at rest ([\d.]+) GiB', text)
+  assert sized and float(sized[2]) * 2**30 >= 1.25 * 64 * 2**20, text
+  offloaded = text[text.index('--offload opt_state+master --update-on stream') :]
+  assert re.search(r'host memory [\d.]+ GiB per chip of 45 GiB: FITS', offloaded)
+  assert re.search(r'step: predicted [\d.]+ s on v5e:1x1, measured [\d.]+ s here \(cpu\)', text)
   assert any(
     o.get('output_type') == 'display_data'
     for c in nb.cells

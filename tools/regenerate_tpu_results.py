@@ -169,6 +169,7 @@ def steps(version: str) -> list[Step]:
       'v5p',
     ),
     _bench('bench_memory', 'bench_memory.py', (f'memory_v5e.libtpu-{v}.json',)),
+    _bench('bench_one_chip', 'bench_one_chip.py', (f'one_chip.libtpu-{v}.json',)),
     *_maxtext_programs(version),
     *_recorded(version, 'plan_'),
     *_recorded(version, 'search_'),
