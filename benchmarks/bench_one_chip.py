@@ -178,6 +178,38 @@ def largest(rows: list[dict]) -> dict:
   return {k: (v[0] if v else None) for k, v in best.items()}
 
 
+def _cell(r: dict) -> str:
+  """One setting of one shape, briefly: its predicted step and the host link's exposed share,
+  or why it does not fit."""
+  if r['fits']:
+    share = r.get('host_link_share')
+    return f'{r["step_seconds"]:.2f} s' + ('' if not share else f' ({100 * share:.0f}% host)')
+  status = r['status']
+  if search.STATES_EXCEED_HBM in status:
+    return 'states > HBM'
+  if search.STATE_EXCEEDS_HOST in status:
+    return 'host memory'
+  return 'over HBM' if status.startswith('over HBM') else status
+
+
+def pivot(rows: list[dict]) -> str:
+  """The table docs/planner.md quotes: per chip and shape, each setting's predicted step (and
+  the host link's exposed share of it) where it fits, else what it exceeds."""
+  settings = list(dict.fromkeys(r['setting'] for r in rows))
+  lines = [
+    '| chip | shape | ' + ' | '.join(settings) + ' |',
+    '|---|---|' + '---|' * len(settings),
+  ]
+  keyed = {(r['chip'], r['shape'], r['setting']): r for r in rows}
+  for chip, shape in dict.fromkeys((r['chip'], r['shape']) for r in rows):
+    first = keyed[chip, shape, settings[0]]
+    cells = [_cell(keyed[chip, shape, t]) if (chip, shape, t) in keyed else '-' for t in settings]
+    lines.append(
+      f'| {chip}-1 | {first["model"]} ({first["params"] / 1e9:.2f}B) | ' + ' | '.join(cells) + ' |'
+    )
+  return '\n'.join(lines)
+
+
 def _gib(x) -> str:
   return '-' if x is None else f'{x / 2**30:.2f}'
 
@@ -210,7 +242,11 @@ def main(argv=None) -> int:
   parser.add_argument('--seq-len', type=int, default=2048)
   parser.add_argument('--out', default=RESULTS)
   args = parser.parse_args(argv)
-  chips, shapes, settings = (args.chips.split(','), args.shapes.split(','), args.settings.split(','))
+  chips, shapes, settings = (
+    args.chips.split(','),
+    args.shapes.split(','),
+    args.settings.split(','),
+  )
   for given, known, flag in ((chips, CHIPS, '--chips'), (shapes, SHAPES, '--shapes')):
     unknown = sorted(set(given) - set(known))
     if unknown:
@@ -246,6 +282,7 @@ def main(argv=None) -> int:
     if p.startswith('one_chip.libtpu-') and p.endswith('.json'):
       with open(os.path.join(args.out, p)) as f:
         rec = json.load(f)
+      tables.append(pivot(rec['rows']))
       tables.append(table(rec['rows'], f'libtpu {rec["libtpu"]}, jax {rec["jax"]}'))
   with open(os.path.join(args.out, 'one_chip.md'), 'w') as f:
     f.write(
@@ -256,6 +293,7 @@ def main(argv=None) -> int:
       + '\n'
     )
   print(table(rows, f'libtpu {version}'))
+  print(pivot(rows))
   print(f'largest that fits: {record["largest"]}')
   print(f'wrote {path} and one_chip.md in {record["seconds"]:.0f} s')
   return 0

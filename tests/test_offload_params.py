@@ -138,8 +138,8 @@ def test_apply_gradients_needs_params_and_elsewhere_is_update_then_add(auto_mesh
 
 def test_train_state_takes_offloaded_parameters_in_one_call(auto_mesh):
   """`zerojax.create_train_state`'s state: `apply_gradients` on offloaded stage-3 parameters
-  goes through `tx.update.apply_gradients` (no warning; the same values as the split call);
-  without offload it is flax's own."""
+  goes through `tx.update.apply_gradients` (no warning; the split call's values, to fp32
+  rounding)."""
   from flax.training import train_state as flax_train_state
 
   tx = zerojax.zero_stage(
@@ -155,8 +155,10 @@ def test_train_state_takes_offloaded_parameters_in_one_call(auto_mesh):
     updates, _ = jax.jit(tx.update)(grads, state.opt_state, state.params)
   ref = jax.jit(optax.apply_updates)(state.params, updates)
   assert int(new.step) == 1
+  # The add compiled inside the update's host computation may be contracted with it: XLA:CPU
+  # with jax 0.12 rounds one of these fp32 values one ulp apart.
   for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-7, atol=0)
   assert {x.sharding.memory_kind for x in jax.tree.leaves(new.params)} == {'pinned_host'}
 
 

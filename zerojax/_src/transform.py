@@ -438,7 +438,8 @@ class ZeroUpdate:
     """`(new_params, new_state)`: this update and `optax.apply_updates` in one call.
 
     The same arithmetic as `updates, state = tx.update(grads, state, params)` followed by
-    `optax.apply_updates(params, updates)`. With `offload_params` at stage 3 and the update
+    `optax.apply_updates(params, updates)` (compiled into one computation, the add may be
+    contracted with the update: values a rounding step apart can occur). With `offload_params` at stage 3 and the update
     on the host (`update_on='host'` or `'stream'`) the new parameters are made in the
     update's own host computation, where they rest: the updates never come to the device.
     Called as `tx.update.apply_gradients(grads, opt_state, params)`.
