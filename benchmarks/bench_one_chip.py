@@ -40,6 +40,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(__file__))
@@ -144,7 +145,10 @@ def row(chip: str, shape: str, setting: str, r: search.Result, num_params: int) 
   return out
 
 
-def run(chips, shapes, settings, seq_len: int) -> list[dict]:
+def run(chips, shapes, settings, seq_len: int, cache_dir: Any = 'default') -> list[dict]:
+  """The rows of each chip, shape and setting ('default': the planner's program cache;
+  None compiles every program afresh)."""
+  cache_dir = program_cache.default_dir() if cache_dir == 'default' else cache_dir
   rows = []
   for chip in chips:
     topology = f'{chip}:1x1'
@@ -161,7 +165,7 @@ def run(chips, shapes, settings, seq_len: int) -> list[dict]:
       )
       found = with_default_shares([SETTINGS[s] for s in settings], topology, None)
       print(f'{topology} {shape} ({SHAPES[shape][0]}): {len(found)} settings', flush=True)
-      report = search.run_search(target, found, cache_dir=program_cache.default_dir())
+      report = search.run_search(target, found, cache_dir=cache_dir)
       count = cfg.num_params()
       rows += [row(chip, shape, s, r, count) for s, r in zip(settings, report.results)]
   return rows

@@ -3,6 +3,8 @@ host holds one chip, the one-chip VM's host memory, and a report that says one d
 nothing."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from _models import run_cli
@@ -102,3 +104,70 @@ def test_a_model_whose_host_state_exceeds_the_one_chip_vm_is_refused_before_comp
     ' offloaded)'
   ) in r.stderr
   assert 'compiling' not in r.stderr + r.stdout
+
+
+# --- The one-chip table (benchmarks/bench_one_chip.py, quoted in docs/planner.md)
+
+RESULTS = Path(__file__).resolve().parent.parent / 'benchmarks' / 'results'
+
+
+def _bench_one_chip():
+  sys.path.insert(0, str(RESULTS.parent))
+  try:
+    import bench_one_chip
+  finally:
+    sys.path.remove(str(RESULTS.parent))
+  return bench_one_chip
+
+
+def _committed(version: str = '0.0.42') -> dict:
+  return json.loads((RESULTS / f'one_chip.libtpu-{version}.json').read_text())
+
+
+def test_the_one_chip_table_is_its_rows_verdicts_and_the_docs_quote_it():
+  """Every chip, shape and setting has a row; a row refused before compiling exceeds what its
+  status names (the chip's HBM, the one-chip VM's host memory); `largest` is the rows' own;
+  docs/planner.md quotes the table as the rows make it."""
+  bench = _bench_one_chip()
+  record = _committed()
+  rows = record['rows']
+  assert [(r['chip'], r['shape'], r['setting']) for r in rows] == bench._all_keys()
+  limits = {'v5e': (16 * 2**30, 48 * 10**9), 'v6e': (32 * 2**30, 1536 * 2**30 // 8)}
+  for r in rows:
+    hbm, host = limits[r['chip']]
+    assert r['fits'] == (r['status'] == 'fits'), r
+    if 'states alone exceed HBM' in r['status']:
+      assert r['states_bytes'] > hbm, r
+    elif 'offloaded state exceeds host memory' in r['status']:
+      assert r['states_bytes'] <= hbm and r['host_bytes'] > host, r
+    else:  # compiled: it fits, or the compiler refused it
+      assert r['program_source'] in ('compiled', 'cache'), r
+      assert r['fits'] or r['status'].startswith('over HBM'), r
+    if r['fits']:
+      assert 0 < r['peak_bytes'] <= hbm and r['step_seconds'] > 0, r
+  assert record['largest'] == bench.largest(rows)
+  docs = (RESULTS.parent.parent / 'docs' / 'planner.md').read_text()
+  assert bench.pivot(rows) in docs
+
+
+@pytest.mark.tpu
+@pytest.mark.slow
+@pytest.mark.xdist_group('libtpu')
+def test_one_chip_rows_compile_again_to_their_committed_verdicts():
+  """Two rows compiled afresh (no program cache) with libtpu 0.0.42: Llama-3.2-1B's shape with
+  the state and master streamed fits v5e-1 at its committed peak; Llama-3.1-8B's does not fit
+  v6e-1 that way (the compiler's refusal)."""
+  pytest.importorskip('libtpu', reason='needs the tpu extra (libtpu)')
+  bench = _bench_one_chip()
+  if bench.compiler_tag() != 'libtpu-0.0.42':
+    pytest.skip('the committed table is libtpu 0.0.42')
+  committed = {(r['chip'], r['shape'], r['setting']): r for r in _committed()['rows']}
+  for chip, shape in (('v5e', '1B'), ('v6e', '8B')):
+    (row,) = bench.run([chip], [shape], ['opt_state+master'], 2048, cache_dir=None)
+    want = committed[chip, shape, 'opt_state+master']
+    assert row['program_source'] == 'compiled'
+    assert (row['fits'], row['status'], row['peak_bytes']) == (
+      want['fits'],
+      want['status'],
+      want['peak_bytes'],
+    )
