@@ -86,6 +86,12 @@ class ZeroConfig:
         self._plans.popitem(last=False)
     return plan
 
+  @property
+  def updates_params_on_host(self) -> bool:
+    """Offloaded stage-3 parameters: updated in host memory, in the shards they rest in
+    (`ZeroUpdate.apply_gradients` makes the new ones there)."""
+    return bool(self.options.offload_params) and self.stage == 3
+
   def _other_axes(self) -> list[str]:
     """The mesh axes of size > 1 that are neither ZeRO nor data-parallel (replica) axes."""
     skip = set(self.axes) | set(self.replica_axes)
@@ -343,7 +349,7 @@ def _warn_if_update_leaves_host(config: ZeroConfig, stacklevel: int) -> None:
   """Offloaded stage-3 parameters updated through `tx.update`: the caller's
   `optax.apply_updates` is a second host computation, so the compiler holds the updates, whole
   layer stacks, in device memory for it; says so, and the call that avoids it."""
-  if not (config.options.offload_params and config.stage == 3):  # `ZeroUpdate.fuses`
+  if not config.updates_params_on_host:
     return
   warnings.warn(
     'offload_params=True at stage 3: tx.update returns the updates for optax.apply_updates,'
@@ -432,17 +438,18 @@ class ZeroUpdate:
   def fuses(self) -> bool:
     """Whether `apply_gradients` makes the new parameters inside the update itself (offloaded
     stage-3 parameters); elsewhere it is `tx.update` and `optax.apply_updates`."""
-    return bool(self.config.options.offload_params) and self.config.stage == 3
+    return self.config.updates_params_on_host
 
   def apply_gradients(self, grads, state, params, **extra_args):
     """`(new_params, new_state)`: this update and `optax.apply_updates` in one call.
 
     The same arithmetic as `updates, state = tx.update(grads, state, params)` followed by
-    `optax.apply_updates(params, updates)` (compiled into one computation, the add may be
-    contracted with the update: values a rounding step apart can occur). With `offload_params` at stage 3 and the update
+    `optax.apply_updates(params, updates)`. With `offload_params` at stage 3 and the update
     on the host (`update_on='host'` or `'stream'`) the new parameters are made in the
-    update's own host computation, where they rest: the updates never come to the device.
-    Called as `tx.update.apply_gradients(grads, opt_state, params)`.
+    update's own host computation, where they rest: the updates never come to the device
+    (compiled into one computation, the add may be contracted with the update: values a
+    rounding step apart can occur). Called as `tx.update.apply_gradients(grads, opt_state,
+    params)`.
 
     Raises:
       TypeError: `params` is None (the new parameters are made from them).
@@ -654,11 +661,6 @@ class _Step:
   others: dict
   applied: bool = False
 
-  @property
-  def updates_where_params_live(self) -> bool:
-    """Offloaded stage-3 parameters, updated in host memory in the shards they rest in."""
-    return self.config.options.offload_params and self.config.stage == 3
-
   def streamed_parts(self, grads: Any, params: Any) -> list | None:
     """With update_on='stream': the parts each gradient was finished from (per leaf, None
     where it was not streamed), after warning where nothing can stream."""
@@ -717,7 +719,7 @@ def _host_update(step: _Step, grads, state, params, arrays, noted):
   like = grads
   grads, params = step.to_layout(grads, params)
   extra_args = {**step.others, **arrays}
-  if step.applied and step.updates_where_params_live:
+  if step.applied and step.config.updates_params_on_host:
     # The new parameters are made where they rest, in the host computation itself.
     new, state = _update_on_host(step.inner, grads, state, params, extra_args, applied=True)
     return new, _to_plan_memory(state, step.plan.opt_state)
@@ -737,7 +739,7 @@ def _streamed_update(step: _Step, grads, state, params, arrays, noted):
   grads, params = step.to_layout(grads, params)
   # Offloaded stage-3 parameters are updated where they live: the new ones stay in host
   # memory, in the shards the host computed them in (stages 1-2 gather them on the device).
-  stay = step.updates_where_params_live
+  stay = step.config.updates_params_on_host
   new, state = _host_master_step(
     step.master_step,
     grads,
