@@ -251,13 +251,15 @@ def main(argv=None) -> int:
     args.shapes.split(','),
     args.settings.split(','),
   )
-  for given, known, flag in ((chips, CHIPS, '--chips'), (shapes, SHAPES, '--shapes')):
+  named = (
+    (chips, CHIPS, '--chips'),
+    (shapes, SHAPES, '--shapes'),
+    (settings, SETTINGS, '--settings'),
+  )
+  for given, known, flag in named:
     unknown = sorted(set(given) - set(known))
     if unknown:
       parser.error(f'{flag}: unknown {unknown}; choose from {list(known)}.')
-  unknown = sorted(set(settings) - set(SETTINGS))
-  if unknown:
-    parser.error(f'--settings: unknown {unknown}; choose from {list(SETTINGS)}.')
   version = compiler_tag().removeprefix('libtpu-')
   start = time.perf_counter()
   rows = run(chips, shapes, settings, args.seq_len)
