@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from _models import mlp_apply, mlp_params, plan_of
+from flax import nnx
 
 import zerojax
 from zerojax._src.planner import presets
@@ -96,7 +97,7 @@ UPDATE_WARNING = (
   " device's peak then grows with the layer count. Take the new parameters in the update's"
   ' own host computation instead: params, opt_state = tx.update.apply_gradients(grads,'
   ' opt_state, params) (a train state from zerojax.create_train_state does this in'
-  ' state.apply_gradients).'
+  ' state.apply_gradients; for Flax NNX, zerojax.nnx.Optimizer in place of nnx.Optimizer).'
 )
 
 
@@ -388,3 +389,57 @@ def test_a_mesh_with_replica_axes_refuses_offloaded_parameters_per_layer():
     " before they could be summed over the replica axes ('replica',); keep the parameters on"
     ' the device (offload_params=False) on a mesh with replica axes (e.g. several TPU slices).'
   )
+
+
+class _MLP(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.Linear(16, 32, rngs=rngs)
+    self.b = nnx.Linear(32, 16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.b(jax.nn.relu(self.a(x)))
+
+
+def _nnx_steps(mesh, optimizer_class, steps=2, **options):
+  tx = zerojax.zero_stage(optax.adamw(1e-2, weight_decay=0.1), 3, mesh=mesh, **options)
+  model = zerojax.nnx.shard(_MLP(nnx.Rngs(0)), tx)
+  optimizer = optimizer_class(model, tx, wrt=nnx.Param)
+  grad_fn = zerojax.nnx.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2), tx)
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    loss, grads = grad_fn(model, x)
+    return loss, optimizer.update(model, grads)
+
+  x = jax.random.normal(jax.random.key(0), (32, 16))
+  x = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P('data')))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    out = [step(model, optimizer, x) for _ in range(steps)]
+  said = [str(w.message) for w in caught if 'offload_params' in str(w.message)]
+  return model, optimizer, out, said
+
+
+def test_nnx_optimizer_takes_offloaded_parameters_in_one_call(auto_mesh):
+  """zerojax.nnx.Optimizer: with offloaded stage-3 parameters its update is apply_gradients
+  (no warning, nothing returned, parameters stay in host memory), equal to nnx.Optimizer's
+  update + add to fp32 rounding; without offload it is nnx.Optimizer's own, bit for bit."""
+  offload = dict(offload='opt_state', update_on='host', offload_params=True)
+  model, optimizer, out, said = _nnx_steps(auto_mesh, zerojax.nnx.Optimizer, **offload)
+  ref_model, ref_optimizer, ref_out, ref_said = _nnx_steps(auto_mesh, nnx.Optimizer, **offload)
+  assert (said, set(ref_said)) == ([], {UPDATE_WARNING})
+  assert [u for _, u in out] == [None, None]
+  assert int(optimizer.step[...]) == 2
+  params = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert {p.sharding.memory_kind for p in params} == {'pinned_host'}
+  for a, b in zip(params, jax.tree.leaves(nnx.state(ref_model, nnx.Param))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-7, atol=0)
+  np.testing.assert_allclose(float(out[1][0]), float(ref_out[1][0]), rtol=1e-6)
+
+  model, _, out, said = _nnx_steps(auto_mesh, zerojax.nnx.Optimizer)
+  ref_model, _, ref_out, _ = _nnx_steps(auto_mesh, nnx.Optimizer)
+  assert said == [] and all(u is not None for _, u in out)
+  for a, b in zip(
+    jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(ref_model, nnx.Param))
+  ):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -6,12 +6,22 @@
 - `value_and_grad(loss_fn, tx)`: `zerojax.value_and_grad` for `loss_fn(model, batch)`.
 - `logical_param_specs(model, rules)`: mesh layouts from `nnx.with_partitioning`'s logical
   axis names, for `zero_stage(param_specs=...)`.
+- `Optimizer(model, tx, wrt=...)`: `nnx.Optimizer` whose `update` keeps offloaded stage-3
+  parameters' update in host memory (`tx.update.apply_gradients`).
 """
 
+from zerojax._src.nnx_state import Optimizer as Optimizer
 from zerojax._src.nnx_state import create_model as create_model
 from zerojax._src.nnx_state import gathered as gathered
 from zerojax._src.nnx_state import logical_param_specs as logical_param_specs
 from zerojax._src.nnx_state import shard as shard
 from zerojax._src.nnx_state import value_and_grad as value_and_grad
 
-__all__ = ['create_model', 'gathered', 'logical_param_specs', 'shard', 'value_and_grad']
+__all__ = [
+  'Optimizer',
+  'create_model',
+  'gathered',
+  'logical_param_specs',
+  'shard',
+  'value_and_grad',
+]

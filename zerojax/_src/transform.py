@@ -357,7 +357,7 @@ def _warn_if_update_leaves_host(config: ZeroConfig, stacklevel: int) -> None:
     " device's peak then grows with the layer count. Take the new parameters in the update's"
     ' own host computation instead: params, opt_state = tx.update.apply_gradients(grads,'
     ' opt_state, params) (a train state from zerojax.create_train_state does this in'
-    ' state.apply_gradients).',
+    ' state.apply_gradients; for Flax NNX, zerojax.nnx.Optimizer in place of nnx.Optimizer).',
     stacklevel=stacklevel,
   )
 
