@@ -244,7 +244,7 @@ class Optimizer(nnx.Optimizer):
   """
 
   def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
-    update = getattr(self.tx, 'update', None)
+    update = self.tx.update
     if not getattr(update, 'fuses', False):
       return super().update(model, grads, **kwargs)
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
