@@ -238,6 +238,33 @@ def table(rows: list[dict], compiler: str) -> str:
   return '\n'.join(lines)
 
 
+def markdown(out: str) -> str:
+  """one_chip.md: each compiler's committed run in `out` (one_chip.libtpu-*.json), its pivot
+  and its full table."""
+  tables, seq_lens = [], {}
+  for p in sorted(os.listdir(out)):
+    if p.startswith('one_chip.libtpu-') and p.endswith('.json'):
+      with open(os.path.join(out, p)) as f:
+        rec = json.load(f)
+      seq_lens[p] = rec['seq_len']
+      tables.append(pivot(rec['rows']))
+      tables.append(table(rec['rows'], f'libtpu {rec["libtpu"]}, jax {rec["jax"]}'))
+  if not seq_lens:
+    raise ValueError(f'{out}: no one_chip.libtpu-*.json to tabulate (run bench_one_chip.py).')
+  if len(set(seq_lens.values())) != 1:
+    raise ValueError(
+      f'{out}: the one-chip runs have sequence lengths {seq_lens}; one table needs one length'
+      ' (run bench_one_chip.py again with the same --seq-len for each compiler).'
+    )
+  return (
+    f'# One chip: what fine-tunes where (bench_one_chip.py)\n\n{seq_lens.popitem()[1]} tokens,'
+    ' one sequence per step, AdamW in mixed precision at stage 3; "fits" is the compiled'
+    ' program against HBM, after the states against HBM and host memory.\n\n'
+    + '\n\n'.join(tables)
+    + '\n'
+  )
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--chips', default=','.join(CHIPS))
@@ -283,21 +310,8 @@ def main(argv=None) -> int:
   )
   with open(path, 'w') as f:
     json.dump(record, f, indent=1)
-  tables = []
-  for p in sorted(os.listdir(args.out)):
-    if p.startswith('one_chip.libtpu-') and p.endswith('.json'):
-      with open(os.path.join(args.out, p)) as f:
-        rec = json.load(f)
-      tables.append(pivot(rec['rows']))
-      tables.append(table(rec['rows'], f'libtpu {rec["libtpu"]}, jax {rec["jax"]}'))
   with open(os.path.join(args.out, 'one_chip.md'), 'w') as f:
-    f.write(
-      f'# One chip: what fine-tunes where (bench_one_chip.py)\n\n{args.seq_len} tokens, one'
-      ' sequence per step, AdamW in mixed precision at stage 3; "fits" is the compiled'
-      ' program against HBM, after the states against HBM and host memory.\n\n'
-      + '\n\n'.join(tables)
-      + '\n'
-    )
+    f.write(markdown(args.out))
   print(table(rows, f'libtpu {version}'))
   print(pivot(rows))
   print(f'largest that fits: {record["largest"]}')

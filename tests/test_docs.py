@@ -909,3 +909,26 @@ def test_the_regeneration_tool_rewrites_every_committed_tpu_result(tmp_path, mon
   (copy / 'stray.libtpu-0.0.42.json').write_text('{}')
   monkeypatch.setattr(regen, 'ROOT', str(tmp_path))
   assert regen.uncovered('0.0.42') == ['benchmarks/results/stray.libtpu-0.0.42.json']
+
+
+def test_the_shared_tables_are_rendered_from_every_compilers_committed_runs(tmp_path, monkeypatch):
+  """Each table under benchmarks/results that the compilers' runs share (MaxText's rows, the
+  searches of them, the memory table, the one-chip table, MaxText's programs) is, byte for byte,
+  what `tools/regenerate_tpu_results.py --tables` writes from the committed runs alone: none
+  keeps a row of an earlier run, or of only one compiler's."""
+  import shutil
+
+  sys.path.insert(0, str(ROOT / 'tools'))
+  import regenerate_tpu_results as regen
+
+  results = ROOT / 'benchmarks' / 'results'
+  copy = tmp_path / 'benchmarks' / 'results'
+  copy.mkdir(parents=True)
+  for path in results.glob('*.json'):
+    shutil.copy(path, copy / path.name)
+  monkeypatch.setattr(regen, 'ROOT', str(tmp_path))
+  written = regen.rewrite_tables()
+  assert len(written) == 9
+  for path in written:
+    name = os.path.basename(path)
+    assert (copy / name).read_text() == (results / name).read_text(), name

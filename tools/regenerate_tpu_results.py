@@ -1,6 +1,7 @@
 """Regenerates every committed TPU result for the installed jax and libtpu, in order.
 
     python tools/regenerate_tpu_results.py [--list] [--from N] [--only N,M] [--no-cache]
+    python tools/regenerate_tpu_results.py --tables
 
 A change to what the planner compiles (the presets' model, a default option) moves the figures
 of every result under benchmarks/results that carries `libtpu-VERSION` in its name. This runs,
@@ -10,6 +11,10 @@ end: this machine's Python for libtpu 0.0.42, `tools/newest-jax`'s root for 0.0.
 are numbered; `--from N` resumes after an interruption, `--list` prints them and what each
 writes. Each step's output and time go to the terminal; a failed step stops the run with its
 number, so that `--from` starts there again.
+
+Each benchmark also rewrites the table (.md) the compilers share from the runs beside it. When
+the two ends run in separate checkouts, copy one's versioned files into the other and run
+`--tables` there: it rewrites every shared table from all the committed runs, compiling nothing.
 
 Compiling takes hours on a 2-core machine (the v5e-256 programs about a minute and a half each,
 the searches tens of them). Programs already compiled are read back from the planner's cache
@@ -32,6 +37,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join('benchmarks', 'results')
+BENCHMARKS = os.path.join(ROOT, 'benchmarks')  # the scripts, where ROOT's results are
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +191,31 @@ def uncovered(version: str) -> list[str]:
   return sorted(os.path.relpath(p, ROOT) for p in committed)
 
 
+def rewrite_tables() -> list[str]:
+  """Writes each table under benchmarks/results that the compilers' runs share, from every
+  committed run beside it (no compiling); the paths written, from the repository root."""
+  sys.path.insert(0, BENCHMARKS)
+  import bench_maxtext
+  import bench_memory
+  import bench_one_chip
+  import bench_recompute
+  import maxtext_table
+
+  out = os.path.join(ROOT, RESULTS)
+  tables = {}
+  for chip in ('v5p', 'v5e'):
+    tables[f'maxtext_{chip}.md'] = bench_maxtext.table(out, chip)
+    tables[f'maxtext_{chip}_slices.md'] = bench_maxtext.scaling_table(out, chip)
+    tables[f'recompute_{chip}.md'] = bench_recompute.table(out, chip)
+  tables['memory_v5e.md'] = bench_memory.table(out)
+  tables['one_chip.md'] = bench_one_chip.markdown(out).splitlines()
+  tables['maxtext_program.md'] = maxtext_table.table(out)
+  for name, lines in tables.items():
+    with open(os.path.join(out, name), 'w') as f:
+      f.write('\n'.join(lines) + '\n')
+  return [os.path.join(RESULTS, name) for name in tables]
+
+
 def run(step: Step, no_cache: bool) -> float:
   """Runs one step's commands from the repository root; its time in seconds. `no_cache`
   compiles afresh in the step's first zerojax command (the others read its programs back)."""
@@ -212,7 +243,14 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--from', dest='first', type=int, default=1, help='start at step N')
   parser.add_argument('--only', default=None, help='comma-separated step numbers')
   parser.add_argument('--no-cache', action='store_true', help='compile every program afresh')
+  parser.add_argument(
+    '--tables', action='store_true', help='only rewrite the shared tables from the committed runs'
+  )
   args = parser.parse_args(argv)
+  if args.tables:
+    for path in rewrite_tables():
+      print(f'wrote {path}')
+    return 0
   version = libtpu_version()
   todo = list(enumerate(steps(version), 1))
   missing = uncovered(version)
