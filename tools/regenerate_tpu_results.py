@@ -37,7 +37,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join('benchmarks', 'results')
-BENCHMARKS = os.path.join(ROOT, 'benchmarks')  # the scripts, where ROOT's results are
+BENCHMARKS = os.path.join(ROOT, 'benchmarks')  # the scripts, here even where ROOT is moved
 
 
 @dataclasses.dataclass(frozen=True)
