@@ -310,8 +310,9 @@ def main(argv=None) -> int:
   )
   with open(path, 'w') as f:
     json.dump(record, f, indent=1)
+  text = markdown(args.out)  # before opening: a refused table leaves the committed one whole
   with open(os.path.join(args.out, 'one_chip.md'), 'w') as f:
-    f.write(markdown(args.out))
+    f.write(text)
   print(table(rows, f'libtpu {version}'))
   print(pivot(rows))
   print(f'largest that fits: {record["largest"]}')
