@@ -300,6 +300,8 @@ def main() -> int:
   import jax
   import libtpu
 
+  from zerojax._src.planner import presets
+
   results = []
   for row in (r for r in rows if r[0] in wanted):
     for slices in counts:
@@ -310,6 +312,7 @@ def main() -> int:
       print(f'  predicted {r["predicted_tflops"]:.0f} TFLOP/s, published {r["published_tflops"]:.0f}:'
             f' {r["ratio"]:.2f}x; peak {r["peak_gib"]:.1f} GiB; {r["wall_seconds"]:.0f} s', flush=True)  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
+  versions['model_revision'] = presets.MODEL_REVISION
   if counts != [1]:
     with open(os.path.join(args.out, f'maxtext_{chip}.{tag}.json')) as f:
       one = json.load(f)['rows']

@@ -65,7 +65,7 @@ from bench_maxtext import (  # noqa: E402
   row_mesh,
 )
 
-from zerojax._src.planner import candidates  # noqa: E402
+from zerojax._src.planner import candidates, presets  # noqa: E402
 
 REMATS = ('full', 'offload_layer_inputs')
 # `full` again with the TPU compiler's latency-hiding scheduler at these shares of HBM (`plan
@@ -344,6 +344,7 @@ def main() -> int:
       'plans': plans, 'scheduler_shares': shares,
     })  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
+  versions['model_revision'] = presets.MODEL_REVISION
   os.makedirs(args.out, exist_ok=True)
   if args.rows:
     # Planning some rows again keeps this compiler's others, in the rows' order.

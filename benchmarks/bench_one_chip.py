@@ -50,7 +50,7 @@ from bench_maxtext import compiler_tag  # noqa: E402
 
 import zerojax  # noqa: E402
 import zerojax.llama  # noqa: E402
-from zerojax._src.planner import program_cache, search, tpu  # noqa: E402
+from zerojax._src.planner import presets, program_cache, search, tpu  # noqa: E402
 from zerojax._src.planner.candidates import Candidate, with_default_shares  # noqa: E402
 from zerojax._src.planner.lowering import make_target  # noqa: E402
 from zerojax._src.planner.presets import ModelSettings  # noqa: E402
@@ -129,6 +129,7 @@ def row(chip: str, shape: str, setting: str, r: search.Result, num_params: int) 
     peak_bytes=r.peak_bytes or None,
     program_source=r.program_source,
     compile_seconds=round(r.compile_seconds, 1),
+    model_revision=presets.MODEL_REVISION,
   )
   if r.predicted is not None:
     p = r.predicted
@@ -300,6 +301,7 @@ def main(argv=None) -> int:
   record = dict(
     libtpu=version,
     jax=__import__('jax').__version__,
+    model_revision=min(r.get('model_revision', 1) for r in rows),
     seq_len=args.seq_len,
     batch_per_chip=1,
     optimizer='adamw, zerojax.mixed_precision (bf16 parameters, fp32 master and moments)',

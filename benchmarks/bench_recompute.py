@@ -72,7 +72,7 @@ from bench_maxtext import (  # noqa: E402
   maxtext_flops,
 )
 
-from zerojax._src.planner import candidates  # noqa: E402
+from zerojax._src.planner import candidates, presets  # noqa: E402
 
 REMATS = (
   'full',
@@ -155,7 +155,7 @@ def search_setup(row, chip: str = 'v5e') -> tuple:
   MaxText's decoder at its batch, flash attention, ZeRO-3, the row's policies and layouts."""
   import optax
 
-  from zerojax._src.planner import lowering, presets, program_cache, search, tpu
+  from zerojax._src.planner import lowering, program_cache, search, tpu
 
   name, width, heads, mlp, layers, topology, _, batch, _ = row
   decoder = decoder_model(width, heads, mlp, layers)[len('decoder:') :]
@@ -416,6 +416,7 @@ def main() -> int:
   # The rows not searched now (--rows) keep their committed records.
   rows = [done.get(n, committed.get(n)) for n in names if n in done or n in committed]
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
+  versions['model_revision'] = presets.MODEL_REVISION
   os.makedirs(args.out, exist_ok=True)
   with open(path, 'w') as f:
     json.dump({'versions': versions, 'rows': rows}, f, indent=2)

@@ -73,17 +73,16 @@ class Rope:
 
 
 def rotate(x: jax.Array, rope: Rope, offset: int = 0) -> jax.Array:
-  """`x` (batch, seq, heads, head_dim) rotated by its positions (offset, offset + 1, ...),
-  in float32, returned in x's dtype."""
+  """`x` (batch, seq, heads, head_dim) rotated by its positions (offset, offset + 1, ...) as
+  transformers rotates it: the angles' cosines and sines computed in float32 and cast to x's
+  dtype, then x * cos + flip(x) * sin in that dtype, flip(x) = (-x2, x1) of x's two halves."""
   t, d = x.shape[1], x.shape[-1]
   inv = jnp.asarray(rope.inverse_frequencies(d))
-  angles = (jnp.arange(offset, offset + t, dtype=jnp.float32)[:, None] * inv[None, :])[
-    None, :, None, :
-  ]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
-  x32 = x.astype(jnp.float32)
-  a, b = x32[..., : d // 2], x32[..., d // 2 :]
-  return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+  angles = jnp.arange(offset, offset + t, dtype=jnp.float32)[:, None] * inv[None, :]
+  angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  flipped = jnp.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
+  return x * cos + flipped * sin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +102,9 @@ class DecoderConfig:
       family keeps 128 at any width, so its attention width `n_heads * head_size`
       need not be `d_model`.
     norm_eps: the RMSNorms' epsilon (`rms_norm_eps`).
-    rope: rotary position embeddings of the queries and keys; None: none (the planner's
-      presets as their committed programs were compiled: position-free, the same cost
-      within a few elementwise operations per layer).
+    rope: rotary position embeddings of the queries and keys (the Llama family's, and the
+      planner's gated presets'); None: none (GPT-2's presets, which learn no positions
+      either: position-free).
     qkv_bias: biases on the query, key and value projections (Qwen2).
     out_bias: a bias on the attention's output projection (Llama's `attention_bias`).
     qk_norm: an RMSNorm of each query and key head, before the rotation (Qwen3).

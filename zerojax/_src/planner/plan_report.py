@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from zerojax._src.plan import fmt_bytes
-from zerojax._src.planner import roofline, search
+from zerojax._src.planner import presets, roofline, search
 
 
 def refusal(result: Any, hbm_gib: int | None) -> str:
@@ -72,6 +72,7 @@ def _plan_json(args, lowered: Any, report: Any, figures: dict) -> dict:
   return {
     'command': args.command_line,
     'model': lowered.spec.name,
+    'model_revision': presets.MODEL_REVISION,
     'num_params': lowered.num_params,
     'stage': args.stage,
     'mixed_precision': args.mixed_precision,

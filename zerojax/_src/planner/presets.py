@@ -22,6 +22,7 @@ from zerojax._src.decoder import POLICIES as POLICIES
 from zerojax._src.decoder import QKV as QKV
 from zerojax._src.decoder import REMAT as REMAT
 from zerojax._src.decoder import DecoderConfig as DecoderConfig
+from zerojax._src.decoder import Rope as Rope
 from zerojax._src.decoder import chunked_attention as chunked_attention
 from zerojax._src.decoder import chunked_cross_entropy as chunked_cross_entropy
 from zerojax._src.decoder import decoder_loss as decoder_loss
@@ -31,6 +32,16 @@ from zerojax._src.decoder import one_hot_cross_entropy as one_hot_cross_entropy
 from zerojax._src.decoder import policy_code as policy_code
 from zerojax._src.decoder import remat_policy as remat_policy
 
+# The revision of the presets' programs, which every committed TPU result records
+# (`model_revision`; absent: 1), so that a result compiled before a change to what the presets
+# compute is told from one compiled after it. 1: the presets were position-free; 2: the gated
+# (Llama-shaped) presets, and `decoder:` shapes, rotate their queries and keys.
+MODEL_REVISION = 2
+
+# Llama 2's rotary embedding and norm epsilon (its config.json: rope_theta 10000, rms_norm_eps
+# 1e-5); GPT-2's presets learn no positions here (position-free).
+_LLAMA2: dict[str, Any] = {'rope': Rope(10000.0), 'norm_eps': 1e-5}
+
 PRESETS: dict[str, DecoderConfig] = {
   # Vocabularies rounded up to a multiple of 128, as trainers do for speed.
   'tiny': DecoderConfig(256, 128, 4, 4, 4, 512, 64, gated=False),
@@ -38,9 +49,9 @@ PRESETS: dict[str, DecoderConfig] = {
   'gpt2-medium': DecoderConfig(50304, 1024, 24, 16, 16, 4096, 1024, gated=False),
   'gpt2-large': DecoderConfig(50304, 1280, 36, 20, 20, 5120, 1024, gated=False),
   'gpt2-xl': DecoderConfig(50304, 1600, 48, 25, 25, 6400, 1024, gated=False),
-  'llama2-7b': DecoderConfig(32000, 4096, 32, 32, 32, 11008, 4096, gated=True),
-  'llama2-13b': DecoderConfig(32000, 5120, 40, 40, 40, 13824, 4096, gated=True),
-  'llama2-70b': DecoderConfig(32000, 8192, 80, 64, 8, 28672, 4096, gated=True),
+  'llama2-7b': DecoderConfig(32000, 4096, 32, 32, 32, 11008, 4096, gated=True, **_LLAMA2),
+  'llama2-13b': DecoderConfig(32000, 5120, 40, 40, 40, 13824, 4096, gated=True, **_LLAMA2),
+  'llama2-70b': DecoderConfig(32000, 8192, 80, 64, 8, 28672, 4096, gated=True, **_LLAMA2),
 }
 
 
@@ -91,15 +102,17 @@ class ModelSettings:
     )
 
 
-# The keys of `parse_decoder`: a decoder's shape (hf:DIR reads the Llama family's other
-# settings, rotary embeddings, biases and norms, from a config.json).
+# The keys of `parse_decoder`: a decoder's shape and its rotation's base (hf:DIR reads the
+# Llama family's other settings, rope scaling, biases and norms, from a config.json).
 SHAPE_KEYS = ('vocab', 'd_model', 'n_layers', 'n_heads', 'n_kv_heads', 'd_ff', 'seq_len')
-SHAPE_KEYS += ('gated', 'head_size')
+SHAPE_KEYS += ('gated', 'head_size', 'rope_theta')
 
 
 def parse_decoder(text: str, seq_len: int | None = None) -> DecoderConfig:
   """A `DecoderConfig` from 'key=value,...' (its field names; `gated` true/false) or a
-  JSON file of the same keys: a decoder of any shape, planned without writing code.
+  JSON file of the same keys: a decoder of any shape, planned without writing code. A gated
+  (Llama-shaped) decoder rotates its queries and keys by `rope_theta` (10000 unless given;
+  `rope_theta=none`: position-free), an ungated (GPT-2-shaped) one only where it is given.
 
   >>> parse_decoder('vocab=32000,d_model=8192,n_layers=32,n_heads=64,n_kv_heads=64,'
   ...               'd_ff=28672,head_size=128', seq_len=2048).head_dim
@@ -139,6 +152,18 @@ def parse_decoder(text: str, seq_len: int | None = None) -> DecoderConfig:
     raise ValueError(f'decoder shape: {missing} missing; give each as key=value.')
   given.setdefault('n_kv_heads', given['n_heads'])
   out: dict[str, Any] = {}
+  theta = given.pop('rope_theta', '10000' if given['gated'].lower() in ('true', '1') else 'none')
+  if theta.lower() != 'none':
+    try:
+      base = float(theta)
+    except ValueError:
+      base = -1.0
+    if not base > 0:
+      raise ValueError(
+        f'decoder shape: rope_theta={theta!r}; give the rotation base, a number > 0 (10000),'
+        ' or none.'
+      )
+    out['rope'] = Rope(base)
   for key, value in given.items():
     if key == 'gated':
       if value.lower() not in ('true', 'false', '1', '0'):

@@ -179,6 +179,7 @@ def search_json(report: SearchReport) -> dict:
     )
   return {
     'model': t.model if isinstance(t.model, str) else 'custom',
+    'model_revision': presets.MODEL_REVISION,
     'topology': t.topology,
     'num_devices': len(t.devices),
     'mixed_precision': t.mixed_precision,
