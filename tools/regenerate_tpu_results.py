@@ -8,8 +8,8 @@ of every result under benchmarks/results that carries `libtpu-VERSION` in its na
 one after the other, the benchmark scripts that write them and the recorded `command:` of each
 committed plan and search, for the libtpu installed beside this jax (run it once per supported
 end: this machine's Python for libtpu 0.0.42, `tools/newest-jax`'s root for 0.0.50). The steps
-are numbered; `--from N` resumes after an interruption, `--list` prints them and what each
-writes. Each step's output and time go to the terminal; a failed step stops the run with its
+are numbered; `--from N` resumes after an interruption, `--only N,M` runs those steps in that
+order, `--list` prints them and what each writes. Each step's output and time go to the terminal; a failed step stops the run with its
 number, so that `--from` starts there again.
 
 Each benchmark also rewrites the table (.md) the compilers share from the runs beside it. When
@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--list', action='store_true', help='print the steps and what each writes')
   parser.add_argument('--from', dest='first', type=int, default=1, help='start at step N')
-  parser.add_argument('--only', default=None, help='comma-separated step numbers')
+  parser.add_argument(
+    '--only', default=None, help='comma-separated step numbers, run in that order'
+  )
   parser.add_argument('--no-cache', action='store_true', help='compile every program afresh')
   parser.add_argument(
     '--tables', action='store_true', help='only rewrite the shared tables from the committed runs'
@@ -263,8 +265,17 @@ def main(argv: list[str] | None = None) -> int:
       for argv, stdout_to in step.runs:
         print(f'    python {shlex.join(argv[1:])}' + (f' > {stdout_to}' if stdout_to else ''))
     return 0
-  only = {int(n) for n in args.only.split(',')} if args.only else None
-  todo = [(n, s) for n, s in todo if n >= args.first and (only is None or n in only)]
+  todo = [(n, s) for n, s in todo if n >= args.first]
+  if args.only:  # in the order given, so that what is needed first runs first
+    numbered = dict(todo)
+    try:
+      only = [int(n) for n in args.only.split(',')]
+    except ValueError:
+      parser.error(f'--only {args.only}: give step numbers separated by commas (--only 10,1,2).')
+    unknown = [n for n in only if n not in numbered]
+    if unknown:
+      parser.error(f'--only: no step {unknown} from step {args.first} on; --list numbers them.')
+    todo = [(n, numbered[n]) for n in dict.fromkeys(only)]
   start = time.perf_counter()
   for i, (n, step) in enumerate(todo, 1):
     print(
