@@ -207,7 +207,9 @@ def table(out: str, chip: str = 'v5p') -> list[str]:
         else ' | | | |'
       )
     lines.append(line)
-  return lines
+  import model_revision
+
+  return lines + model_revision.note(out, (f'maxtext_{chip}.libtpu-',))
 
 
 def scaling_rows(one: list[dict], sliced: list[dict]) -> list[dict]:
@@ -256,7 +258,9 @@ def scaling_table(out: str, chip: str = 'v5p') -> list[str]:
         f' {r["dcn_seconds"]:.3f} ({r["dcn_exposed_seconds"]:.3f}) | {r["peak_gib"]:.1f} |'
         f' {r["fits"]} |'
       )
-  return lines
+  import model_revision
+
+  return lines + model_revision.note(out, (f'maxtext_{chip}_slices.libtpu-',))
 
 
 def _save(out: str, name: str, payload: dict) -> None:

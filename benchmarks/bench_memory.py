@@ -56,6 +56,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import maxtext_table  # noqa: E402
+import model_revision  # noqa: E402
 from bench_maxtext import (  # noqa: E402
   ROWS,
   SEQ,
@@ -270,7 +271,7 @@ def table(out: str) -> list[str]:
         f' {off["predicted_step_seconds"]:.2f} | {searched} |'
         + ''.join(f' {_share(r, n)} |' for n in SCHEDULER_SHARES)
       )
-  return lines + ['', *v5p_table(out)]
+  return lines + ['', *v5p_table(out)] + model_revision.note(out, ('memory_v5e.libtpu-',))
 
 
 def v5p_table(out: str) -> list[str]:

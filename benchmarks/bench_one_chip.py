@@ -45,6 +45,7 @@ from typing import Any
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(__file__))
 
+import model_revision  # noqa: E402
 import optax  # noqa: E402
 from bench_maxtext import compiler_tag  # noqa: E402
 
@@ -220,6 +221,8 @@ def _gib(x) -> str:
 
 
 def table(rows: list[dict], compiler: str) -> str:
+  # A row kept from a run of an earlier model revision is marked (the note under the tables).
+  old = lambda r: ' †' if model_revision.of(r) < presets.MODEL_REVISION else ''
   lines = [
     f'### {compiler}',
     '',
@@ -231,7 +234,8 @@ def table(rows: list[dict], compiler: str) -> str:
     step = r.get('step_seconds')
     share = r.get('host_link_share')
     lines.append(
-      f'| {r["chip"]}-1 | {r["shape"]} ({r["model"]}) | {r["params"] / 1e9:.2f}B | {r["setting"]} |'
+      f'| {r["chip"]}-1{old(r)} | {r["shape"]} ({r["model"]}) | {r["params"] / 1e9:.2f}B |'
+      f' {r["setting"]} |'
       f' {_gib(r["states_bytes"])} | {_gib(r["host_bytes"])} | {_gib(r["peak_bytes"])} |'
       f' {"yes" if r["fits"] else r["status"]} | {"-" if step is None else f"{step:.3f}"} |'
       f' {"-" if share is None else f"{100 * share:.0f}%"} |'
@@ -262,6 +266,7 @@ def markdown(out: str) -> str:
     ' one sequence per step, AdamW in mixed precision at stage 3; "fits" is the compiled'
     ' program against HBM, after the states against HBM and host memory.\n\n'
     + '\n\n'.join(tables)
+    + ''.join('\n' + line for line in model_revision.note(out, ('one_chip.libtpu-',)))
     + '\n'
   )
 

@@ -63,6 +63,7 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.dirname(__file__))
 
 import maxtext_table  # noqa: E402
+import model_revision  # noqa: E402
 from bench_maxtext import (  # noqa: E402
   ROWS,
   SEQ,
@@ -339,7 +340,7 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
           else ''
         )
       )
-  return lines + _commands(chip, runs)
+  return lines + model_revision.note(out, (f'recompute_{chip}.libtpu-',)) + _commands(chip, runs)
 
 
 def _commands(chip: str, runs: list[dict]) -> list[str]:

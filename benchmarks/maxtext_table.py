@@ -211,7 +211,13 @@ def table(out: str) -> list[str]:
       *_sparsecore_cells(r),
     ]
     lines.append('| ' + ' | '.join(cells) + ' |')
-  return lines
+  import model_revision
+
+  versions = [_version(p) for p in glob.glob(os.path.join(out, 'maxtext_program.libtpu-*.json'))]
+  ours = tuple(
+    f'{k}.libtpu-{v}.' for v in versions for k in ('recompute_v5e', 'recompute_v5p', 'memory_v5e')
+  )
+  return lines + model_revision.note(out, ours)
 
 
 def _sparsecore_cells(r: dict) -> list[str]:

@@ -387,6 +387,9 @@ def test_a_decoder_of_any_shape_plans_tensor_parallel_with_each_phase_timed(tmp_
   report = json.loads(out.read_text())
   assert report['num_params'] == 2 * (4 * 256 * 512 + 3 * 256 * 512 + 2 * 256) + 2 * 512 * 256 + 256
   assert report['mesh'] == {'data': 4, 'tensor': 2}
+  from zerojax._src.planner import presets
+
+  assert report['model_revision'] == presets.MODEL_REVISION == 2
   # At rest (fp32): every matrix split over both axes (8 ways), the norms over 'data' only.
   matrices = 2 * (4 * 256 * 512 + 3 * 256 * 512) + 2 * 512 * 256
   assert report['plan_bytes_per_chip']['params'] == 4 * (matrices // 8 + (2 * 2 * 256 + 256) // 4)

@@ -932,3 +932,53 @@ def test_the_shared_tables_are_rendered_from_every_compilers_committed_runs(tmp_
   for path in written:
     name = os.path.basename(path)
     assert (copy / name).read_text() == (results / name).read_text(), name
+
+
+def test_a_table_of_runs_compiled_before_the_presets_changed_says_so(tmp_path):
+  """A run that records no `model_revision` (or an older one than the presets', or that keeps a
+  row of an older one) is named under the table built from it; a current run is not, and a
+  table of current runs carries no note."""
+  sys.path.insert(0, str(ROOT / 'benchmarks'))
+  import model_revision
+
+  from zerojax._src.planner import presets
+
+  now = presets.MODEL_REVISION
+  runs = {
+    'maxtext_v5e.libtpu-0.0.42.json': {'versions': {'libtpu': '0.0.42'}, 'rows': []},
+    'maxtext_v5e.libtpu-0.0.50.json': {'versions': {'model_revision': now}, 'rows': []},
+    'one_chip.libtpu-0.0.42.json': {'model_revision': 1, 'rows': [{'model_revision': now}]},
+    'one_chip.libtpu-0.0.50.json': {'rows': [{'model_revision': now}, {'chip': 'v5e'}]},
+  }
+  for name, run in runs.items():
+    (tmp_path / name).write_text(json.dumps(run))
+  assert [model_revision.of(r) for r in runs.values()] == [1, now, 1, 1]
+  assert model_revision.stale(str(tmp_path), ('maxtext_v5e.',)) == {
+    'maxtext_v5e.libtpu-0.0.42.json': 1
+  }
+  (_, line) = model_revision.note(str(tmp_path), ('maxtext_v5e.',))
+  assert line.startswith('These runs were compiled before the gated presets rotated their')
+  assert line.endswith(f'(model revision 1; now {now}). They are being compiled again'
+                       ' (`tools/regenerate_tpu_results.py`): maxtext_v5e.libtpu-0.0.42.json.')  # fmt: skip
+  assert model_revision.note(str(tmp_path), ('one_chip.',))[1].startswith('The rows marked †')
+  (tmp_path / 'maxtext_v5e.libtpu-0.0.42.json').write_text(
+    json.dumps({'versions': {'model_revision': now}, 'rows': []})
+  )
+  assert model_revision.note(str(tmp_path), ('maxtext_v5e.',)) == []
+
+
+def test_every_committed_tpu_run_records_a_revision_no_newer_than_the_presets():
+  """Each committed TPU run of zerojax's programs is of a revision the presets have had."""
+  sys.path.insert(0, str(ROOT / 'benchmarks'))
+  import model_revision
+
+  from zerojax._src.planner import presets
+
+  seen = {}
+  for path in sorted((ROOT / 'benchmarks' / 'results').glob('*.libtpu-*.json')):
+    if path.name.startswith('maxtext_program'):  # MaxText's own programs, not the presets'
+      continue
+    record = json.loads(path.read_text())
+    seen[path.name] = model_revision.of(record)
+    assert 1 <= seen[path.name] <= presets.MODEL_REVISION, path.name
+  assert len(seen) >= 60

@@ -1,5 +1,7 @@
 """The preset decoders' memory-efficient attention: the same numbers, one chunk at a time."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -290,3 +292,66 @@ def test_the_lean_head_keeps_the_loss_and_gathers_the_head_after_the_layer_loop(
 
   assert head_gathered_after_loop(lean)
   assert not head_gathered_after_loop(plain)
+
+
+def test_the_llama_presets_rotate_as_llama_2_does_and_gpt_2s_learn_no_positions():
+  """Llama 2's presets carry its config.json's rotation (rope_theta 10000) and norm epsilon
+  (1e-5); GPT-2's are position-free; the rotation is in the lowered program (its cosines and
+  sines) only where the config has one."""
+  for name in ('llama2-7b', 'llama2-13b', 'llama2-70b'):
+    cfg = presets.PRESETS[name]
+    assert (cfg.rope, cfg.norm_eps) == (decoder.Rope(10000.0), 1e-5), name
+  assert all(presets.PRESETS[n].rope is None for n in ('tiny', 'gpt2-small', 'gpt2-xl'))
+  small = presets.parse_decoder('vocab=64,d_model=32,n_layers=1,n_heads=2,d_ff=64', seq_len=8)
+  for rope, rotated in ((small.rope, True), (None, False)):
+    cfg = presets.DecoderConfig(**{**small.__dict__, 'rope': rope})
+    params = decoder.init_decoder(cfg, jax.random.key(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    loss = functools.partial(decoder.decoder_loss, cfg=cfg)
+    text = jax.jit(loss).lower(params, tokens).as_text()
+    # The angles' cosines and sines: constants of (1, positions, 1, head_dim), 7 and 16 here.
+    assert ('tensor<1x7x1x16xf32>' in text) == rotated, rope
+
+
+def test_a_decoder_shape_rotates_by_rope_theta_when_gated():
+  """`decoder:` shapes: gated ones rotate by 10000 unless `rope_theta` says otherwise (a number,
+  or none), ungated ones only where it is given; anything else is refused, naming it."""
+  base = 'vocab=64,d_model=32,n_layers=1,n_heads=2,d_ff=64'
+  assert presets.parse_decoder(base).rope == decoder.Rope(10000.0)
+  assert presets.parse_decoder(base + ',rope_theta=500000').rope == decoder.Rope(500000.0)
+  assert presets.parse_decoder(base + ',rope_theta=none').rope is None
+  assert presets.parse_decoder(base + ',gated=false').rope is None
+  assert presets.parse_decoder(base + ',gated=false,rope_theta=1e4').rope == decoder.Rope(1e4)
+  for bad in ('x', '0', '-5'):
+    with pytest.raises(ValueError) as err:
+      presets.parse_decoder(f'{base},rope_theta={bad}')
+    assert str(err.value) == (
+      f"decoder shape: rope_theta='{bad}'; give the rotation base, a number > 0 (10000), or none."
+    )
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('offset', [0, 5])
+def test_rotate_is_transformers_rotation_in_the_activations_dtype(dtype, offset):
+  """x * cos + rotate_half(x) * sin with the angles' cosines and sines cast to x's dtype, the
+  arithmetic in that dtype (transformers' apply_rotary_pos_emb), written here in numpy on the
+  bfloat16 values: equal in float32, within one bfloat16 rounding of each product in bfloat16."""
+  import ml_dtypes
+  import numpy as np
+
+  rope = decoder.Rope(10000.0, 'llama3', 8.0, 1.0, 4.0, 16)
+  x = jax.random.normal(jax.random.key(1), (2, 7, 3, 16), jnp.float32).astype(dtype)
+  got = np.asarray(decoder.rotate(x, rope, offset).astype(jnp.float32))
+  inv = rope.inverse_frequencies(16)
+  angles = np.arange(offset, offset + 7, dtype=np.float32)[:, None] * inv[None, :]
+  angles = np.concatenate([angles, angles], -1)[None, :, None, :]
+  np_dtype = np.float32 if dtype == jnp.float32 else ml_dtypes.bfloat16
+  cos, sin = np.cos(angles).astype(np_dtype), np.sin(angles).astype(np_dtype)
+  xs = np.asarray(x).astype(np_dtype)
+  half = np.concatenate([-xs[..., 8:], xs[..., :8]], -1)
+  want = (xs * cos + half * sin).astype(np.float32)
+  assert decoder.rotate(x, rope, offset).dtype == dtype
+  tol = 1e-6 if dtype == jnp.float32 else 2 * 2.0**-8 * np.abs(np.asarray(x, np.float32)).max()
+  np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+  if dtype == jnp.bfloat16:  # not a float32 rotation rounded once at the end
+    assert np.abs(got - want).max() <= tol
