@@ -14,7 +14,10 @@ import os
 from zerojax._src.planner import presets
 
 # What each revision changed, for the notes under the tables.
-CHANGES = {2: 'before the gated presets rotated their queries and keys (rotary embeddings)'}
+CHANGES = {
+  2: "before the gated presets rotated their queries and keys in the activations' dtype (Llama"
+  " 2's presets and `decoder:` shapes were position-free, `hf:` configs rotated in float32)"
+}
 
 
 def of(record: dict) -> int:
