@@ -810,7 +810,7 @@ def test_each_committed_v5e_search_is_the_command_its_table_prints():
                            for r in records)  # fmt: skip
     decoder = presets.DecoderConfig(
       vocab=32000, d_model=width, n_layers=layers, n_heads=heads, n_kv_heads=heads, d_ff=mlp,
-      head_size=128, seq_len=2048, gated=True,
+      head_size=128, seq_len=2048, gated=True, rope=presets.Rope(10000.0),
     )  # fmt: skip
     committed = lowering.make_target(
       decoder, topology, devices=target.devices, optimizer=lambda: optax.adamw(1e-4),
