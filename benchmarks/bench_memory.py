@@ -265,13 +265,16 @@ def table(out: str) -> list[str]:
         else '— | — | —'
       )
       lines.append(
-        f'| {r["row"]} | {run["versions"]["libtpu"]} | {maxtext} | {full["peak_gib"]:.2f} |'
+        f'| {r["row"]}{model_revision.mark(run, r)} | {run["versions"]["libtpu"]} | {maxtext} |'
+        f' {full["peak_gib"]:.2f} |'
         f' {full["device_space_gib"]:.2f} | {off["device_space_gib"]:.2f} |'
         f' {off["host_bytes_per_step"] / 1e9:.1f} | {full["predicted_step_seconds"]:.2f} |'
         f' {off["predicted_step_seconds"]:.2f} | {searched} |'
         + ''.join(f' {_share(r, n)} |' for n in SCHEDULER_SHARES)
       )
-  return lines + ['', *v5p_table(out)] + model_revision.note(out, ('memory_v5e.libtpu-',))
+  return (
+    lines + ['', *v5p_table(out)] + model_revision.note(out, ('memory_v5e.libtpu-',), marked=True)
+  )
 
 
 def v5p_table(out: str) -> list[str]:
@@ -292,7 +295,8 @@ def v5p_table(out: str) -> list[str]:
     for r in run.get('v5p', []):
       held = r['held']
       lines.append(
-        f'| {r["row"]} | {run["versions"]["libtpu"]} | {r["default_peak_gib"]:.2f} |'
+        f'| {r["row"]}{model_revision.mark(run, r)} | {run["versions"]["libtpu"]} |'
+        f' {r["default_peak_gib"]:.2f} |'
         f' {r["default_step_seconds"]:.2f} | {held["peak_gib"]:.2f} |'
         f' {held["predicted_step_seconds"]:.2f} |'
         f' {held["predicted_step_seconds"] / r["default_step_seconds"]:.3f} |'
@@ -342,10 +346,9 @@ def main() -> int:
     }
     results.append({
       'row': name, 'searched': winners.get(name),
-      'plans': plans, 'scheduler_shares': shares,
+      'plans': plans, 'scheduler_shares': shares, 'model_revision': presets.MODEL_REVISION,
     })  # fmt: skip
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
-  versions['model_revision'] = presets.MODEL_REVISION
   os.makedirs(args.out, exist_ok=True)
   if args.rows:
     # Planning some rows again keeps this compiler's others, in the rows' order.
@@ -356,6 +359,9 @@ def main() -> int:
   else:
     print(f'planning the v5p rows with {tag} ...', flush=True)
     v5p = v5p_held(args.out, tag, {r['row']: r['held'] for r in before_v5p}, args.reuse)
+    v5p = [{**r, 'model_revision': presets.MODEL_REVISION} for r in v5p]
+  # Rows kept from an earlier run (--rows) keep their revision; the run's is the oldest.
+  versions['model_revision'] = min(r.get('model_revision', 1) for r in [*results, *v5p])
   with open(path, 'w') as f:
     json.dump({'versions': versions, 'rows': results, 'v5p': v5p}, f, indent=2)
   lines = table(args.out)

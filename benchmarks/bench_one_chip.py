@@ -222,7 +222,7 @@ def _gib(x) -> str:
 
 def table(rows: list[dict], compiler: str) -> str:
   # A row kept from a run of an earlier model revision is marked (the note under the tables).
-  old = lambda r: ' †' if model_revision.of(r) < presets.MODEL_REVISION else ''
+  old = lambda r: model_revision.mark({}, r)
   lines = [
     f'### {compiler}',
     '',
@@ -266,7 +266,7 @@ def markdown(out: str) -> str:
     ' one sequence per step, AdamW in mixed precision at stage 3; "fits" is the compiled'
     ' program against HBM, after the states against HBM and host memory.\n\n'
     + '\n\n'.join(tables)
-    + ''.join('\n' + line for line in model_revision.note(out, ('one_chip.libtpu-',)))
+    + ''.join('\n' + line for line in model_revision.note(out, ('one_chip.libtpu-',), marked=True))
     + '\n'
   )
 

@@ -328,7 +328,8 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
         d['predicted_step_seconds'] / s['step_at_host_share'][k] for k in ('1.0', '0.5', '0.25')
       ]
       lines.append(
-        f'| {r["row"]} | {run["versions"]["libtpu"]} | {r["published_tflops"]:.0f} |'
+        f'| {r["row"]}{model_revision.mark(run, r)} | {run["versions"]["libtpu"]} |'
+        f' {r["published_tflops"]:.0f} |'
         f' {d["predicted_step_seconds"]:.2f} | {d["predicted_tflops"]:.0f} |'
         f' {d["executed_over_model"]:.2f} | {peak(d)} | {maxtext_table.policy_name(s)} (of {len(r["candidates"])}) |'
         f' {s["predicted_step_seconds"]:.2f} | {s["predicted_tflops"]:.0f} |'
@@ -340,7 +341,11 @@ def table(out: str, chip: str = 'v5e') -> list[str]:
           else ''
         )
       )
-  return lines + model_revision.note(out, (f'recompute_{chip}.libtpu-',)) + _commands(chip, runs)
+  return (
+    lines
+    + model_revision.note(out, (f'recompute_{chip}.libtpu-',), marked=True)
+    + _commands(chip, runs)
+  )
 
 
 def _commands(chip: str, runs: list[dict]) -> list[str]:
@@ -389,6 +394,11 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--chip', default='v5e', choices=('v5e', 'v5p'), help="MaxText's rows of")
   parser.add_argument('--rows', default=None, help='comma-separated row names (default: all)')
+  parser.add_argument(
+    '--resume',
+    action='store_true',
+    help="skip the rows already searched at the presets' model revision (an interrupted run)",
+  )
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results'))
   parser.add_argument(
     '--reuse', action='store_true', help='keep the committed figures of unchanged candidates'
@@ -410,17 +420,23 @@ def main() -> int:
     with open(path) as f:
       committed = {r['row']: r for r in json.load(f)['rows']}
   before = committed if args.reuse else {}
+  versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
+  os.makedirs(args.out, exist_ok=True)
   done = {}
   for row in (r for r in every if r[0] in wanted):
+    if args.resume and committed.get(row[0], {}).get('model_revision') == presets.MODEL_REVISION:
+      print(f'{row[0]}: searched at model revision {presets.MODEL_REVISION} already (--resume)')
+      continue
     print(f'searching {row[0]} on {row[5]} with {tag} ...', flush=True)
     done[row[0]] = search_row(row, before.get(row[0]), args.chip)
-  # The rows not searched now (--rows) keep their committed records.
-  rows = [done.get(n, committed.get(n)) for n in names if n in done or n in committed]
-  versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
-  versions['model_revision'] = presets.MODEL_REVISION
-  os.makedirs(args.out, exist_ok=True)
-  with open(path, 'w') as f:
-    json.dump({'versions': versions, 'rows': rows}, f, indent=2)
+    done[row[0]]['model_revision'] = presets.MODEL_REVISION
+    # Saved after each row, the rows not searched (yet) keeping their records and revisions,
+    # so that an interrupted run loses only the row it was on.
+    rows = [done.get(n, committed.get(n)) for n in names if n in done or n in committed]
+    versions['model_revision'] = min(r.get('model_revision', 1) for r in rows)
+    with open(path + '.partial', 'w') as f:
+      json.dump({'versions': versions, 'rows': rows}, f, indent=2)
+    os.replace(path + '.partial', path)
   lines = table(args.out, args.chip)
   with open(os.path.join(args.out, f'recompute_{args.chip}.md'), 'w') as f:
     f.write('\n'.join(lines) + '\n')

@@ -21,10 +21,21 @@ CHANGES = {
 
 
 def of(record: dict) -> int:
-  """The revision a run (or one of its rows) was compiled at: the oldest of its rows'."""
+  """The revision a run was compiled at: its own record (a run that keeps rows of an earlier
+  one records the oldest), or the oldest of its rows' where older."""
   own = record.get('model_revision', record.get('versions', {}).get('model_revision', 1))
   rows = [r for r in record.get('rows', ()) if isinstance(r, dict) and 'model_revision' in r]
   return min([own, *(r['model_revision'] for r in rows)])
+
+
+def row_of(record: dict, row: dict) -> int:
+  """The revision one row of a run was compiled at: its own, else the run's."""
+  return row.get('model_revision', of(record))
+
+
+def mark(record: dict, row: dict) -> str:
+  """' †' after a row of an earlier revision than the presets' (the note under the table)."""
+  return ' †' if row_of(record, row) < presets.MODEL_REVISION else ''
 
 
 def stale(out: str, prefixes: tuple[str, ...]) -> dict[str, int]:
@@ -40,15 +51,15 @@ def stale(out: str, prefixes: tuple[str, ...]) -> dict[str, int]:
   return found
 
 
-def note(out: str, prefixes: tuple[str, ...]) -> list[str]:
-  """Lines to put under a table built from those runs: none when every run is current."""
+def note(out: str, prefixes: tuple[str, ...], marked: bool = False) -> list[str]:
+  """Lines to put under a table built from those runs (whose rows of an earlier revision are
+  `marked` with †, or not): none when every run is current."""
   old = stale(out, prefixes)
   if not old:
     return []
   changes = sorted(
     {CHANGES[k] for r in old.values() for k in range(r + 1, presets.MODEL_REVISION + 1)}
   )
-  marked = any(n.startswith('one_chip') for n in old)
   return [
     '',
     f'{"The rows marked † were" if marked else "These runs were"} compiled'

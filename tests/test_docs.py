@@ -936,8 +936,8 @@ def test_the_shared_tables_are_rendered_from_every_compilers_committed_runs(tmp_
 
 def test_a_table_of_runs_compiled_before_the_presets_changed_says_so(tmp_path):
   """A run that records no `model_revision` (or an older one than the presets', or that keeps a
-  row of an older one) is named under the table built from it; a current run is not, and a
-  table of current runs carries no note."""
+  row of an older one) is named under the table built from it, and such a row is marked; a
+  current run is not, and a table of current runs carries no note."""
   sys.path.insert(0, str(ROOT / 'benchmarks'))
   import model_revision
 
@@ -960,7 +960,13 @@ def test_a_table_of_runs_compiled_before_the_presets_changed_says_so(tmp_path):
   assert line.startswith('These runs were compiled before the gated presets rotated their')
   assert line.endswith(f'(model revision 1; now {now}). They are being compiled again'
                        ' (`tools/regenerate_tpu_results.py`): maxtext_v5e.libtpu-0.0.42.json.')  # fmt: skip
-  assert model_revision.note(str(tmp_path), ('one_chip.',))[1].startswith('The rows marked †')
+  marked = model_revision.note(str(tmp_path), ('one_chip.',), marked=True)[1]
+  assert marked.startswith('The rows marked † were compiled before')
+  assert marked.endswith(': one_chip.libtpu-0.0.42.json, one_chip.libtpu-0.0.50.json.')
+  # A row is marked by its own revision, else its run's.
+  run = runs['one_chip.libtpu-0.0.50.json']
+  assert [model_revision.mark(run, r) for r in run['rows']] == ['', ' †']
+  assert model_revision.mark(runs['maxtext_v5e.libtpu-0.0.50.json'], {}) == ''
   (tmp_path / 'maxtext_v5e.libtpu-0.0.42.json').write_text(
     json.dumps({'versions': {'model_revision': now}, 'rows': []})
   )
