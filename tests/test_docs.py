@@ -994,3 +994,36 @@ def test_every_committed_tpu_run_records_a_revision_no_newer_than_the_presets():
   for document in ('README.md', 'docs/results.md'):
     text = ' '.join((ROOT / document).read_text().split())
     assert ('being compiled again' in text) == bool(stale), (document, stale)
+
+
+def test_the_regeneration_tool_runs_the_steps_in_the_order_given_and_resumes_searches(
+  monkeypatch, capsys
+):
+  """`--only` runs its steps in the order given, refusing a number no step has; `--resume`
+  reaches the searches of MaxText's rows (bench_recompute.py) and no other script."""
+  sys.path.insert(0, str(ROOT / 'tools'))
+  import regenerate_tpu_results as regen
+
+  monkeypatch.setattr(regen, 'libtpu_version', lambda: '0.0.42')
+  run, ran = regen.run, []
+  monkeypatch.setattr(regen, 'run', lambda step, no_cache, resume: ran.append(step.name) or 0.0)
+  assert regen.main(['--only', '6,1,6']) == 0
+  assert ran == ['bench_recompute v5p', 'bench_maxtext v5p']
+  with pytest.raises(SystemExit):
+    regen.main(['--only', '1,99'])
+  assert (
+    'error: --only: no step [99] from step 1 on; --list numbers them.' in capsys.readouterr().err
+  )
+  calls = []
+  monkeypatch.setattr(
+    regen.subprocess,
+    'run',
+    lambda argv, **kw: calls.append(argv) or subprocess.CompletedProcess(argv, 0),
+  )
+  steps = regen.steps('0.0.42')
+  for step in steps[0], steps[5]:  # bench_maxtext v5p, bench_recompute v5p
+    run(step, no_cache=False, resume=True)
+  assert [list(argv[1:]) for argv in calls] == [
+    ['benchmarks/bench_maxtext.py'],
+    ['benchmarks/bench_recompute.py', '--chip', 'v5p', '--resume'],
+  ]

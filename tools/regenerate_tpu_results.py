@@ -1,6 +1,6 @@
 """Regenerates every committed TPU result for the installed jax and libtpu, in order.
 
-    python tools/regenerate_tpu_results.py [--list] [--from N] [--only N,M] [--no-cache]
+    python tools/regenerate_tpu_results.py [--list] [--from N] [--only N,M] [--no-cache] [--resume]
     python tools/regenerate_tpu_results.py --tables
 
 A change to what the planner compiles (the presets' model, a default option) moves the figures
@@ -9,8 +9,10 @@ one after the other, the benchmark scripts that write them and the recorded `com
 committed plan and search, for the libtpu installed beside this jax (run it once per supported
 end: this machine's Python for libtpu 0.0.42, `tools/newest-jax`'s root for 0.0.50). The steps
 are numbered; `--from N` resumes after an interruption, `--only N,M` runs those steps in that
-order, `--list` prints them and what each writes. Each step's output and time go to the terminal; a failed step stops the run with its
-number, so that `--from` starts there again.
+order, `--list` prints them and what each writes. The searches of MaxText's rows save row by
+row; `--resume` skips the rows already compiled at the presets' model revision. Each step's
+output and time go to the terminal; a failed step stops the run with its number, so that
+`--from` starts there again.
 
 Each benchmark also rewrites the table (.md) the compilers share from the runs beside it. When
 the two ends run in separate checkouts, copy one's versioned files into the other and run
@@ -217,12 +219,15 @@ def rewrite_tables() -> list[str]:
   return [os.path.join(RESULTS, name) for name in tables]
 
 
-def run(step: Step, no_cache: bool) -> float:
+def run(step: Step, no_cache: bool, resume: bool = False) -> float:
   """Runs one step's commands from the repository root; its time in seconds. `no_cache`
-  compiles afresh in the step's first zerojax command (the others read its programs back)."""
+  compiles afresh in the step's first zerojax command (the others read its programs back);
+  `resume` passes --resume to the scripts that save row by row (bench_recompute.py)."""
   start = time.perf_counter()
   for i, (argv, stdout_to) in enumerate(step.runs):
     argv = [*argv, '--no-cache'] if no_cache and i == 0 and argv[1:3] == ('-m', 'zerojax') else argv
+    if resume and argv[1].endswith('bench_recompute.py'):
+      argv = [*argv, '--resume']
     if stdout_to is None:
       proc = subprocess.run(argv, cwd=ROOT)
     else:  # the committed report is replaced only by a whole one
@@ -246,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     '--only', default=None, help='comma-separated step numbers, run in that order'
   )
   parser.add_argument('--no-cache', action='store_true', help='compile every program afresh')
+  parser.add_argument(
+    '--resume',
+    action='store_true',
+    help="the searches of MaxText's rows skip the rows already at the presets' model revision",
+  )
   parser.add_argument(
     '--tables', action='store_true', help='only rewrite the shared tables from the committed runs'
   )
@@ -283,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
       flush=True,
     )
     try:
-      seconds = run(step, args.no_cache)
+      seconds = run(step, args.no_cache, args.resume)
     except RuntimeError as e:
       print(f'step {n} ({step.name}) failed: {e}; resume with --from {n}', file=sys.stderr)
       return 1
