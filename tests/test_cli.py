@@ -294,7 +294,8 @@ def test_stream_needs_zerojax_gradients():
     (
       ['--model', 'decoder:vocab=256,d_model=128,n_layers=2,n_heads=4,d_ff=512,width=3'],
       "error: --model: decoder shape: unknown ['width']; the keys are ['d_ff', 'd_model',"
-      " 'gated', 'head_size', 'n_heads', 'n_kv_heads', 'n_layers', 'seq_len', 'vocab'].",
+      " 'gated', 'head_size', 'n_heads', 'n_kv_heads', 'n_layers', 'rope_theta', 'seq_len',"
+      " 'vocab'].",
     ),
     (
       ['--model', 'decoder:vocab=256,d_model=128,n_heads=4'],
