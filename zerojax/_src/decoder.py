@@ -75,13 +75,22 @@ class Rope:
 def rotate(x: jax.Array, rope: Rope, offset: int = 0) -> jax.Array:
   """`x` (batch, seq, heads, head_dim) rotated by its positions (offset, offset + 1, ...) as
   transformers rotates it: the angles' cosines and sines computed in float32 and cast to x's
-  dtype, then x * cos + flip(x) * sin in that dtype, flip(x) = (-x2, x1) of x's two halves."""
+  dtype, then x * cos + flip(x) * sin in that dtype, flip(x) = (-x2, x1) of x's two halves.
+
+  flip is a product with a fixed signed permutation of the head's dimensions, exact in any
+  dtype (one nonzero term per output), which a TPU runs on its matrix unit: slicing and joining
+  halves of the 128 lanes a TPU register holds cost its compiler more than that product."""
   t, d = x.shape[1], x.shape[-1]
   inv = jnp.asarray(rope.inverse_frequencies(d))
   angles = jnp.arange(offset, offset + t, dtype=jnp.float32)[:, None] * inv[None, :]
   angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
   cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-  flipped = jnp.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
+  half = np.arange(d // 2)
+  flip = np.zeros((d, d), np.float32)
+  flip[half + d // 2, half], flip[half, half + d // 2] = -1.0, 1.0
+  flipped = jnp.einsum(
+    'bthd,de->bthe', x, jnp.asarray(flip, x.dtype), precision=jax.lax.Precision.HIGHEST
+  )
   return x * cos + flipped * sin
 
 

@@ -35,7 +35,8 @@ from zerojax._src.decoder import remat_policy as remat_policy
 # The revision of the presets' programs, which every committed TPU result records
 # (`model_revision`; absent: 1), so that a result compiled before a change to what the presets
 # compute is told from one compiled after it. 1: the presets were position-free; 2: the gated
-# (Llama-shaped) presets, and `decoder:` shapes, rotate their queries and keys.
+# (Llama-shaped) presets, and `decoder:` shapes, rotate their queries and keys (`rotate`: in
+# the activations' dtype, the halves swapped by a product with a signed permutation).
 MODEL_REVISION = 2
 
 # Llama 2's rotary embedding and norm epsilon (its config.json: rope_theta 10000, rms_norm_eps
