@@ -78,8 +78,8 @@ def rotate(x: jax.Array, rope: Rope, offset: int = 0) -> jax.Array:
   dtype, then x * cos + flip(x) * sin in that dtype, flip(x) = (-x2, x1) of x's two halves.
 
   flip is a product with a fixed signed permutation of the head's dimensions, exact in any
-  dtype (one nonzero term per output), which a TPU runs on its matrix unit: slicing and joining
-  halves of the 128 lanes a TPU register holds cost its compiler more than that product."""
+  dtype (one nonzero term per output), which a TPU runs on its matrix unit rather than by
+  moving halves of its 128-lane registers."""
   t, d = x.shape[1], x.shape[-1]
   inv = jnp.asarray(rope.inverse_frequencies(d))
   angles = jnp.arange(offset, offset + t, dtype=jnp.float32)[:, None] * inv[None, :]
