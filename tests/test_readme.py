@@ -214,9 +214,10 @@ def test_the_v5e_check_is_committed_for_both_compilers_with_maxtexts_settings():
     assert sorted(runs) == [(m, s) for m in ('16B', '32B', '64B') for s in (2, 4, 8, 16, 32)]
     for (name, slices), r in runs.items():
       assert 1.0 <= r['dcn_over_floor'] <= 1.01 and r['fits'] is True, (version, name, slices)
-      # What docs/multi-host.md says: a nearly flat predicted line (0.979-0.999 of one slice),
-      # within 4 points on two slices, 6 of the 15 runs within 5.
-      assert 0.979 <= r['predicted_scaling'] < 1.0, (version, name, slices)
+      # What docs/multi-host.md says: a nearly flat predicted line (0.979-1.001 of one slice:
+      # the 16B's two-slice program on libtpu 0.0.42 is scheduled 0.1% faster than its
+      # one-slice one), within 4 points on two slices, 6 of the 15 runs within 5.
+      assert 0.979 <= r['predicted_scaling'] <= 1.0015, (version, name, slices)
       if slices == 2:
         assert abs(r['difference_points']) <= 4, (version, name, r['difference_points'])
     assert sum(abs(r['difference_points']) <= 5 for r in runs.values()) == 6
