@@ -46,12 +46,14 @@ BENCHMARKS = os.path.join(ROOT, 'benchmarks')  # the scripts, here even where RO
 class Step:
   """Commands (each an argv and the file its printed output goes to, or None), the committed
   files (globs under benchmarks/results) they write, and files they write under another name,
-  moved to the committed one afterwards ((written, committed) paths from the repository root)."""
+  moved to the committed one afterwards ((written, committed) paths from the repository root).
+  `resumable`: its script saves row by row and takes --resume (skip the rows already current)."""
 
   name: str
   runs: tuple[tuple[tuple[str, ...], str | None], ...]
   writes: tuple[str, ...]
   moves: tuple[tuple[str, str], ...] = ()
+  resumable: bool = False
 
 
 def libtpu_version() -> str:
@@ -67,7 +69,7 @@ def libtpu_version() -> str:
 
 def _bench(name: str, script: str, writes: tuple[str, ...], *flags: str) -> Step:
   argv = (sys.executable, os.path.join('benchmarks', script), *flags)
-  return Step(name, ((argv, None),), writes)
+  return Step(name, ((argv, None),), writes, resumable=script == 'bench_recompute.py')
 
 
 def _zerojax(command: str, path: str) -> tuple[str, ...]:
@@ -222,11 +224,11 @@ def rewrite_tables() -> list[str]:
 def run(step: Step, no_cache: bool, resume: bool = False) -> float:
   """Runs one step's commands from the repository root; its time in seconds. `no_cache`
   compiles afresh in the step's first zerojax command (the others read its programs back);
-  `resume` passes --resume to the scripts that save row by row (bench_recompute.py)."""
+  `resume` passes --resume to the scripts that save row by row (`Step.resumable`)."""
   start = time.perf_counter()
   for i, (argv, stdout_to) in enumerate(step.runs):
     argv = [*argv, '--no-cache'] if no_cache and i == 0 and argv[1:3] == ('-m', 'zerojax') else argv
-    if resume and argv[1].endswith('bench_recompute.py'):
+    if resume and step.resumable:
       argv = [*argv, '--resume']
     if stdout_to is None:
       proc = subprocess.run(argv, cwd=ROOT)
