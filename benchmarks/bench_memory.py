@@ -329,6 +329,10 @@ def main() -> int:
       committed = json.load(f)
     before = {r['row']: r for r in committed['rows']}
     before_v5p = committed.get('v5p', [])
+  # --reuse keeps only what was compiled from the presets as they are (their revision).
+  now = lambda r: r.get('model_revision') == presets.MODEL_REVISION
+  reusable = {n: r for n, r in before.items() if now(r)}
+  reusable_v5p = {r['row']: r['held'] for r in before_v5p if now(r)}
   winners = searched_policies(args.out, tag)
   results = []
   for name, family, flags in every:
@@ -336,7 +340,7 @@ def main() -> int:
       continue
     print(f'planning {name} with {tag} ...', flush=True)
     remats = [*REMATS, *([winners[name]] if winners.get(name) not in (None, *REMATS) else [])]
-    reuse = before.get(name, {}) if args.reuse else {}
+    reuse = reusable.get(name, {}) if args.reuse else {}
     plans = {m: plan_or_reuse(flags, m, reuse.get('plans', {}).get(m)) for m in remats}
     shares = {
       share: plan_or_reuse(
@@ -358,7 +362,7 @@ def main() -> int:
     v5p = before_v5p
   else:
     print(f'planning the v5p rows with {tag} ...', flush=True)
-    v5p = v5p_held(args.out, tag, {r['row']: r['held'] for r in before_v5p}, args.reuse)
+    v5p = v5p_held(args.out, tag, reusable_v5p, args.reuse)
     v5p = [{**r, 'model_revision': presets.MODEL_REVISION} for r in v5p]
   # Rows kept from an earlier run (--rows) keep their revision; the run's is the oldest.
   versions['model_revision'] = min(r.get('model_revision', 1) for r in [*results, *v5p])

@@ -419,7 +419,11 @@ def main() -> int:
   if os.path.exists(path):
     with open(path) as f:
       committed = {r['row']: r for r in json.load(f)['rows']}
-  before = committed if args.reuse else {}
+  # --reuse keeps only what was compiled from the presets as they are (their revision).
+  current = {
+    n: r for n, r in committed.items() if r.get('model_revision') == presets.MODEL_REVISION
+  }
+  before = current if args.reuse else {}
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
   os.makedirs(args.out, exist_ok=True)
   done = {}
