@@ -1,5 +1,5 @@
 """benchmarks/bench_memory.py's `--reuse`: a committed plan is reused only where the planner would
-compile the same program again."""
+compile the same program again; bench_recompute.py's `--reuse` and `--resume` by model revision."""
 
 import sys
 from pathlib import Path
@@ -56,3 +56,47 @@ def test_a_committed_plan_is_reused_only_at_the_share_the_planner_now_gives_it(b
   older = {k: v for k, v in now.items() if k != 'lean'}
   bench_memory.plan_or_reuse(FLAGS, 'full', older)
   assert len(compiled) == 2
+
+
+def test_the_searches_reuse_and_resume_only_rows_of_the_presets_revision(tmp_path, monkeypatch):
+  """benchmarks/bench_recompute.py: `--reuse` hands a row's search only a record compiled at the
+  presets' model revision; each searched row is saved at once, stamped with the revision, the
+  others kept as they were; `--resume` skips the rows already at the revision."""
+  pytest.importorskip('libtpu', reason='bench_recompute records the installed libtpu')
+  import json
+
+  monkeypatch.syspath_prepend(str(ROOT / 'benchmarks'))
+  import bench_recompute
+
+  from zerojax._src.planner import presets
+
+  now = presets.MODEL_REVISION
+  path = tmp_path / 'recompute_v5e.libtpu-9.9.9.json'
+  path.write_text(json.dumps({'rows': [{'row': '16B', 'model_revision': now}, {'row': '32B'}]}))
+  searched, saved = [], []
+
+  def search_row(row, before, chip):
+    searched.append((row[0], before))
+    saved.append('versions' in json.loads(path.read_text()))  # written by this run yet?
+    return {'row': row[0]}
+
+  monkeypatch.setattr(bench_recompute, 'compiler_tag', lambda: 'libtpu-9.9.9')
+  monkeypatch.setattr(bench_recompute, 'search_row', search_row)
+  monkeypatch.setattr(bench_recompute, 'table', lambda out, chip: [])
+  argv = ['bench_recompute.py', '--out', str(tmp_path), '--rows', '16B,32B']
+  monkeypatch.setattr(sys, 'argv', [*argv, '--reuse'])
+  assert bench_recompute.main() == 0
+  assert searched == [('16B', {'row': '16B', 'model_revision': now}), ('32B', None)]
+  assert saved == [False, True]  # the first row was saved before the second was searched
+  run = json.loads(path.read_text())
+  assert run['rows'] == [
+    {'row': '16B', 'model_revision': now},
+    {'row': '32B', 'model_revision': now},
+  ]
+  assert run['versions']['model_revision'] == now
+  path.write_text(json.dumps({'rows': [{'row': '16B', 'model_revision': now}, {'row': '32B'}]}))
+  searched.clear()
+  monkeypatch.setattr(sys, 'argv', [*argv, '--resume'])
+  assert bench_recompute.main() == 0
+  assert searched == [('32B', None)]
+  sys.modules.pop('bench_recompute', None)
