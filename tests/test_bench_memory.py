@@ -100,3 +100,52 @@ def test_the_searches_reuse_and_resume_only_rows_of_the_presets_revision(tmp_pat
   assert bench_recompute.main() == 0
   assert searched == [('32B', None)]
   sys.modules.pop('bench_recompute', None)
+
+
+def test_the_memory_table_reuses_only_plans_of_the_presets_revision(bench, tmp_path, monkeypatch):
+  """benchmarks/bench_memory.py `--reuse`: a row's committed plans are kept only where the row
+  was compiled at the presets' model revision; an older row (or one without a revision) is
+  compiled again and written at the revision, and the run records the oldest of its rows'."""
+  pytest.importorskip('libtpu', reason='bench_memory records the installed libtpu')
+  import json
+
+  from zerojax._src.planner import presets
+
+  bench_memory, compiled = bench
+  now = presets.MODEL_REVISION
+  every = [('16B', '16B', FLAGS), ('32B', '32B', [*FLAGS[:1], 'small', *FLAGS[2:]])]
+
+  def record(flags, remat):
+    return {
+      'command': bench_memory.command(flags, remat), 'peak_gib': 9.0,
+      'lean': bench_memory.candidates.lean(remat),
+      'scheduler_share': bench_memory.scheduler_share(flags, remat),
+    }  # fmt: skip
+
+  def committed(flags, revision):
+    plans = {m: record(flags, m) for m in bench_memory.REMATS}
+    shares = {
+      s: record([*flags, '--scheduler-share', s], 'full') for s in bench_memory.SCHEDULER_SHARES
+    }
+    row = {'plans': plans, 'scheduler_shares': shares}
+    return row if revision is None else {**row, 'model_revision': revision}
+
+  monkeypatch.setattr(bench_memory, 'rows', lambda: every)
+  monkeypatch.setattr(bench_memory, 'compiler_tag', lambda: 'libtpu-9.9.9')
+  monkeypatch.setattr(bench_memory, 'searched_policies', lambda out, tag: {})
+  monkeypatch.setattr(bench_memory, 'table', lambda out: [])
+  path = tmp_path / 'memory_v5e.libtpu-9.9.9.json'
+  rows = [{'row': '16B', **committed(FLAGS, now)}, {'row': '32B', **committed(every[1][2], None)}]
+  path.write_text(json.dumps({'versions': {}, 'rows': rows, 'v5p': []}))
+  argv = ['bench_memory.py', '--out', str(tmp_path), '--rows', '16B,32B', '--reuse']
+  monkeypatch.setattr(sys, 'argv', argv)
+  assert bench_memory.main() == 0
+  # Only the 32B row, compiled before the revision, was planned again: each remat and share.
+  per_row = len(bench_memory.REMATS) + len(bench_memory.SCHEDULER_SHARES)
+  assert len(compiled) == per_row
+  assert all(flags[1] == 'small' for flags, _ in compiled)
+  run = json.loads(path.read_text())
+  assert [r['model_revision'] for r in run['rows']] == [now, now]
+  assert run['rows'][0]['plans']['full']['peak_gib'] == 9.0  # kept as committed
+  assert run['rows'][1]['plans']['full']['peak_gib'] == 1.0  # the fresh plan
+  assert run['versions']['model_revision'] == now
