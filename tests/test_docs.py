@@ -994,6 +994,13 @@ def test_every_committed_tpu_run_records_a_revision_no_newer_than_the_presets():
   for document in ('README.md', 'docs/results.md'):
     text = ' '.join((ROOT / document).read_text().split())
     assert ('being compiled again' in text) == bool(stale), (document, stale)
+  # The results page names the kinds of run still to be compiled again, and only those.
+  results = ' '.join((ROOT / 'docs' / 'results.md').read_text().split())
+  kinds = sorted({name.split('.libtpu-')[0] for name in stale})
+  if kinds:
+    assert 'Still to be compiled again: ' in results, kinds
+    said = results.split('Still to be compiled again: ')[1].split('.')[0]
+    assert sorted(re.findall(r'\(`([\w.-]+)`\)', said)) == kinds, (said, kinds)
 
 
 def test_the_regeneration_tool_runs_the_steps_in_the_order_given_and_resumes_searches(
