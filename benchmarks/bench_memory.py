@@ -330,9 +330,8 @@ def main() -> int:
     before = {r['row']: r for r in committed['rows']}
     before_v5p = committed.get('v5p', [])
   # --reuse keeps only what was compiled from the presets as they are (their revision).
-  now = lambda r: r.get('model_revision') == presets.MODEL_REVISION
-  reusable = {n: r for n, r in before.items() if now(r)}
-  reusable_v5p = {r['row']: r['held'] for r in before_v5p if now(r)}
+  reusable = {n: r for n, r in before.items() if model_revision.current(r)}
+  reusable_v5p = {r['row']: r['held'] for r in before_v5p if model_revision.current(r)}
   winners = searched_policies(args.out, tag)
   results = []
   for name, family, flags in every:

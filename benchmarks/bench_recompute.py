@@ -420,15 +420,13 @@ def main() -> int:
     with open(path) as f:
       committed = {r['row']: r for r in json.load(f)['rows']}
   # --reuse keeps only what was compiled from the presets as they are (their revision).
-  current = {
-    n: r for n, r in committed.items() if r.get('model_revision') == presets.MODEL_REVISION
-  }
+  current = {n: r for n, r in committed.items() if model_revision.current(r)}
   before = current if args.reuse else {}
   versions = {'jax': jax.__version__, 'libtpu': getattr(libtpu, '__version__', '?')}
   os.makedirs(args.out, exist_ok=True)
   done = {}
   for row in (r for r in every if r[0] in wanted):
-    if args.resume and committed.get(row[0], {}).get('model_revision') == presets.MODEL_REVISION:
+    if args.resume and row[0] in current:
       print(f'{row[0]}: searched at model revision {presets.MODEL_REVISION} already (--resume)')
       continue
     print(f'searching {row[0]} on {row[5]} with {tag} ...', flush=True)

@@ -33,6 +33,12 @@ def row_of(record: dict, row: dict) -> int:
   return row.get('model_revision', of(record))
 
 
+def current(row: dict) -> bool:
+  """Whether a row records that it was compiled at the presets' revision (what `--reuse` and
+  `--resume` keep; a row without a revision is of an earlier one)."""
+  return row.get('model_revision') == presets.MODEL_REVISION
+
+
 def mark(record: dict, row: dict) -> str:
   """' †' after a row of an earlier revision than the presets' (the note under the table)."""
   return ' †' if row_of(record, row) < presets.MODEL_REVISION else ''
