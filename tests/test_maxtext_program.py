@@ -257,6 +257,7 @@ def test_zerojax_against_maxtexts_programs_on_its_published_v5p_rows():
   assert (
     '64B {}, 128B {}, 128B on 512 chips {}; 256B keeps its pick ({})'.format(*f(half)) in results
   )
+  assert records['v5p 256B']['best_at_half_vs_maxtext'][0] == records['v5p 256B']['searched_remat']
   assert (
     'Against those the searched plans are {} (64B), {} (128B), {} (128B-512) and {} (256B)'
   ).format(*f(sparse)) in results
