@@ -161,7 +161,8 @@ class Text:
 
 
 def checkpoint_text(folder: str) -> Text:
-  """The checkpoint's tokenizer.json, chat template and special tokens."""
+  """The checkpoint's tokenizer.json, chat template and special tokens; its ids are
+  transformers' `AutoTokenizer`'s (a file's saved padding and truncation are not applied)."""
   from tokenizers import Tokenizer
 
   path = os.path.join(folder, 'tokenizer.json')
@@ -181,7 +182,13 @@ def checkpoint_text(folder: str) -> Text:
   eos = token(settings.get('eos_token'))
   if eos is None:
     raise ValueError(f'{folder}/tokenizer_config.json: no eos_token to end each completion with.')
-  return Text(Tokenizer.from_file(path), template, eos, token(settings.get('bos_token')))
+  tokenizer = Tokenizer.from_file(path)
+  # transformers' save_pretrained writes the padding and truncation of the last call it made
+  # into tokenizer.json, and its AutoTokenizer applies neither unless a call asks for them:
+  # read the file as transformers does (tokenize() pads and cuts the examples itself).
+  tokenizer.no_padding()
+  tokenizer.no_truncation()
+  return Text(tokenizer, template, eos, token(settings.get('bos_token')))
 
 
 def trained_text(conversations: list[list[dict]], vocab: int) -> Text:

@@ -55,6 +55,30 @@ def test_both_jsonl_shapes_are_read_and_bad_lines_are_named(tmp_path):
     finetune_lm.read_examples(last)
 
 
+TOKENIZERS = os.path.join(os.path.dirname(__file__), 'data', 'hf-tokenizers')
+
+
+@pytest.mark.parametrize('saved', ['plain', 'padded', 'truncated', 'padded-truncated'])
+def test_a_tokenizer_file_reads_as_transformers_reads_it(saved):
+  # tools/make_hf_fixtures.py: transformers saved each folder after a call with that padding
+  # and truncation (written into tokenizer.json), and recorded AutoTokenizer's ids.
+  expected = json.load(open(os.path.join(TOKENIZERS, 'expected.json')))
+  folder = os.path.join(TOKENIZERS, saved)
+  assert (json.load(open(os.path.join(folder, 'tokenizer.json')))['padding'] is None) == (
+    'padded' not in saved
+  )
+  text = finetune_lm.checkpoint_text(folder)
+  got = [text.tokenizer.encode(t).ids for t in expected['texts']]
+  assert got == expected['ids'][saved]
+  pad = text.tokenizer.token_to_id('<pad>')
+  ids, weights = text.encode([
+    {'role': 'user', 'content': expected['texts'][0]},
+    {'role': 'assistant', 'content': expected['texts'][1]},
+  ])
+  assert pad not in ids and len(ids) == len(weights)
+  assert ids[: len(got[0])] == got[0]
+
+
 def _text(template):
   conversations = finetune_lm.read_examples(CHATS_FILE)
   text = finetune_lm.trained_text(conversations, 300)

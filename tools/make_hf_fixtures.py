@@ -11,6 +11,11 @@ names and layouts), writes a WordPiece vocabulary for BERT and a byte-level BPE 
 on fixed inputs in `expected.npz`: what zerojax's Flax models must reproduce from those files.
 The Llama family's (`DECODERS`: Llama, Mistral, Qwen2, Qwen3) are made the same way with
 `AutoModelForCausalLM`, for `zerojax.llama`.
+
+`hf-tokenizers/` holds tokenizer folders written by transformers' `save_pretrained` after a
+call with padding, truncation, both or neither (which transformers writes into tokenizer.json),
+and the ids `AutoTokenizer` reads back from each on fixed texts (`expected.json`). They need
+transformers and tokenizers only: `python tools/make_hf_fixtures.py tests/data --tokenizers`.
 """
 
 from __future__ import annotations
@@ -20,14 +25,7 @@ import os
 import sys
 
 import numpy as np
-import torch
 from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
-from transformers import (
-  BertConfig,
-  BertForSequenceClassification,
-  GPT2Config,
-  GPT2LMHeadModel,
-)
 
 TEXT = [
   'The company said its shares rose by 5 percent on Monday.',
@@ -39,6 +37,9 @@ TEXT = [
 
 
 def bert(out: str) -> None:
+  import torch
+  from transformers import BertConfig, BertForSequenceClassification
+
   os.makedirs(out, exist_ok=True)
   wordpiece = BertWordPieceTokenizer(lowercase=True)
   wordpiece.train_from_iterator(TEXT, vocab_size=120, min_frequency=1)
@@ -75,6 +76,9 @@ def bert(out: str) -> None:
 
 
 def gpt2(out: str) -> None:
+  import torch
+  from transformers import GPT2Config, GPT2LMHeadModel
+
   os.makedirs(out, exist_ok=True)
   bpe = ByteLevelBPETokenizer()
   bpe.train_from_iterator(TEXT, vocab_size=300, min_frequency=1)
@@ -117,6 +121,7 @@ def decoder(out: str, model_type: str, changes: dict) -> None:
   """A randomly initialised Llama-family model, its weights drawn wide (biases and norms too,
   which transformers' init leaves at 0 and 1), saved with `save_pretrained`, and its logits on
   fixed tokens."""
+  import torch
   from transformers import AutoConfig, AutoModelForCausalLM
 
   os.makedirs(out, exist_ok=True)
@@ -140,6 +145,45 @@ def decoder(out: str, model_type: str, changes: dict) -> None:
   _expected(out, tokens=tokens, logits=logits)
 
 
+# Texts each saved tokenizer encodes, and the calls whose settings save_pretrained then writes
+# into tokenizer.json (name: the call's keyword arguments).
+TOKENIZER_TEXTS = ['the cat sat on the mat', 'Shares of the company increased 5 percent on Monday.']
+TOKENIZER_CALLS = {
+  'plain': {},
+  'padded': dict(padding='max_length', max_length=16),
+  'truncated': dict(truncation=True, max_length=4),
+  'padded-truncated': dict(padding='max_length', truncation=True, max_length=8),
+}
+
+
+def tokenizers(out: str) -> None:
+  """A byte-level BPE wrapped as transformers' fast tokenizer, called once with each of
+  `TOKENIZER_CALLS`' settings and saved after it; the ids AutoTokenizer reads back from each
+  folder with a plain call (no padding, no truncation asked for)."""
+  from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+  bpe = ByteLevelBPETokenizer()
+  special = ['<pad>', '<|end|>']
+  bpe.train_from_iterator(TEXT, vocab_size=300, min_frequency=1, special_tokens=special)
+  expected = {}
+  for name, call in TOKENIZER_CALLS.items():
+    folder = os.path.join(out, name)
+    tok = PreTrainedTokenizerFast(
+      tokenizer_object=bpe._tokenizer, pad_token='<pad>', eos_token='<|end|>'
+    )
+    tok(TOKENIZER_TEXTS, **call)
+    tok.save_pretrained(folder)
+    with open(os.path.join(folder, 'tokenizer.json')) as f:
+      saved = json.load(f)
+    # The point of the fixture: the file keeps the call's settings.
+    assert (saved['padding'] is not None) == ('padding' in call), (name, saved['padding'])
+    assert (saved['truncation'] is not None) == ('truncation' in call), (name, saved['truncation'])
+    read = AutoTokenizer.from_pretrained(folder)
+    expected[name] = [read(t)['input_ids'] for t in TOKENIZER_TEXTS]
+  with open(os.path.join(out, 'expected.json'), 'w') as f:
+    json.dump({'texts': TOKENIZER_TEXTS, 'ids': expected}, f)
+
+
 def _json(out: str, name: str, value: dict) -> None:
   with open(os.path.join(out, name), 'w') as f:
     json.dump(value, f, indent=2)
@@ -150,7 +194,11 @@ def _expected(out: str, **arrays) -> None:
 
 
 if __name__ == '__main__':
-  root = sys.argv[1] if len(sys.argv) > 1 else 'tests/data'
+  args = [a for a in sys.argv[1:] if not a.startswith('--')]
+  root = args[0] if args else 'tests/data'
+  tokenizers(os.path.join(root, 'hf-tokenizers'))
+  if '--tokenizers' in sys.argv:
+    sys.exit(0)
   bert(os.path.join(root, 'hf-tiny-bert'))
   gpt2(os.path.join(root, 'hf-tiny-gpt2'))
   for folder, model_type, changes in DECODERS:
