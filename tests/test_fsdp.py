@@ -235,10 +235,45 @@ def test_a_parameter_used_without_a_gather_is_named(auto_mesh):
   )
 
 
-def test_per_layer_is_for_stages_2_and_3(auto_mesh):
-  ztx = zerojax.zero_stage(optax.adam(1e-3), 1, mesh=auto_mesh)
-  with pytest.raises(ValueError, match=r'`per_layer=True` is for stages 2-3 .* \(got stage 1,'):
+def test_one_loss_line_with_per_layer_serves_every_stage(mesh):
+  # The script's stage is the one thing that changes: the same loss (gathering each layer) and
+  # the same value_and_grad(per_layer=True) line at stages 0-3, losses and gradients equal.
+  params = recipes.init_params(jax.random.key(0), 2, 64)
+  x, y = _data(mesh, 64, batch=16)
+  hx, hy = jax.device_get((x, y))  # the reference: plain jax on one device
+  want_loss, want = jax.value_and_grad(lambda p: recipes.mse(recipes.forward(p, hx), hy))(params)
+  for stage in range(4):
+    ztx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
+
+    def loss_fn(p, batch):
+      gather = lambda w: zerojax.gather(w, ztx)
+      pred = recipes.forward(p, batch['x'], gather, zerojax.recompute_gathers)
+      return recipes.mse(pred, batch['y'])
+
+    placed = jax.device_put(params, zerojax.plan_for(ztx, params).params)
+    grad_fn = zerojax.value_and_grad(loss_fn, ztx, per_layer=True)
+    loss, grads = jax.jit(grad_fn)(placed, {'x': x, 'y': y})
+    tol = reordered(x.shape[0] * 64)
+    assert abs(float(loss) - float(want_loss)) <= tol * abs(float(want_loss)), stage
+    assert max_rel_err(grads, want) <= tol, stage
+    if stage < 2:  # nothing split: per_layer=False's program, to the text
+      whole = zerojax.value_and_grad(loss_fn, ztx, per_layer=False)
+      args = (placed, {'x': x, 'y': y})
+      assert jax.jit(grad_fn).lower(*args).as_text() == jax.jit(whole).lower(*args).as_text()
+
+
+def test_per_layer_with_hpz_is_refused():
+  mesh = jax.make_mesh((2, 4), ('replica', 'data'))
+  ztx = zerojax.zero_stage(
+    optax.adam(1e-3), 3, mesh=mesh, axis=('replica', 'data'), param_axis='data'
+  )
+  with pytest.raises(ValueError) as e:
     zerojax.value_and_grad(lambda p, b: 0.0, ztx, per_layer=True)
+  assert str(e.value) == (
+    '`per_layer=True` hands the loss shards split over all of the ZeRO axes, and under hpZ'
+    " (param_axis='data') the parameters are split over that axis only: use per_layer=False"
+    ' with param_axis.'
+  )
 
 
 def test_recompute_gathers_saves_everything_but_gathers():

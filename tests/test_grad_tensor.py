@@ -80,7 +80,7 @@ def _over_tensor(text: str, mesh) -> list[str]:
 @pytest.mark.parametrize('micro', [1, 2])
 def test_parameters_are_gathered_over_the_zero_axis_only(stage, shape, per_layer, micro):
   if per_layer and stage < 2:
-    pytest.skip('per_layer is for stages 2-3')
+    pytest.skip('per_layer below stage 2 is per_layer=False (test_fsdp: one loss line)')
   mesh = _mesh(*shape)
   tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh, param_specs=SPECS)
   plan = zerojax.plan_for(tx, _params())

@@ -614,11 +614,15 @@ def value_and_grad(
     reduce_dtype: accumulate and reduce gradients in this dtype (e.g.
       `jnp.float32` for bf16 models); default: the parameters' dtype.
     has_aux: `loss_fn` returns `(loss, aux)`.
-    per_layer: stages 2-3: hand `loss_fn` each split parameter as a
-      `zerojax.ShardedLeaf` for the model to gather layer by layer
-      (`zerojax.gather`, `zerojax.linen.gathered`, `zerojax.nnx.gathered`),
-      each gather's gradient reduce-scattered as the backward pass reaches it.
-      A split parameter used without a gather raises a TypeError naming it.
+    per_layer: hand `loss_fn` each split parameter as a `zerojax.ShardedLeaf`
+      for the model to gather layer by layer (`zerojax.gather`,
+      `zerojax.linen.gathered`, `zerojax.nnx.gathered`), each gather's gradient
+      reduce-scattered as the backward pass reaches it (stage 3; at stage 2 the
+      parameters are whole and each layer's gradient is scattered as it is
+      reached). At stages 0-1 nothing is split: the loss's gathers return their
+      input and the program is `per_layer=False`'s, so one loss line serves
+      every stage. A split parameter used without a gather raises a TypeError
+      naming it.
 
   Returns:
     `fn(params, batch, *args, loss_scale=None)` -> `(loss, grads)` (or
@@ -632,17 +636,21 @@ def value_and_grad(
 
   Raises:
     ValueError: the rows do not divide into devices x `micro_batches`; a batch
-      leaf is a scalar; `per_layer` below stage 2 or with `param_axis`; at
+      leaf is a scalar; `per_layer` with `param_axis` (hpZ); at
       trace time, a loss or aux whose parts cannot be combined exactly (a
       division by a batch count names the loss, or the aux path).
   """
   config = transform.require_config(tx)
-  if per_layer and (config.stage < 2 or config.options.param_axis is not None):
+  if per_layer and config.options.param_axis is not None:
     raise ValueError(
-      '`per_layer=True` is for stages 2-3 with parameters split over all of the ZeRO axes'
-      f' (got stage {config.stage}, param_axis={config.options.param_axis!r}); stages 0-1 keep'
-      ' whole gradients by design, and under hpZ (param_axis) use per_layer=False.'
+      '`per_layer=True` hands the loss shards split over all of the ZeRO axes, and under hpZ'
+      f' (param_axis={config.options.param_axis!r}) the parameters are split over that axis'
+      ' only: use per_layer=False with param_axis.'
     )
+  # Below stage 2 the loss gets whole parameters and whole gradients come back, so there is
+  # nothing to gather or scatter per layer: its gathers are no-ops, the program per_layer=False's.
+  # One loss line then serves every stage.
+  per_layer = per_layer and config.stage >= 2
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
     raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
   options = dict(micro_batches=micro_batches, reduce_dtype=reduce_dtype, has_aux=has_aux)
