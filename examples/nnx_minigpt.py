@@ -214,14 +214,16 @@ def compile_step(cfg: Config, mesh, stage: int, *, scan: bool, grads: str):
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser = argparse.ArgumentParser(
+    description=__doc__.split('\n\n')[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   parser.add_argument('--devices', type=int, default=8, help='faked CPU devices')
-  parser.add_argument('--stage', type=int, default=2, choices=(0, 1, 2, 3))
+  parser.add_argument('--stage', type=int, default=2, choices=(0, 1, 2, 3), help='ZeRO stage')
   parser.add_argument('--mesh', default='4x2', help="('batch', 'model') sizes, e.g. 4x2 or 8x1")
-  parser.add_argument('--layers', type=int, default=Config.layers)
-  parser.add_argument('--steps', type=int, default=20)
+  parser.add_argument('--layers', type=int, default=Config.layers, help='transformer blocks')
+  parser.add_argument('--steps', type=int, default=20, help='training steps')
   parser.add_argument('--scan', action='store_true', help='stage 3 layer by layer (see above)')
-  parser.add_argument('--text', default=None, help="a text file (default: Python's docstrings)")
+  parser.add_argument('--text', default=None, help="a text file; None: Python's docstrings")
   args = parser.parse_args(argv)
   if args.scan and args.stage != 3:
     parser.error('--scan gathers layer by layer, which is stage 3: pass --stage 3.')

@@ -317,6 +317,32 @@ def test_help_shows_every_default(script):
     assert '--d-model D_MODEL model width (default: 128)' in flat
 
 
+@pytest.mark.parametrize('script', ['nnx_minigpt', 'finetune_lm'])
+def test_every_option_of_a_script_shows_its_default(script):
+  out = subprocess.run(
+    [sys.executable, os.path.join(EXAMPLES, f'{script}.py'), '--help'],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
+  # Each option's entry: its line of `  --name ...` and the help lines indented below it.
+  options, lines = [], out.split('options:', 1)[1].splitlines()
+  for line in lines:
+    if line.startswith('  -'):
+      options.append(line.strip())
+    elif options:
+      options[-1] += ' ' + line.strip()
+  assert len(options) > 3, out
+  for option in options:
+    if not option.startswith('-h, --help'):
+      assert '(default: ' in option, (option, out)
+  if script == 'nnx_minigpt':
+    flat = ' '.join(out.split())
+    for shown in ('--devices DEVICES faked CPU devices (default: 8)', '(default: 4x2)'):
+      assert shown in flat, out
+    assert '--stage {0,1,2,3} ZeRO stage (default: 2)' in flat
+
+
 def test_compare_writes_a_table_a_figure_and_json(tmp_path):
   task = dataclasses.replace(mlp_mnist.TASK, log_every=1)
   record = common.compare_stages(task, steps=4, out_dir=str(tmp_path), quiet=True)
