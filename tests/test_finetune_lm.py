@@ -71,10 +71,12 @@ def test_a_tokenizer_file_reads_as_transformers_reads_it(saved):
   got = [text.tokenizer.encode(t).ids for t in expected['texts']]
   assert got == expected['ids'][saved]
   pad = text.tokenizer.token_to_id('<pad>')
-  ids, weights = text.encode([
-    {'role': 'user', 'content': expected['texts'][0]},
-    {'role': 'assistant', 'content': expected['texts'][1]},
-  ])
+  ids, weights = text.encode(
+    [
+      {'role': 'user', 'content': expected['texts'][0]},
+      {'role': 'assistant', 'content': expected['texts'][1]},
+    ]
+  )
   assert pad not in ids and len(ids) == len(weights)
   assert ids[: len(got[0])] == got[0]
 

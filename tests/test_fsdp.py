@@ -245,7 +245,7 @@ def test_one_loss_line_with_per_layer_serves_every_stage(mesh):
   for stage in range(4):
     ztx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
 
-    def loss_fn(p, batch):
+    def loss_fn(p, batch, ztx=ztx):
       gather = lambda w: zerojax.gather(w, ztx)
       pred = recipes.forward(p, batch['x'], gather, zerojax.recompute_gathers)
       return recipes.mse(pred, batch['y'])

@@ -5,6 +5,8 @@ optimizer form (`zero_stage(tx)`) and the TrainState form (`zero_stage(state)`),
 at stages 1-3 on an Explicit mesh and at stage 3 on an Auto one.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,3 +185,24 @@ def test_typed_keys_anywhere_in_the_state(stage, mesh):
   assert keys.sharding.is_equivalent_to(plan.opt_state[0]['nested'][0][0], keys.ndim)
   rows = [r for r in plan.rows if r.group == 'opt_state' and 'nested' in r.path]
   assert rows[0].reason == ('PRNG key (kept whole)' if stage else None)
+
+
+@pytest.mark.parametrize('stage', [1, 3])
+def test_zero_over_an_axis_of_one_device_warns(stage):
+  # lm1b_nnx's default mesh: 'data' of size 1, so ZeRO over it splits nothing.
+  mesh = jax.make_mesh((1, 8, 1), ('data', 'fsdp', 'tensor'))
+  with pytest.warns(UserWarning) as record:
+    zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
+  assert [str(w.message) for w in record] == [
+    f"zerojax.zero_stage: ZeRO stage {stage} over 'data' (size 1) splits nothing: that is one"
+    ' device, so every device keeps whole parameters, gradients and optimizer state, as at'
+    " stage 0, and they stay replicated over 'fsdp' (size 8) (unless a layout splits them"
+    " there). Name an axis of more than one device: axis='fsdp' (or axis=('data', 'fsdp')),"
+    " or make 'data' larger in the mesh."
+  ]
+  assert record[0].filename == __file__  # the user's line, not zerojax's
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh, axis=('data', 'fsdp'))
+    zerojax.zero_stage(optax.adam(1e-3), 0, mesh=mesh)  # stage 0 splits nothing by design
+    zerojax.zero_stage(optax.adam(1e-3), stage, mesh=jax.make_mesh((1,), ('data',)))  # one chip

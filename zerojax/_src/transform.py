@@ -509,8 +509,13 @@ def with_layouts(tx: optax.GradientTransformation, plan: plan_lib.ZeroPlan) -> A
   return tx if bound is config else zero_optimizer(bound)
 
 
-def make_config(tx: Any, stage: Any, mesh: Mesh | None, options: options_lib.Options) -> ZeroConfig:
+def make_config(
+  tx: Any, stage: Any, mesh: Mesh | None, options: options_lib.Options, *, warn: bool = True
+) -> ZeroConfig:
   """The `ZeroConfig` of `tx` wrapped for `stage` on `mesh` (default: `jax.set_mesh`'s).
+
+  With `warn`, a ZeRO stage over axes of one device on a larger mesh warns (the planner,
+  which prices such candidates on purpose, says False).
 
   Raises:
     ValueError: a bad stage; an axis not in the mesh; no mesh; `tx` already wrapped.
@@ -529,8 +534,28 @@ def make_config(tx: Any, stage: Any, mesh: Mesh | None, options: options_lib.Opt
   axes = mesh_lib.resolve_axes(mesh, options.axis)
   axes, _ = plan_lib.order_axes(mesh, axes, options.param_axis)
   replica = _replica_axes(mesh, axes, stage, options)
+  if warn:
+    _warn_if_nothing_split(mesh, axes, stage)
   return ZeroConfig(
     inner=tx, stage=stage, mesh=mesh, options=options, axes=axes, replica_axes=replica
+  )
+
+
+def _warn_if_nothing_split(mesh: Mesh, axes: tuple[str, ...], stage: int) -> None:
+  """Warns where stages 1-3 split over ZeRO axes of one device in all, on a mesh of more:
+  nothing would be split, and the step is stage 0's."""
+  if stage == 0 or mesh.size == 1 or mesh_lib.axes_size(mesh, axes) > 1:
+    return
+  sized = ', '.join(f'{a!r} (size {mesh.shape[a]})' for a in axes)
+  others = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
+  shown = ', '.join(f'{a!r} (size {mesh.shape[a]})' for a in others)
+  warnings.warn(
+    f'zerojax.zero_stage: ZeRO stage {stage} over {sized} splits nothing: that is one device,'
+    ' so every device keeps whole parameters, gradients and optimizer state, as at stage 0,'
+    f' and they stay replicated over {shown} (unless a layout splits them there). Name an axis'
+    f' of more than one device: axis={others[0]!r} (or axis={(*axes, others[0])!r}), or make'
+    f' {axes[0]!r} larger in the mesh.',
+    stacklevel=4,
   )
 
 

@@ -101,7 +101,7 @@ def estimate_memory(
   mesh = AbstractMesh((num_devices,), (options.axis,), axis_types=(AxisType.Auto,))
   out = []
   for stage in stages:
-    config = transform.make_config(tx, stage, mesh, options)
+    config = transform.make_config(tx, stage, mesh, options, warn=False)
     sizes = plan_lib.build_plan(params, config).bytes_per_device()
     out.append(
       MemoryEstimate(

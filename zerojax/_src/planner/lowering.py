@@ -209,7 +209,7 @@ def _abstract_state(target: Target, c: Candidate, spec: Any, mesh: Any, zero_axe
   inner = target.optimizer()
   if target.mixed_precision:
     inner = precision.mixed_precision(inner)
-  tx = transform.zero_optimizer(transform.make_config(inner, c.stage, mesh, options))
+  tx = transform.zero_optimizer(transform.make_config(inner, c.stage, mesh, options, warn=False))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   extra = (
     {'param_dtype': jnp.dtype(target.settings.compute_dtype)} if target.mixed_precision else {}
