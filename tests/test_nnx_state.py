@@ -5,12 +5,13 @@ import jax.numpy as jnp
 import optax
 import pytest
 from _models import SCANNED_TERMS, ScannedNNX, max_rel_err, nnx_train
-from _tolerance import reordered
+from _tolerance import EPS32, reordered
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+from zerojax._src.layouts import ZeroState
 
 
 class Small(nnx.Module):
@@ -89,3 +90,116 @@ def test_stage3_nnx_on_an_explicit_mesh_gathered_inside_value_and_grad(explicit_
   want = nnx.grad(lambda m: jnp.mean(m(jnp.ones((16, 16))) ** 2))(Small(nnx.Rngs(0)))
   _, grads = nnx.jit(lambda m, b: grad_fn(m, b))(model, {'x': x})
   assert max_rel_err(grads, want) <= reordered(16 + 16 + 64 + 8)  # rows, fc1, fc2
+
+
+# --- A Variable's layout in every form Flax and its tutorials write it (`out_sharding`)
+
+
+def _forms(mesh, tensor):
+  """A model whose layers declare their layouts each in another form; `tensor` is the mesh
+  axis they split over (None on a 1-D mesh). RULES map the logical names."""
+  init = nnx.initializers.lecun_normal()
+  part = lambda sharding, **kw: dict(kernel_init=nnx.with_partitioning(init, sharding, **kw))
+  rules = (('embed', None), ('mlp', tensor))
+
+  class Forms(nnx.Module):
+    def __init__(self, rngs):
+      linear = lambda **kw: nnx.Linear(16, 16, rngs=rngs, **kw)
+      self.axes = linear(**part((None, tensor), mesh=mesh))  # a tuple of mesh axis names
+      self.spec = linear(**part(P(tensor, None), mesh=mesh))  # a PartitionSpec
+      self.named = linear(**part(NamedSharding(mesh, P(None, tensor))))  # the JAX AI Stack's
+      self.logical = linear(**part(('embed', 'mlp'), mesh=mesh))  # under nnx.logical_axis_rules
+      self.local = linear(**part(('embed', 'mlp'), mesh=mesh, sharding_rules=rules))
+      self.none = linear()  # no annotation
+
+    def __call__(self, x, gather=lambda layer: layer):
+      for layer in (self.axes, self.spec, self.named, self.logical, self.local, self.none):
+        x = jnp.tanh(gather(layer)(x))
+      return x
+
+  want = {
+    'axes': P(None, tensor),
+    'spec': P(tensor, None),
+    'named': P(None, tensor),
+    'logical': P(None, tensor),
+    'local': P(None, tensor),
+    'none': P(),
+  }
+  return Forms, rules, want
+
+
+FORM_MESHES = {'1d': ((8,), ('data',), None), '2d': ((4, 2), ('data', 'model'), 'model')}
+
+
+@pytest.mark.parametrize('shape', FORM_MESHES)
+def test_every_form_of_layout_metadata_is_read(shape):
+  sizes, names, tensor = FORM_MESHES[shape]
+  mesh = jax.make_mesh(sizes, names, axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+  Forms, rules, want = _forms(mesh, tensor)
+  with nnx.logical_axis_rules(rules):
+    abstract = nnx.eval_shape(lambda: Forms(nnx.Rngs(0)))
+  specs = zerojax.nnx.logical_param_specs(abstract, rules)
+  assert {k: specs[k]['kernel'] for k in want} == want
+  assert {specs[k]['bias'] for k in want} == {P()}
+
+  with nnx.logical_axis_rules(rules):
+    tx = zerojax.zero_stage(optax.adam(1e-2), 3, mesh=mesh)
+    eager = Forms(nnx.Rngs(0))  # placed by Flax from its annotations
+    plan = zerojax.plan_for(tx, nnx.state(eager, nnx.Param))  # read from the placed arrays
+    layout = lambda m: jax.tree.map(lambda a: a.sharding, nnx.state(m, nnx.Param))
+    model = zerojax.nnx.create_model(lambda: Forms(nnx.Rngs(0)), tx)
+    assert layout(model) == plan.params
+    # The same initialisers and keys, jitted: the same numbers to one rounding of the scale.
+    assert max_rel_err(nnx.state(model, nnx.Param), nnx.state(eager, nnx.Param)) <= EPS32
+    assert layout(zerojax.nnx.shard(Forms(nnx.Rngs(0)), tx)) == plan.params
+    for k, spec in want.items():  # the declared split kept, ZeRO's on the other dimension
+      got = model.__getattribute__(k).kernel[...].sharding.spec
+      assert [e for e in got if e not in (None, 'data')] == [e for e in spec if e], (k, got)
+      assert 'data' in got, (k, got)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)  # tx.init
+    state = optimizer.opt_state
+    mu = (state.inner if isinstance(state, ZeroState) else state)[0].mu  # 2-D: layouts recorded
+    at_rest = nnx.as_pure(plan.params)
+    assert {k: mu[k]['kernel'][...].sharding for k in want} == {
+      k: at_rest[k]['kernel'] for k in want
+    }
+
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+    loss = lambda m, b: jnp.mean(m(b['x']) ** 2)
+    want_loss, want_grads = nnx.value_and_grad(loss)(Forms(nnx.Rngs(0)), {'x': x})
+    layered = lambda m, b: jnp.mean(m(b['x'], lambda layer: zerojax.nnx.gathered(layer, tx)) ** 2)
+    rows = {'x': jax.device_put(x, NamedSharding(mesh, P('data')))}
+    fns = (zerojax.nnx.value_and_grad(layered, tx, per_layer=True),
+           zerojax.nnx.value_and_grad(loss, tx))  # fmt: skip
+    tol = reordered(16 + 6 * 16)
+    for fn in fns:
+      got_loss, grads = nnx.jit(fn)(model, rows)
+      assert abs(float(got_loss) - float(want_loss)) <= tol * abs(float(want_loss))
+      assert max_rel_err(grads, want_grads) <= tol
+    for fn in fns:
+
+      @nnx.jit
+      def step(model, optimizer, batch, fn=fn):
+        _, grads = fn(model, batch)
+        optimizer.update(model, grads)
+
+      step(model, optimizer, rows)
+      assert layout(model) == plan.params
+
+
+def test_layout_metadata_for_another_mesh_is_named():
+  auto = (jax.sharding.AxisType.Auto,) * 2
+  mesh, other = jax.make_mesh((4, 2), ('data', 'model'), axis_types=auto), None
+  other = jax.make_mesh((2, 4), ('data', 'model'), axis_types=auto)
+  Forms, rules, _ = _forms(mesh, 'model')
+  tx = zerojax.zero_stage(optax.adam(1e-2), 3, mesh=other)
+  with nnx.logical_axis_rules(rules), pytest.raises(ValueError) as err:
+    zerojax.nnx.create_model(lambda: Forms(nnx.Rngs(0)), tx)
+  devices = list(range(8))
+  assert str(err.value) == (
+    "params['axes']['kernel']: its sharding metadata ((None, 'model')) is for the mesh"
+    f" {{'data': 4, 'model': 2}} over devices {devices}, and the optimizer was built on the"
+    f" mesh {{'data': 2, 'model': 4}} over devices {devices}: a layout means something on its"
+    ' own mesh only. Build the optimizer on the mesh the model was annotated with'
+    " (zero_stage(..., mesh=that_mesh)), or annotate the model on the optimizer's mesh."
+  )

@@ -38,13 +38,69 @@ def with_metadata_layouts(zero: Any, params: Any) -> Any:
   ):
     return zero
   specs = jax.tree.leaves(
-    nnx.as_pure(nnx.get_partition_spec(params)), is_leaf=lambda x: isinstance(x, PartitionSpec)
+    metadata_specs(params, config.mesh), is_leaf=lambda x: isinstance(x, PartitionSpec)
   )
   if len(specs) != len(leaves):  # metadata that is not one spec per leaf: nothing to read
     return zero
   _check_metadata_axes(params, specs, config.mesh)
   bound = config.with_param_specs(jax.tree.unflatten(jax.tree.structure(params), specs))
   return bound if isinstance(zero, transform.ZeroConfig) else transform.zero_optimizer(bound)
+
+
+def metadata_specs(tree: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
+  """The PartitionSpec each Variable of `tree` declares, in every form Flax reads, as a pure
+  tree (`nnx.as_pure`): `P()` for a Variable (or array) without an annotation.
+
+  The forms of `nnx.with_partitioning(init, sharding)` (its `out_sharding` metadata): a tuple
+  of mesh axis names or a `PartitionSpec`; logical names, under `nnx.logical_axis_rules` or
+  the Variable's own `sharding_rules` (Flax's `nnx.get_partition_spec` reads these three);
+  a `NamedSharding`, as the JAX AI Stack's tutorials write it (read here: Flax's reading of
+  it fails); and none.
+
+  Raises:
+    ValueError: with `mesh`, a Variable's annotation is for another mesh (a `NamedSharding`'s
+      own, or its `mesh` metadata): its path, both meshes, and the fix.
+  """
+
+  def one(path, x):
+    if isinstance(x, nnx.Variable):
+      return _variable_spec(x, f'params{jax.tree_util.keystr(path)}', mesh)
+    return PartitionSpec() if hasattr(x, 'shape') else None
+
+  return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _variable_spec(var: nnx.Variable, where: str, mesh: jax.sharding.Mesh | None) -> Any:
+  meta = var.get_metadata()
+  sharding = meta.get('out_sharding', None)
+  declared = sharding.mesh if isinstance(sharding, NamedSharding) else meta.get('mesh', None)
+  if mesh is not None and declared is not None and not _same_mesh(declared, mesh):
+    raise ValueError(
+      f'{where}: its sharding metadata ({sharding}) is for the mesh {_shown(declared)}, and the'
+      f' optimizer was built on the mesh {_shown(mesh)}: a layout means something on its own'
+      ' mesh only. Build the optimizer on the mesh the model was annotated with'
+      " (zero_stage(..., mesh=that_mesh)), or annotate the model on the optimizer's mesh."
+    )
+  if isinstance(sharding, NamedSharding):
+    return PartitionSpec(*sharding.spec)
+  return nnx.as_pure(nnx.get_partition_spec(var))
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+  """The same axis names and sizes, and the same devices where both are concrete meshes."""
+  if tuple(a.axis_names) != tuple(b.axis_names) or tuple(a.axis_sizes) != tuple(b.axis_sizes):
+    return False
+  devices = [getattr(m, 'devices', None) for m in (a, b)]
+  if any(d is None for d in devices):  # an abstract mesh (jax.set_mesh, inside jit)
+    return True
+  return [d.id for d in devices[0].flat] == [d.id for d in devices[1].flat]
+
+
+def _shown(mesh: Any) -> str:
+  sizes = ', '.join(f'{n!r}: {s}' for n, s in zip(mesh.axis_names, mesh.axis_sizes))
+  devices = getattr(mesh, 'devices', None)
+  ids = '' if devices is None else f' over devices {[d.id for d in devices.flat]}'
+  return f'{{{sizes}}}{ids}'
 
 
 def _check_metadata_axes(params: Any, specs: list, mesh: jax.sharding.Mesh) -> None:
@@ -65,7 +121,7 @@ def _check_metadata_axes(params: Any, specs: list, mesh: jax.sharding.Mesh) -> N
       )
 
 
-def logical_param_specs(tree: Any, rules: Any) -> Any:
+def logical_param_specs(tree: Any, rules: Any, *, mesh: jax.sharding.Mesh | None = None) -> Any:
   """Mesh PartitionSpecs of an NNX model's `nnx.Param`s from their logical axis names, for
   `zero_stage(param_specs=...)`.
 
@@ -78,30 +134,40 @@ def logical_param_specs(tree: Any, rules: Any) -> Any:
   Args:
     tree: an NNX module, or an `nnx.State` of its Params.
     rules: logical name -> mesh axis (or None), e.g. `(('embed', None), ('mlp', 'model'))`.
+    mesh: the mesh the layouts are for. Names that are its axes need no rule (as those of a
+      Variable's own `mesh` metadata or of `jax.set_mesh`'s mesh), and a Variable annotated for
+      another mesh is refused.
 
   Returns:
     A pure state (`nnx.as_pure`) of the Params with a `PartitionSpec` at each leaf (`P()`
     where a Param has no annotation).
 
   Raises:
-    ValueError: a logical name has no rule.
+    ValueError: a logical name has no rule; a Variable annotated for another mesh than `mesh`.
   """
   state = nnx.state(tree, nnx.Param) if isinstance(tree, nnx.Module) else tree
-  known = {name for name, _ in rules}
+  named = {name for name, _ in rules}
+  known = named | set(jax.sharding.get_abstract_mesh().axis_names)
+  if mesh is not None:
+    known |= set(mesh.axis_names)
   for path, var in jax.tree_util.tree_flatten_with_path(
     state, is_leaf=lambda x: isinstance(x, nnx.Variable)
   )[0]:
     meta = var.get_metadata() if isinstance(var, nnx.Variable) else {}
     local = {name for name, _ in meta.get('sharding_rules', None) or ()}
-    names = [n for n in meta.get('out_sharding', None) or () if isinstance(n, str)]
+    local |= set(getattr(meta.get('mesh', None), 'axis_names', ()))
+    declared = meta.get('out_sharding', None)
+    if isinstance(declared, NamedSharding):  # mesh axes already, not logical names
+      declared = ()
+    names = [n for n in declared or () if isinstance(n, str)]
     missing = [n for n in names if n not in known | local]
     if missing:
       raise ValueError(
         f'params{jax.tree_util.keystr(path)}: logical axis {missing[0]!r} has no rule in'
-        f' `rules` (known: {sorted(known)}). Add ({missing[0]!r}, MESH_AXIS_OR_None).'
+        f' `rules` (known: {sorted(named)}). Add ({missing[0]!r}, MESH_AXIS_OR_None).'
       )
   with nnx.logical_axis_rules(rules):
-    return nnx.as_pure(nnx.get_partition_spec(state))
+    return metadata_specs(state, mesh)
 
 
 def gathered(module: nnx.Module, zero: Any, *, dtype: Any = None) -> nnx.Module:
