@@ -531,8 +531,9 @@ def test_a_plan_whose_states_exceed_hbm_is_refused_before_it_compiles(monkeypatc
   shapes = jax.eval_shape(spec.init_fn, jax.random.key(0))
   psi = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
   assert err[-1] == (
-    f's1 flat b1 remat:full sched:{candidates.LEAN_SHARE}%: DOES NOT FIT: pruned: states alone exceed HBM (model states at rest'
-    f' {psi * (4 + 8 / 8) / 2**30:.2f} GiB per chip, of 16 GiB HBM)'
+    f's1 flat b1 remat:full sched:{candidates.LEAN_SHARE}%: DOES NOT FIT: pruned: states alone'
+    f' exceed HBM ({psi:,} parameters; model states at rest {psi * (4 + 8 / 8) / 2**30:.2f} GiB'
+    ' per chip, of 16 GiB HBM)'
   )
 
 
@@ -766,3 +767,56 @@ def test_a_search_of_a_users_model_tries_its_named_policies_and_names_a_missing_
     " 'untagged' does not tag zerojax_mlp_hidden"
   ) in proc.stdout
   assert 'note:' not in proc.stderr  # its --remats are searched, not cut to one
+
+
+@pytest.mark.parametrize(
+  'args, message',
+  [
+    (
+      ['--update-on', 'host'],
+      '--update-on host runs the optimizer update where an offloaded state lives: add --offload'
+      ' opt_state (or --offload opt_state+master), or drop --update-on.',
+    ),
+    (
+      ['--offload', 'opt_state+master', '--update-on', 'stream'],
+      "--update-on stream sends the new parameters back through zerojax.mixed_precision's"
+      ' master step (without it the update runs as --update-on host): add --mixed-precision,'
+      ' or say --update-on host.',
+    ),
+    (
+      ['--offload', 'opt_state+master', '--update-on', 'stream', '--offload-params'],
+      "--update-on stream sends the new parameters back through zerojax.mixed_precision's"
+      ' master step (without it the update runs as --update-on host): add --mixed-precision,'
+      ' or say --update-on host.',
+    ),
+    (
+      ['--mixed-precision', '--offload-params'],
+      '--offload-params keeps the parameters in host memory, so the optimizer update runs'
+      ' there too, on an offloaded state: add --offload opt_state+master and --update-on host'
+      ' (or stream).',
+    ),
+    (
+      ['--offload', 'opt_state', '--offload-params'],
+      '--offload-params keeps the parameters in host memory, so the optimizer update runs'
+      ' there too, on an offloaded state: add --update-on host (or stream).',
+    ),
+    (
+      ['--search', '--offloads', 'opt_state', '--update-ons', 'host,stream'],
+      "--update-ons stream sends the new parameters back through zerojax.mixed_precision's"
+      ' master step, which the search plans only with --mixed-precision: add'
+      ' --mixed-precision, or drop stream from --update-ons.',
+    ),
+  ],
+)
+def test_offload_flags_that_make_no_one_candidate_are_refused_before_tracing(
+  args, message, monkeypatch, capsys
+):
+  # Refused by the parser, before a model is built: a plan and a search of one candidate
+  # cannot differ for lack of a flag.
+  from zerojax._src.planner import cli, lowering
+
+  monkeypatch.setattr(lowering, 'make_target', lambda *a, **k: pytest.fail('traced'))
+  with pytest.raises(SystemExit) as e:
+    cli.main(['plan', '--model', 'tiny', '--topology', 'v5e:1x1', *args])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f': error: {message}')

@@ -93,10 +93,15 @@ SINGLE_ONLY = tuple(
 
 
 def check_plan_flags(parser: argparse.ArgumentParser, p: argparse.ArgumentParser, args) -> None:
-  """Refuses a `plan` flag that the chosen mode (a single plan or --search) does not read."""
+  """Refuses a `plan` flag that the chosen mode (a single plan or --search) does not read, and
+  offload flags that do not make one candidate (`offload_flags_error`)."""
   flag = lambda name: '--' + name.replace('_', '-')
   unread = SINGLE_ONLY if args.search else SEARCH_ONLY
   given = [flag(n) for n in unread if getattr(args, n) != p.get_default(n)]
+  if not given:
+    wrong = offload_flags_error(args)
+    if wrong:
+      parser.error(wrong)
   if given:
     if args.search:
       parser.error(
@@ -109,6 +114,46 @@ def check_plan_flags(parser: argparse.ArgumentParser, p: argparse.ArgumentParser
       ' Add --search, or set the plan with --stage, --batch-per-chip, --mesh, --no-remat,'
       ' --offload, --update-on.'
     )
+
+
+def offload_flags_error(args) -> str | None:
+  """What is wrong with a plan's offload flags, before anything is traced, else None.
+
+  Each refused combination would otherwise compile something other than what the flags say
+  (an update on the host without the state there; 'stream' without zerojax.mixed_precision's
+  master step, which runs as 'host' with a warning a command-line user cannot act on), so a
+  plan and a search of the same candidate could differ. The message names the flag to add.
+  """
+  if args.search:
+    if 'stream' in (args.update_ons or ()) and not args.mixed_precision:
+      return (
+        "--update-ons stream sends the new parameters back through zerojax.mixed_precision's"
+        ' master step, which the search plans only with --mixed-precision: add'
+        ' --mixed-precision, or drop stream from --update-ons.'
+      )
+    return None
+  if args.update_on != 'device' and args.offload is None:
+    return (
+      f'--update-on {args.update_on} runs the optimizer update where an offloaded state lives:'
+      ' add --offload opt_state (or --offload opt_state+master), or drop --update-on.'
+    )
+  if args.update_on == 'stream' and not args.mixed_precision:
+    return (
+      "--update-on stream sends the new parameters back through zerojax.mixed_precision's"
+      ' master step (without it the update runs as --update-on host): add --mixed-precision,'
+      ' or say --update-on host.'
+    )
+  if args.offload_params and (args.offload is None or args.update_on == 'device'):
+    missing = ' and '.join(
+      [f for f, wanted in (('--offload opt_state+master', args.offload is None),
+                           ('--update-on host (or stream)', args.update_on == 'device'))
+       if wanted]
+    )  # fmt: skip
+    return (
+      '--offload-params keeps the parameters in host memory, so the optimizer update runs'
+      f' there too, on an offloaded state: add {missing}.'
+    )
+  return None
 
 
 def _compiler_option(text: str) -> tuple[str, Any]:

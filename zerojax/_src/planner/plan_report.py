@@ -13,9 +13,11 @@ from zerojax._src.planner import presets, roofline, search
 def refusal(result: Any, hbm_gib: int | None) -> str:
   """Why a plan was refused before its program could be reported, with the figures."""
   if result.reason == search.STATES_EXCEED_HBM:
+    lowered = result.lowered
+    model = f'{lowered.num_params:,} parameters; ' if lowered is not None else ''
     return (
-      f'{result.status} (model states at rest {result.theory_bytes / roofline.GiB:.2f} GiB per'
-      f' chip, of {hbm_gib} GiB HBM)'
+      f'{result.status} ({model}model states at rest {result.theory_bytes / roofline.GiB:.2f}'
+      f' GiB per chip, of {hbm_gib} GiB HBM)'
     )
   if result.reason == search.STATE_EXCEEDS_HOST:
     host = result.lowered.plan.bytes_per_device()['host'] / roofline.GiB
