@@ -246,3 +246,44 @@ def test_init_fn_is_traced_once_for_the_layout_and_once_to_run(explicit_mesh):
   traces = []
   zerojax.inspect.abstract_train_state(counted(traces), jax.random.key(0), tx=tx)
   assert len(traces) == 1
+
+
+def test_jit_shardings_of_the_wrapped_state_and_the_mistake_named(explicit_mesh):
+  mesh = explicit_mesh
+  state = train_state.TrainState.create(
+    apply_fn=mlp_apply, params=mlp_params(), tx=optax.adam(1e-2)
+  )
+  before = jax.tree.map(lambda x: getattr(x, 'sharding', None), state)  # MaxText's recipe
+  zstate = zerojax.zero_stage(state, 2, mesh=mesh)
+  shardings = zerojax.inspect.jit_shardings(zstate)
+  zerojax.inspect.check_jit_shardings(shardings, zstate)  # fits: returns
+  assert shardings.opt_state == jax.tree.map(lambda a: a.sharding, zstate.opt_state)
+  x, y = shard_batch(mesh, *batch())
+  rows = x.sharding
+  step = jax.jit(user_step, in_shardings=(shardings, rows, rows), out_shardings=shardings)
+  out = step(zstate, x, y)
+  assert jax.tree.map(lambda a: a.sharding, out.opt_state) == shardings.opt_state
+
+  with pytest.raises(ValueError) as e:
+    zerojax.inspect.check_jit_shardings(before, zstate)
+  assert str(e.value) == (
+    'in_shardings: these shardings were taken from the train state before zerojax.zero_stage'
+    ' wrapped it: its tx is the plain optimizer, a part of the pytree metadata that jit'
+    " compares, and its layouts are not the plan's. Take them from the state that is passed:"
+    ' in_shardings=zerojax.inspect.jit_shardings(state).'
+  )
+  whole = jax.tree.map(
+    lambda s: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), shardings
+  )
+  with pytest.raises(ValueError) as e:
+    zerojax.inspect.check_jit_shardings(whole, zstate, 'out_shardings')
+  assert str(e.value).startswith(
+    "out_shardings: these shardings would move state.opt_state[0].mu['dense1']['bias'] (P()"
+    " where it is P('data',)),"
+  )
+  with pytest.raises(ValueError) as e:
+    zerojax.inspect.check_jit_shardings(shardings.replace(opt_state=()), zstate)
+  assert str(e.value).startswith(
+    'in_shardings: these shardings do not have the structure of the state passed (they differ'
+    ' at opt_state), so jax.jit refuses them for different pytree metadata.'
+  )

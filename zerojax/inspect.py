@@ -6,6 +6,10 @@ From theory (no device needed):
 An abstract train state (nothing allocated) to compile against:
 - `abstract_train_state(init_fn, key, tx=...)`.
 
+A wrapped state's layouts for `jax.jit(in_shardings=..., out_shardings=...)`:
+- `jit_shardings(state)`, and `check_jit_shardings(shardings, state)`, which says in
+  zerojax's words why shardings taken elsewhere (before the wrap) do not fit.
+
 From a compiled step (`jax.jit(step).lower(...).compile()`), on any backend
 or for a TPU topology with no TPU:
 - `step_report(compiled, plan=...)`: memory and collectives beside the ZeRO floor.
@@ -37,9 +41,13 @@ from zerojax._src.planner.search import SearchReport as SearchReport
 from zerojax._src.planner.search import search_plans as search_plans
 from zerojax._src.planner.tpu import local_tpu as local_tpu
 from zerojax._src.train_state import abstract_train_state as abstract_train_state
+from zerojax._src.train_state import check_jit_shardings as check_jit_shardings
+from zerojax._src.train_state import jit_shardings as jit_shardings
 
 __all__ = [
   'abstract_train_state',
+  'jit_shardings',
+  'check_jit_shardings',
   'estimate_memory',
   'MemoryEstimate',
   'format_estimates',

@@ -299,3 +299,116 @@ def abstract_train_state(
   return jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
   )
+
+
+def jit_shardings(state: Any) -> Any:
+  """The sharding of each array of `state`, in `state`'s own pytree structure: what
+  `jax.jit(step, in_shardings=..., out_shardings=...)` takes for it.
+
+  Take it from the state `zero_stage` (or `create_train_state`) returned: the wrap changes the
+  optimizer, which is part of a train state's pytree metadata, and the layouts, so shardings
+  taken before it fit neither (`check_jit_shardings` says which). Leaves that are not placed
+  arrays get None (jit's "any layout").
+
+  Args:
+    state: a train state, or any tree of placed arrays (an optimizer state, parameters).
+
+  Raises:
+    ValueError: called on traced arrays (inside `jax.jit`), where no layout is placed.
+
+  >>> import jax, jax.numpy as jnp, optax, zerojax
+  >>> mesh = jax.make_mesh((len(jax.devices()),), ('data',))
+  >>> tx = zerojax.zero_stage(optax.adam(1e-3), stage=1, mesh=mesh)
+  >>> shardings = zerojax.inspect.jit_shardings(tx.init({'w': jnp.ones((64, 16))}))
+  >>> shardings[0].mu['w'].spec
+  P('data', None)
+  """
+  traced = []
+
+  def one(path, x):
+    if isinstance(x, jax.core.Tracer):
+      traced.append(f'state{jax.tree_util.keystr(path)}')
+      return None
+    return x.sharding if isinstance(x, jax.Array) else None
+
+  shardings = jax.tree_util.tree_map_with_path(one, state)
+  if traced:
+    raise ValueError(
+      f'zerojax.inspect.jit_shardings: {validation.listed(traced)} are traced; call it outside jax.jit,'
+      ' on the placed state, and pass the result to jax.jit(in_shardings=...).'
+    )
+  return shardings
+
+
+def check_jit_shardings(shardings: Any, state: Any, name: str = 'in_shardings') -> None:
+  """Raises a ValueError, in zerojax's words, where `shardings` cannot be `state`'s
+  `jax.jit(in_shardings=...)` (or `out_shardings`) entry as the plan lays it out.
+
+  For the two mistakes jit reports only as "different pytree metadata", with the state's
+  whole GraphDef: shardings taken from the state before `zero_stage` wrapped it (its
+  optimizer differs), or of another state; and, where the structures agree, shardings that
+  would move placed leaves out of their ZeRO layout (jit would reshard them into it every
+  call). Returns None where `shardings` fit.
+
+  Args:
+    shardings: the tree given to jit for `state` (None leaves: any layout).
+    state: the state as it is passed to the jitted step.
+    name: how the message names `shardings`.
+  """
+  is_sharding = lambda x: x is None or isinstance(x, jax.sharding.Sharding)
+  fix = f' Take them from the state that is passed: {name}=zerojax.inspect.jit_shardings(state).'
+  given, want = jax.tree.structure(shardings, is_leaf=is_sharding), jax.tree.structure(state)
+  if given != want:
+    wrapped = lambda s: transform.config_of(getattr(s, 'tx', None)) is not None
+    if is_train_state(state) and wrapped(state) and not wrapped(shardings):
+      raise ValueError(
+        f'{name}: these shardings were taken from the train state before zerojax.zero_stage'
+        ' wrapped it: its tx is the plain optimizer, a part of the pytree metadata that jit'
+        " compares, and its layouts are not the plan's." + fix
+      )
+    fields = _differing_fields(shardings, state)
+    where = f' (they differ at {validation.listed(fields)})' if fields else ''
+    raise ValueError(
+      f'{name}: these shardings do not have the structure of the state passed{where}, so'
+      ' jax.jit refuses them for different pytree metadata.' + fix
+    )
+  moved = []
+  for (path, s), x in zip(
+    jax.tree_util.tree_flatten_with_path(shardings, is_leaf=is_sharding)[0], jax.tree.leaves(state)
+  ):
+    held = getattr(x, 'sharding', None)
+    if s is not None and isinstance(x, jax.Array) and not _same_layout(s, held, x.ndim):
+      moved.append(f'state{jax.tree_util.keystr(path)} ({s.spec} where it is {held.spec})')
+  if moved:
+    raise ValueError(
+      f'{name}: these shardings would move {validation.listed(moved)} out of the layout'
+      ' zerojax placed them in (jit reshards them on every call).' + fix
+    )
+
+
+def _same_layout(a: Any, b: Any, ndim: int) -> bool:
+  """Whether two shardings place an array of `ndim` dimensions alike (memory kind included)."""
+  if b is None:
+    return False
+  same = a.is_equivalent_to(b, ndim)
+  return same and getattr(a, 'memory_kind', None) == getattr(b, 'memory_kind', None)
+
+
+def _differing_fields(a: Any, b: Any) -> list[str]:
+  """The top-level fields (of a dataclass, or keys of a mapping) where two trees' structures
+  differ, for a message; [] where they cannot be compared field by field."""
+  import dataclasses
+
+  is_sharding = lambda x: x is None or isinstance(x, jax.sharding.Sharding)
+  differs = lambda x, y: jax.tree.structure(x, is_leaf=is_sharding) != jax.tree.structure(y)
+  if dataclasses.is_dataclass(a) and type(a) is type(b):
+    out = []
+    for f in dataclasses.fields(a):
+      x, y = getattr(a, f.name), getattr(b, f.name)
+      static = not f.metadata.get('pytree_node', True)  # flax.struct: in the tree's metadata
+      if (x is not y and x != y) if static else differs(x, y):
+        out.append(f.name)
+    return out
+  if isinstance(a, Mapping) and isinstance(b, Mapping):
+    return [str(k) for k in sorted(set(a) | set(b), key=str) if differs(a.get(k), b.get(k))]
+  return []
