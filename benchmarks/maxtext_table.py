@@ -220,6 +220,32 @@ def table(out: str) -> list[str]:
   return lines + model_revision.note(out, ours)
 
 
+def summary(out: str) -> list[str]:
+  """The README's small table of the claims: per row, MaxText's predicted step, the searched
+  plan's, their ratio (also with the host link at half: the search's pick then), and the
+  default plan's ratio. The full table is `table`'s (docs/results.md)."""
+  lines = [
+    '| row | MaxText step s | zerojax searched s | vs MaxText | at 1/2 host link | default plan |',
+    '|---|---|---|---|---|---|',
+  ]
+  for r in comparisons(out):
+    if r['row'].endswith('-b6'):  # the v5p script's own batch: no zerojax plan of it
+      continue
+    fits = r['maxtext_status'] == 'fits'
+    best = r.get('best_at_half_vs_maxtext')
+    vs = r.get('searched_vs_maxtext')
+    cells = [
+      r['row'],
+      _f(r['maxtext_step']) if fits else 'does not fit',
+      _f(r.get('searched_step')),
+      _f(vs and vs['1.0'], '.2f', 'x'),
+      _f(best and best[1], '.2f', 'x'),
+      _f(r.get('default_vs_maxtext'), '.2f', 'x'),
+    ]
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return lines
+
+
 def _sparsecore_cells(r: dict) -> list[str]:
   if 'maxtext_sparsecore_status' not in r:
     return ['—', '—']

@@ -500,6 +500,15 @@ def test_the_readme_is_short_and_every_guide_it_links_exists():
     assert (ROOT / link).is_file(), link
 
 
+def test_the_readme_reads_in_one_screen_width():
+  # Tables included: a row a newcomer must scroll sideways to read belongs in docs/results.md.
+  text = (ROOT / 'README.md').read_text()
+  wide = [(n, len(line)) for n, line in enumerate(text.splitlines(), 1) if len(line) > 110]
+  assert not wide, wide
+  section = text[text.index("## Against MaxText's") : text.index('## Where to go next')]
+  assert len(section.splitlines()) <= 36
+
+
 def test_the_top_level_is_what_the_readme_documents():
   # The README's API table lists every top-level name, and nothing else is exported.
   import re

@@ -169,9 +169,14 @@ def test_a_refused_flag_is_set_as_libtpu_asks_and_nothing_else_moves():
 def test_the_comparison_table_is_rendered_from_the_committed_runs_and_in_the_readme():
   written = (RESULTS / 'maxtext_program.md').read_text().splitlines()
   assert maxtext_table.table(str(RESULTS)) == written
-  readme = (ROOT / 'README.md').read_text().splitlines()
+  results = (ROOT / 'docs' / 'results.md').read_text().splitlines()
   rows = [line for line in written if line.startswith('| v5')]
-  assert rows and all(line in readme for line in rows)
+  assert rows and all(line in results for line in rows)  # the full table: the results page
+  readme = (ROOT / 'README.md').read_text().splitlines()
+  summary = maxtext_table.summary(str(RESULTS))  # the README's: the claims, in one screen
+  assert len(summary) > 2 and all(line in readme for line in summary)
+  start = readme.index(summary[0])
+  assert readme[start : start + len(summary)] == summary
 
 
 def test_zerojax_against_maxtexts_programs_on_its_published_v5e_rows():
