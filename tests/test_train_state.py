@@ -287,3 +287,50 @@ def test_jit_shardings_of_the_wrapped_state_and_the_mistake_named(explicit_mesh)
     'in_shardings: these shardings do not have the structure of the state passed (they differ'
     ' at opt_state), so jax.jit refuses them for different pytree metadata.'
   )
+
+
+@pytest.mark.parametrize('stage', [0, 1, 2])
+def test_the_optimizer_line_on_an_fsdp_program(stage, mesh):
+  # Flax's examples/gemma splits its parameters over its data axis itself: stage 0 would make
+  # their optimizer state whole on every device (7.8x there), without a word.
+  import warnings
+
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  params = jax.device_put(mlp_params(), NamedSharding(mesh, PartitionSpec('data')))
+  tx = zerojax.zero_stage(optax.adam(1e-3), stage, mesh=mesh)
+  got = (
+    f'zerojax.zero_stage(tx, {stage}): tx.init got 4 parameters already split over'
+    " 'data' (params['dense1']['bias'], params['dense1']['kernel'], params['dense2']['bias']"
+    ' and 1 more), as FSDP lays them out'
+  )
+  if stage == 0:
+    with pytest.raises(ValueError) as e:
+      tx.init(params)
+    # Adam's two moments of 16x64 + 64 + 64x8 + 8 floats, whole, and split as the parameters;
+    # and its step count (4 bytes).
+    whole = 2 * (16 * 64 + 64 + 64 * 8 + 8) * 4 + 4
+    split = 2 * (16 * 64 // 8 + 64 // 8 + 64 * 8 // 8 + 8 // 8) * 4 + 4
+    assert str(e.value) == (
+      f'{got}; stage 0 keeps the optimizer state whole on every device, which would raise it'
+      f' from {split / 1024:.2f} KiB (split as the parameters are) to {whole / 1024:.2f} KiB'
+      ' per device. Use stage 3, which keeps parameters and state split and gathers the'
+      ' parameters where they are used; or, to hold them whole on purpose, place the'
+      ' parameters replicated (jax.device_put(params, NamedSharding(mesh, P()))) first.'
+    )
+  else:
+    with pytest.warns(UserWarning) as record:
+      state = tx.init(params)
+    assert [str(w.message) for w in record] == [
+      f'{got}. Stage {stage} splits the optimizer state'
+      + (' and the gradients' if stage == 2 else '')
+      + " over it and leaves the parameters' layout to the program; on a layout already split"
+      ' so, stage 3 is its ZeRO (parameters, gradients and state split, the parameters'
+      ' gathered where they are used).'
+    ]
+    assert not state[0].mu['dense1']['kernel'].sharding.is_fully_replicated
+  whole = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    tx.init(whole)  # replicated on purpose: taken as it is
+    zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh).init(params)  # stage 3 keeps the split

@@ -627,6 +627,7 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     if _has_tracers(params):
       return body(params)
     _warn_if_whole_at_stage_3(params, plan, config)
+    _check_split_below_stage_3(params, plan, config)
     # Created directly in its layout: each device computes only its shards.
     state = jax.jit(body, out_shardings=plan.opt_state)(params)
     # Placed parameters show their layouts over a tensor-parallel axis; traced ones on Auto
@@ -829,6 +830,49 @@ def _without_variables(params: Any) -> Any:
       ' (stage 1 and up), or leave zero_stage out for them.'
     )
   return layouts_lib.values_of(params)
+
+
+def _check_split_below_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: ZeroConfig) -> None:
+  """The optimizer line given parameters a program already splits over the ZeRO axes (its own
+  FSDP). Stage 0 would make their optimizer state whole on every device: refused, as for a train
+  state. Stages 1-2 split only what the program splits already: said once, with stage 3."""
+  if config.stage == 3:
+    return
+  axes = set(config.axes)
+  splits = lambda spec: any(axes & set(rules.spec_axes(e)) for e in spec)
+  split = []
+  for (path, x), target in zip(
+    jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(plan.params)
+  ):
+    spec = getattr(getattr(x, 'sharding', None), 'spec', None)
+    if spec is not None and splits(spec) and not splits(target.spec):
+      split.append(f'params{jax.tree_util.keystr(path)}')
+  if not split:
+    return
+  on = config.axes[0] if len(config.axes) == 1 else config.axes
+  got = (
+    f'zerojax.zero_stage(tx, {config.stage}): tx.init got'
+    f' {validation.count(len(split), "parameter", "parameters")} already split over {on!r}'
+    f' ({validation.listed(split)}), as FSDP lays them out'
+  )
+  if config.stage == 0:
+    whole = plan.bytes_per_device()['opt_state']
+    kept = dataclasses.replace(config, stage=3).plan(params).bytes_per_device()['opt_state']
+    raise ValueError(
+      f'{got}; stage 0 keeps the optimizer state whole on every device, which would raise it'
+      f' from {plan_lib.fmt_bytes(kept)} (split as the parameters are) to'
+      f' {plan_lib.fmt_bytes(whole)} per device. Use stage 3, which keeps parameters and state'
+      ' split and gathers the parameters where they are used; or, to hold them whole on'
+      ' purpose, place the parameters replicated (jax.device_put(params, NamedSharding(mesh,'
+      ' P()))) first.'
+    )
+  grads = ' and the gradients' if config.stage == 2 else ''
+  warnings.warn(
+    f'{got}. Stage {config.stage} splits the optimizer state{grads} over it and leaves the'
+    " parameters' layout to the program; on a layout already split so, stage 3 is its ZeRO"
+    ' (parameters, gradients and state split, the parameters gathered where they are used).',
+    stacklevel=3,
+  )
 
 
 def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: ZeroConfig) -> None:
