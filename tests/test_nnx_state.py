@@ -203,3 +203,29 @@ def test_layout_metadata_for_another_mesh_is_named():
     ' own mesh only. Build the optimizer on the mesh the model was annotated with'
     " (zero_stage(..., mesh=that_mesh)), or annotate the model on the optimizer's mesh."
   )
+
+
+def test_create_model_takes_the_programs_own_rngs(mesh):
+  # Flax's examples/gemma makes its nnx.Rngs outside the function that builds the model.
+  class WithDropout(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = nnx.Linear(16, 64, rngs=rngs)
+      self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+  tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh)
+  rngs = nnx.Rngs(0)
+  with pytest.raises(ValueError) as e:
+    zerojax.nnx.create_model(lambda: WithDropout(rngs), tx)
+  assert str(e.value) == (
+    'zerojax.nnx.create_model: make_model uses an NNX object made outside it (an nnx.Rngs it'
+    ' closes over), which cannot be advanced inside the abstract and jitted creation. Pass it'
+    ' as an argument: zerojax.nnx.create_model(lambda rngs: Model(rngs=rngs), tx, rngs); or'
+    ' build it inside: lambda: Model(rngs=nnx.Rngs(0)).'
+  )
+  model = zerojax.nnx.create_model(lambda r: WithDropout(r), tx, rngs)
+  assert 'data' in model.fc.kernel[...].sharding.spec
+  eager_rngs = nnx.Rngs(0)
+  eager = WithDropout(eager_rngs)
+  assert max_rel_err(nnx.state(model, nnx.Param), nnx.state(eager, nnx.Param)) == 0.0
+  # The program's stream moved on as the eager creation moved its own.
+  assert int(rngs.default.count[...]) == int(eager_rngs.default.count[...]) > 0

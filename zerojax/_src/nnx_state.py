@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import errors as flax_errors
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -215,7 +217,7 @@ def shard(model: nnx.Module, tx: optax.GradientTransformation) -> nnx.Module:
 
 
 def create_model(
-  make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation
+  make_model: Callable[..., nnx.Module], tx: optax.GradientTransformation, *args: Any
 ) -> nnx.Module:
   """Creates an NNX model directly in the layout of `tx`'s plan.
 
@@ -225,28 +227,55 @@ def create_model(
   the whole model.
 
   Args:
-    make_model: builds the model, e.g. `lambda: GPT(cfg, rngs=nnx.Rngs(0))`.
+    make_model: builds the model from `args`, e.g. `lambda: GPT(cfg, rngs=nnx.Rngs(0))`, or
+      `lambda rngs: GPT(cfg, rngs=rngs)` with the program's own `nnx.Rngs` in `args`.
     tx: the optimizer from `zerojax.zero_stage`: its stage and options decide
       the layout (stage 3 splits the parameters).
+    *args: passed to `make_model`: NNX objects made outside it (an `nnx.Rngs`), advanced as
+      creating the model eagerly would advance them.
 
   Returns:
     The model, with `nnx.Param`s carrying the plan's shardings.
+
+  Raises:
+    ValueError: `make_model` uses an NNX object (an `nnx.Rngs`) it closes over, which Flax
+      cannot advance inside the abstract and jitted creation; pass it in `args`.
   """
-  abstract = nnx.eval_shape(make_model)
+  graph_args, arg_state = nnx.split(args)
+  with _outer_objects_named():
+    abstract = nnx.eval_shape(lambda state: make_model(*nnx.merge(graph_args, state)), arg_state)
   plan = _plan(tx, abstract, 'create_model')
   graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)
   rest_shardings = jax.tree.map(lambda _: mesh_lib.replicated(plan.mesh), rest)
 
-  def create():
-    model = make_model()
+  def create(state):
+    given = nnx.merge(graph_args, state)
+    model = make_model(*given)
     _, p, r = nnx.split(model, nnx.Param, ...)
     p = mesh_lib.run_in_layout(
       lambda t: mesh_lib.constrain(t, plan.params, plan.mesh), plan.mesh, plan.params
     )(p)
-    return p, r
+    return p, r, nnx.state(given)
 
-  p, r = jax.jit(create, out_shardings=(plan.params, rest_shardings))()
+  with _outer_objects_named():
+    created = jax.jit(create, out_shardings=(plan.params, rest_shardings, None))(arg_state)
+  p, r, advanced = created
+  nnx.update(args, advanced)  # the program's Rngs moved on, as an eager creation moves them
   return nnx.merge(graphdef, p, r)
+
+
+@contextlib.contextmanager
+def _outer_objects_named():
+  """Flax's TraceContextError from `create_model`'s traced creation, in zerojax's words."""
+  try:
+    yield
+  except flax_errors.TraceContextError as e:
+    raise ValueError(
+      'zerojax.nnx.create_model: make_model uses an NNX object made outside it (an nnx.Rngs'
+      ' it closes over), which cannot be advanced inside the abstract and jitted creation.'
+      ' Pass it as an argument: zerojax.nnx.create_model(lambda rngs: Model(rngs=rngs), tx,'
+      ' rngs); or build it inside: lambda: Model(rngs=nnx.Rngs(0)).'
+    ) from e
 
 
 def value_and_grad(
