@@ -229,3 +229,51 @@ def test_create_model_takes_the_programs_own_rngs(mesh):
   assert max_rel_err(nnx.state(model, nnx.Param), nnx.state(eager, nnx.Param)) == 0.0
   # The program's stream moved on as the eager creation moved its own.
   assert int(rngs.default.count[...]) == int(eager_rngs.default.count[...]) > 0
+
+
+def test_a_model_naming_layouts_over_the_zero_axis_gets_the_right_cause_and_fix():
+  # Flax's examples/gemma names each layer's output layout (`out_sharding=`) on an Explicit
+  # ('fsdp', 'tensor') mesh: inside value_and_grad's per-device region 'fsdp' is manual.
+  mesh = jax.make_mesh((4, 2), ('fsdp', 'tensor'))
+  part = lambda axes: nnx.with_partitioning(nnx.initializers.lecun_normal(), axes)
+
+  class Named(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(8, 16, kernel_init=part(('fsdp', 'tensor')), rngs=rngs)
+      self.b = nnx.Linear(16, 8, kernel_init=part(('tensor', 'fsdp')), rngs=rngs)
+
+    def __call__(self, x):
+      h = jnp.tanh(self.a(x, out_sharding=P('fsdp', 'tensor')))
+      return self.b(h, out_sharding=P('fsdp', None))
+
+  loss = lambda m, b: jnp.mean(m(b['x']) ** 2)
+  x = jax.random.normal(jax.random.key(1), (16, 8))
+  with jax.set_mesh(mesh):
+    want_loss, want = nnx.value_and_grad(loss)(Named(nnx.Rngs(0)), {'x': x})
+    tx = zerojax.zero_stage(optax.adam(1e-3), 3, mesh=mesh, axis='fsdp')
+    model = Named(nnx.Rngs(0))
+    rows = {'x': jax.device_put(x, NamedSharding(mesh, P('fsdp')))}
+    with pytest.raises((ValueError, NotImplementedError)) as e:
+      nnx.jit(zerojax.nnx.value_and_grad(loss, tx))(model, rows)
+    notes = getattr(e.value, '__notes__', [])
+    assert not any('closes over' in n for n in notes), notes  # not the batch: never named
+    assert (
+      "zerojax.value_and_grad runs the loss on each device's part of the batch, in a region"
+      " where the ZeRO axes ('fsdp',) are manual, and the model names a layout over one of them"
+      ' there (an out_sharding= or jax.sharding.reshard naming it), which JAX refuses inside'
+      ' such a region. Train a model that names its layouts with its own gradient'
+    ) in notes[0]
+    # The fix the note names: the model's own gradient and the optimizer line alone.
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+      value, grads = nnx.value_and_grad(loss)(model, batch)
+      optimizer.update(model, grads)
+      return value, grads
+
+    got_loss, grads = step(model, optimizer, rows)
+  tol = reordered(16 + 8 + 16)
+  assert abs(float(got_loss) - float(want_loss)) <= tol * abs(float(want_loss))
+  assert max_rel_err(grads, want) <= tol
+  assert model.a.kernel[...].sharding.spec == P('fsdp', 'tensor')  # still split at rest

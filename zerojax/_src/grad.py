@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zerojax._src import compat, jaxprs, reduction, streaming, transform
+from zerojax._src import compat, jaxprs, reduction, runtime, streaming, transform
 from zerojax._src import gather as gather_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
@@ -307,6 +307,18 @@ def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
         ' for each layer to gather: wrap linen blocks in zerojax.linen.gathered, NNX layers in'
         ' zerojax.nnx.gathered, or call zerojax.gather on the parameters before use.'
       )
+    if runtime.is_manual_axis_layout_error(e):
+      e.add_note(
+        "zerojax.value_and_grad runs the loss on each device's part of the batch, in a region"
+        f' where the ZeRO axes {r.axes} are manual, and the model names a layout over one of'
+        ' them there (an out_sharding= or jax.sharding.reshard naming it), which JAX refuses'
+        ' inside such a region. Train a model that names its layouts with its own gradient'
+        ' (nnx.value_and_grad or jax.value_and_grad inside jit) and the optimizer line alone'
+        ' (nnx.Optimizer(model, zerojax.zero_stage(tx, ...), wrt=nnx.Param) or tx.update):'
+        " the compiler then places ZeRO's collectives. Or name the layouts without the ZeRO"
+        ' axes.'
+      )
+      raise
     e.add_note(
       f'zerojax.value_and_grad ran the loss on one part of the batch ({rows} rows: one'
       " device's micro-batch). An array the loss closes over keeps the whole batch's rows:"

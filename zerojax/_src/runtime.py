@@ -103,3 +103,18 @@ class OutOfMemory:
 def out_of_memory_summary(message: str) -> str:
   """The TPU compiler's own figures from its out-of-memory message (`OutOfMemory.summary`)."""
   return OutOfMemory.parse(message).summary()
+
+
+def is_manual_axis_layout_error(error: BaseException) -> bool:
+  """Whether JAX refused a layout that names a mesh axis that is manual where it was asked
+  for (inside `jax.shard_map`): an `out_sharding=` or `jax.sharding.reshard` over such an axis.
+
+  JAX raises it as a plain ValueError or NotImplementedError with no attribute or subclass of
+  its own (jax 0.10: "... cannot contain axis names that are of type Auto or Manual ...";
+  later releases: "Going from Manual AxisType to Auto or Explicit AxisType is not allowed"):
+  only its text tells it from the loss's own errors, and zerojax uses it only to word a note.
+  """
+  text = str(error)
+  return isinstance(error, (ValueError, NotImplementedError)) and (
+    'Manual' in text and 'AxisType' in text
+  )
