@@ -30,7 +30,7 @@ def _report(candidate, mixed_precision=False):
   )
   result = search.Result(
     candidate,
-    'fits',
+    search.Outcome.FITS,
     ring_bytes=1e6,
     overlapped_bytes=0.0,
     flops=1e9,

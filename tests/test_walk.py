@@ -111,43 +111,54 @@ ENTRY %main (x: f32[8], c: s32[]) -> f32[8] {
 """
 
 
+class _Seen:
+  """A `_Sites` tally: the sites shown, and each fold of a body into it recorded."""
+
+  def __init__(self, folds):
+    self.sites, self.folds = [], folds
+
+  def add(self, other, times):
+    self.folds.append((times, len(other.sites)))
+    self.sites.extend(other.sites)
+
+  def weight(self):
+    return len(self.sites)
+
+  def counted(self):
+    return bool(self.sites)
+
+
 class _Sites:
   """Each site the walk shows, with its trip count and its caller's opcode; folds recorded."""
 
+  counts, differ = 'its sites are', 'show different sites'
+
   def __init__(self):
-    self.folds = []
+    self.folds, self.uncertain = [], []
 
   def tally(self):
-    return []
+    return _Seen(self.folds)
 
   def line(self, site, tally):
     caller = site.caller.opcode if site.caller else None
-    tally.append((site.computation, site.name, site.trips, caller))
+    tally.sites.append((site.computation, site.name, site.trips, caller))
     return True
-
-  def loop(self, site, trip, body, into):
-    self.folds.append(('loop', site.name, trip, len(body)))
-    into.extend(body)
-
-  def branches(self, site, subs, into):
-    self.folds.append(('branches', site.name, [len(s) for s in subs]))
-    for sub in subs:
-      into.extend(sub)
 
 
 def test_the_walk_enters_loops_branches_and_calls_once_down_each_path():
   program = hlo.Program.parse(PROGRAM)
   sites = _Sites()
-  seen = program.walk(sites)
+  seen = program.walk(sites).sites
   # The loop's trip count is read from its condition and initial tuple (no XLA annotation),
-  # its body walked once into a fresh tally and folded back with it.
-  assert ('loop', 'w', 5, 7 + 3) in sites.folds  # the body's lines and its reduction's
+  # its body walked once into a fresh tally and added back that many times.
+  assert (5, 7 + 3) in sites.folds  # the body's lines and its reduction's
   assert ('body', 'ar', 5, 'while') in seen
   # What an all-reduce calls (its reduction) is entered too, inside the loop.
   assert ('add', 's', 5, 'all-reduce') in seen
-  # Both branches, each into its own tally; one runs.
-  assert ('branches', 'b', [2, 2]) in sites.folds
-  assert ('gather', 'ag', None, 'conditional') in seen
+  # Both branches walked, each into its own tally; one runs: one of them is added back, once.
+  assert ('gather', 'ag', None, 'conditional') in seen  # the first of equal weights
+  assert (1, 2) in sites.folds
+  assert sites.uncertain == []  # the two branches show as many sites: the same weight
   # A computation is not entered again below itself.
   assert [s for s in seen if s[0] == 'itself'] == [
     ('itself', 'x', None, 'call'),

@@ -51,9 +51,25 @@ def largest_arrays(compiled_or_text: Any, count: int | None = 8) -> list[Program
   and where they come from.
   """
   program = hlo.as_program(compiled_or_text)
-  found = program.walk(_Arrays(program))
+  found = program.walk(_Arrays(program)).arrays
   found.sort(key=lambda a: -a.nbytes)
   return found if count is None else found[:count]
+
+
+class _Listed:
+  """An `_Arrays` tally: the arrays listed, each once however often its loop runs."""
+
+  def __init__(self):
+    self.arrays: list[ProgramArray] = []
+
+  def add(self, other: _Listed, times: int) -> None:
+    self.arrays.extend(other.arrays)
+
+  def weight(self) -> int:
+    return len(self.arrays)
+
+  def counted(self) -> bool:
+    return bool(self.arrays)
 
 
 class _Arrays:
@@ -61,13 +77,17 @@ class _Arrays:
   the top level (the entry, loop bodies, branches, calls), each computation read once."""
 
   _MATERIALISED = ('while', 'conditional', 'call')
+  # Every branch's arrays are listed (what the program holds, not what one step runs), and a
+  # loop body's once (each array records its loop's trips).
+  counts, differ, every_branch = '', '', True
 
   def __init__(self, program: hlo.Program):
     self.program = program
     self.read: dict[str, hlo.Site | None] = {}  # computation -> the call that lists its arrays
+    self.uncertain: list[str] = []
 
-  def tally(self) -> list[ProgramArray]:
-    return []
+  def tally(self) -> _Listed:
+    return _Listed()
 
   def line(self, site: hlo.Site, tally: list[ProgramArray]) -> bool:
     # A computation reached again (another call of it) is not listed twice.
@@ -78,17 +98,10 @@ class _Arrays:
       return True
     if not op or op in _NOT_ARRAYS or op.endswith(('-start', '-done', '-update')):
       return False
-    tally.extend(
+    tally.arrays.extend(
       _program_arrays(site.line, op, site.trips, _slice_updated(site.line, op, self.program.bodies))
     )
     return False
-
-  def loop(self, site: hlo.Site, trip: int | None, body: list, into: list) -> None:
-    into.extend(body)
-
-  def branches(self, site: hlo.Site, subs: list[list], into: list) -> None:
-    for sub in subs:
-      into.extend(sub)
 
 
 def _slice_updated(line: str, op: str, bodies: dict[str, list[str]]) -> set[str]:

@@ -175,14 +175,26 @@ class _Tally:
     self.dcn_overlapped = collections.Counter()
     self.dcn_gathers = collections.Counter()
 
-  def add(self, other: _Tally, mult: int = 1) -> None:
-    for name in ('counts', 'nbytes', 'ring', 'overlapped', 'dcn', 'dcn_overlapped', 'dcn_gathers'):
-      dst = getattr(self, name)
-      for k, v in getattr(other, name).items():
-        dst[k] += mult * v
+  def add(self, other: _Tally, times: int = 1) -> None:
+    for mine, theirs in zip(self._counters(), other._counters()):
+      for k, v in theirs.items():
+        mine[k] += times * v
+
+  def _counters(self) -> tuple:
+    return (
+      self.counts, self.nbytes, self.ring, self.overlapped, self.dcn, self.dcn_overlapped,
+      self.dcn_gathers,
+    )  # fmt: skip
 
   def key(self) -> tuple:
     return tuple(sorted(self.counts.items())), tuple(sorted(self.nbytes.items()))
+
+  def weight(self) -> tuple:
+    """The ring bytes, then the count, then which collectives (`hlo.Tally`)."""
+    return (sum(self.ring.values()), sum(self.counts.values()), self.key())
+
+  def counted(self) -> bool:
+    return bool(self.counts)
 
 
 def count_collectives(compiled_or_text: Any, slices: Any = None) -> CollectiveStats:
@@ -242,6 +254,9 @@ def count_collectives(compiled_or_text: Any, slices: Any = None) -> CollectiveSt
 class _Collectives:
   """`count_collectives` as an analysis of `hlo.Program.walk`: a `_Tally` per body."""
 
+  counts = 'the collectives of its body are'
+  differ = 'run different collectives'
+
   def __init__(self, program: hlo.Program, slices: Any = None):
     self.program = program
     self.slices = slices
@@ -271,23 +286,6 @@ class _Collectives:
     if op in ('async-update', 'async-done') or site.name.startswith('async-collective-done'):
       return False
     return not _ASYNC_COPY.search(site.line)
-
-  def loop(self, site: hlo.Site, trip: int | None, body: _Tally, into: _Tally) -> None:
-    if trip is None and body.counts:
-      self.uncertain.append(
-        f'while loop %{site.name} in %{site.computation} has no known trip count in the HLO;'
-        ' the collectives of its body are counted once'
-      )
-    into.add(body, 1 if trip is None else trip)
-
-  def branches(self, site: hlo.Site, subs: list[_Tally], into: _Tally) -> None:
-    if len({s.key() for s in subs}) > 1:
-      self.uncertain.append(
-        f'conditional %{site.name} in %{site.computation}: its {len(subs)} branches run'
-        ' different collectives and one runs per step; the costliest branch is counted'
-      )
-    if subs:
-      into.add(max(subs, key=lambda s: (sum(s.ring.values()), sum(s.counts.values()))))
 
   def _overlapped(self, site: hlo.Site) -> bool:
     """Whether the collective at `site`, or the instruction that ran its computation (up to

@@ -174,9 +174,22 @@ class _Tally:
   unpriced: int = 0  # runs of TPU custom kernels that state no cost
   unpriced_seconds: float = 0.0
 
-  def add(self, other: _Tally, mult: int) -> None:
-    for f in dataclasses.fields(self):
-      setattr(self, f.name, getattr(self, f.name) + mult * getattr(other, f.name))
+  def add(self, other: _Tally, times: int) -> None:
+    self.flops += times * other.flops
+    self.estimated += times * other.estimated
+    self.roofline += times * other.roofline
+    self.matmul += times * other.matmul
+    self.kernels += times * other.kernels
+    self.estimated_kernels += times * other.estimated_kernels
+    self.unpriced += times * other.unpriced
+    self.unpriced_seconds += times * other.unpriced_seconds
+
+  def weight(self) -> float:
+    """The kernels' seconds, to the picosecond (`hlo.Tally`)."""
+    return round(self.seconds, 12)
+
+  def counted(self) -> bool:
+    return self.kernels > 0
 
   @property
   def seconds(self) -> float:
@@ -186,6 +199,9 @@ class _Tally:
 class _Kernels:
   """The kernels a program runs, as an analysis of `Program.walk`: a `_Tally` per body, the
   chip's constants, and what could not be determined."""
+
+  counts = 'its kernels are'
+  differ = 'cost differently'
 
   def __init__(
     self, program: hlo.Program, clock_hz: float | None, peak_flops: float, hbm_bandwidth: float
@@ -211,27 +227,10 @@ class _Kernels:
     self.kernel(site, tally)
     return False
 
-  def loop(self, site: hlo.Site, trip: int | None, body: _Tally, into: _Tally) -> None:
-    if trip is None and body.kernels:
-      self.uncertain.append(
-        f'while loop %{site.name} in %{site.computation} has no known trip count in the HLO;'
-        ' its kernels are counted once'
-      )
-    into.add(body, 1 if trip is None else trip)
-
-  def branches(self, site: hlo.Site, subs: list[_Tally], into: _Tally) -> None:
-    if subs:
-      if len({round(s.seconds, 12) for s in subs}) > 1:
-        self.uncertain.append(
-          f'conditional %{site.name} in %{site.computation}: its branches cost differently'
-          ' and one runs per step; the costliest is counted'
-        )
-      into.add(max(subs, key=lambda s: s.seconds), 1)
-
   def flops_inside(self, name: str) -> float:
     """Matmul FLOPs of one execution of a fused (or called) computation."""
     if name not in self.flops_memo:
-      self.flops_memo[name] = self.program.walk(_Matmuls(self.program), root=name)[0]
+      self.flops_memo[name] = self.program.walk(_Matmuls(self.program), root=name).flops
     return self.flops_memo[name]
 
   def kernel(self, site: hlo.Site, tally: _Tally) -> None:
@@ -273,51 +272,78 @@ class _Kernels:
       tally.matmul += seconds
 
 
+class _Flops:
+  """A `_Matmuls` tally: matmul FLOPs."""
+
+  def __init__(self):
+    self.flops = 0.0
+
+  def add(self, other: _Flops, times: int) -> None:
+    self.flops += times * other.flops
+
+  def weight(self) -> float:
+    return self.flops
+
+  def counted(self) -> bool:
+    return self.flops > 0
+
+
 class _Matmuls:
   """The matmul FLOPs of one execution of a computation and what it calls (a fusion's inside),
-  as an analysis of `Program.walk`: a one-element list."""
+  as an analysis of `Program.walk`. It enters no loop or branch (see `line`)."""
+
+  counts, differ = '', ''
 
   def __init__(self, program: hlo.Program):
     self.program = program
+    self.uncertain: list[str] = []
 
-  def tally(self) -> list[float]:
-    return [0.0]
+  def tally(self) -> _Flops:
+    return _Flops()
 
-  def line(self, site: hlo.Site, tally: list[float]) -> bool:
+  def line(self, site: hlo.Site, tally: _Flops) -> bool:
     if site.opcode in ('dot', 'convolution'):
       operands = self.program.instructions(site.computation)[site.name][1]
       types = self.program.result_types(site.computation)
-      tally[0] += _matmul_flops(site.opcode, operands, site.line, types)
+      tally.flops += _matmul_flops(site.opcode, operands, site.line, types)
     return site.opcode not in ('while', 'conditional')
 
-  def loop(self, site, trip, body, into) -> None:  # never entered (see `line`)
-    into[0] += body[0]
 
-  def branches(self, site, subs, into) -> None:  # never entered (see `line`)
-    into[0] += sum(sub[0] for sub in subs)
+class _Sends:
+  """A `_DcnWindows` tally: (bytes sent, kernel seconds in flight, executions per step)."""
+
+  def __init__(self):
+    self.sends: list[tuple[int, float, int]] = []
+
+  def add(self, other: _Sends, times: int) -> None:
+    self.sends.extend((sent, window, runs * times) for sent, window, runs in other.sends)
+
+  def weight(self) -> int:
+    return sum(sent for sent, _, _ in self.sends)
+
+  def counted(self) -> bool:
+    return bool(self.sends)
 
 
 class _DcnWindows:
   """Each collective between TPU slices, as an analysis of `Program.walk`: (bytes sent, kernel
   seconds scheduled between the send and its done, executions per step)."""
 
+  # Its loops and branches: a send in a loop body runs once per trip; of a conditional's
+  # branches the one that sends most. A loop's unknown trip count is the kernels' to say.
+  counts, differ = '', ''
+
   def __init__(self, kernels: _Kernels):
     self.program, self.kernels = kernels.program, kernels
+    self.uncertain: list[str] = []
 
-  def tally(self) -> list:
-    return []
+  def tally(self) -> _Sends:
+    return _Sends()
 
-  def line(self, site: hlo.Site, tally: list) -> bool:
+  def line(self, site: hlo.Site, tally: _Sends) -> bool:
     if site.index == 0:
-      tally.extend(self._sends(site))
+      tally.sends.extend(self._sends(site))
     return site.opcode in ('while', 'conditional', 'call')
-
-  def loop(self, site: hlo.Site, trip: int | None, body: list, into: list) -> None:
-    into.extend((sent, window, runs * (trip or 1)) for sent, window, runs in body)
-
-  def branches(self, site: hlo.Site, subs: list[list], into: list) -> None:
-    if subs:  # one branch runs: the one that sends most
-      into.extend(max(subs, key=lambda sub: sum(sent for sent, _, _ in sub)))
 
   def _sends(self, first: hlo.Site) -> list:
     """The sends of `first`'s computation, each with the kernels scheduled before its done."""
@@ -400,7 +426,7 @@ def program_cost(
   windows = None
   if program.crosses_slices:  # a fresh count: what it finds uncertain was said above
     windows = tuple(
-      program.walk(_DcnWindows(_Kernels(program, clock_hz, peak_flops, hbm_bandwidth)))
+      program.walk(_DcnWindows(_Kernels(program, clock_hz, peak_flops, hbm_bandwidth))).sends
     )
   return ProgramCost(
     matmul_flops=total.flops,

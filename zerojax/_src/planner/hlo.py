@@ -375,11 +375,12 @@ class Program:
 
     The one traversal every analysis of a program is written as. Each instruction line of a
     computation is shown to `analysis.line` in order; where it returns True the walk goes
-    into what the line runs: a `while` body (into a fresh tally, folded back by
-    `analysis.loop` with the loop's trip count), each branch of a `conditional` (each into a
-    fresh tally, folded back by `analysis.branches`: one runs per step), or the computations
-    any other line calls (`calls=`, `to_apply=`), into the same tally. The recursion rule: a
-    computation already on the way down is not entered again.
+    into what the line runs: a `while` body (into a fresh tally, added back its trip count of
+    times, or once where the HLO does not determine it, which `analysis.uncertain` is told),
+    each branch of a `conditional` (each into a fresh tally; one runs per step, so the
+    costliest by `Tally.weight` is added back, and `analysis.uncertain` is told where they
+    differ), or the computations any other line calls (`calls=`, `to_apply=`), into the same
+    tally. The recursion rule: a computation already on the way down is not entered again.
     """
     tally = analysis.tally()
     self._walk(analysis, root or self.entry, None, None, (), tally)
@@ -408,13 +409,29 @@ class Program:
       sub = analysis.tally()
       if body:
         self._walk(analysis, body, site, trip or 0, stack, sub)
-      analysis.loop(site, trip, sub, tally)
+      if trip is None and sub.counted() and analysis.counts:
+        analysis.uncertain.append(
+          f'while loop %{site.name} in %{site.computation} has no known trip count in the HLO;'
+          f' {analysis.counts} counted once'
+        )
+      tally.add(sub, 1 if trip is None else trip)
     elif site.opcode == 'conditional':
       subs = []
       for branch in branches(site.line):
         subs.append(analysis.tally())
         self._walk(analysis, branch, site, site.trips, stack, subs[-1])
-      analysis.branches(site, subs, tally)
+      if getattr(analysis, 'every_branch', False):  # what any branch holds, not what runs
+        for sub in subs:
+          tally.add(sub, 1)
+        return
+      weights = [sub.weight() for sub in subs]
+      if len(set(weights)) > 1 and analysis.counts:
+        analysis.uncertain.append(
+          f'conditional %{site.name} in %{site.computation}: its {len(subs)} branches'
+          f' {analysis.differ} and one runs per step; the costliest branch is counted'
+        )
+      if subs:
+        tally.add(subs[weights.index(max(weights))], 1)
     else:
       for callee in callees(site.line):
         self._walk(analysis, callee, site, site.trips, stack, tally)
@@ -468,8 +485,38 @@ class Site:
       site = site.caller
 
 
+class Tally(Protocol):
+  """What an analysis adds up over a walk: one per computation body, folded by `Program.walk`."""
+
+  def add(self, other: Any, times: int) -> None:
+    """Adds `other` (a loop body's or a branch's tally), `times` times."""
+    ...
+
+  def weight(self) -> Any:
+    """What the costliest of a conditional's branches is chosen by (comparable, hashable)."""
+    ...
+
+  def counted(self) -> bool:
+    """Whether anything was counted (a loop's unknown trip count then makes a count uncertain)."""
+    ...
+
+
 class Analysis(Protocol[T]):
-  """What `Program.walk` runs: a tally per computation body, and how bodies fold."""
+  """What `Program.walk` runs: a `Tally` per computation body, and what each line adds to it.
+
+  Attributes:
+    uncertain: where the walk tells why a count is not exact (a loop with no known trip count,
+      a conditional whose branches differ).
+    counts: what a body's tally holds, as those lines name it ('its kernels are'); '' to say
+      nothing (an analysis whose loops and branches are never entered, or that says its own).
+    differ: how those lines say branches differ ('run different collectives').
+    every_branch: (optional, default False) add every branch's tally, not the costliest's: for
+      an analysis of what a program holds rather than what one step runs.
+  """
+
+  uncertain: list[str]
+  counts: str
+  differ: str
 
   def tally(self) -> T:
     """A fresh, empty tally."""
@@ -477,14 +524,6 @@ class Analysis(Protocol[T]):
 
   def line(self, site: Site, tally: T) -> bool:
     """Adds what the instruction at `site` does to `tally`; True to enter what it runs."""
-    ...
-
-  def loop(self, site: Site, trip: int | None, body: T, into: T) -> None:
-    """Folds a `while` body's tally into `into`: it runs `trip` times (None: unknown)."""
-    ...
-
-  def branches(self, site: Site, subs: list[T], into: T) -> None:
-    """Folds a `conditional`'s branch tallies into `into`: one of them runs."""
     ...
 
 

@@ -154,21 +154,37 @@ class _HostTally:
   host_computations: int = 0
 
   def moved(self, direction: str, size: int, in_loop: bool, overlapped: bool) -> None:
-    setattr(self, direction, getattr(self, direction) + size)
-    largest = f'largest_{direction}'
-    setattr(self, largest, max(getattr(self, largest), size))
+    if direction == 'to_host':
+      self.to_host += size
+      self.largest_to_host = max(self.largest_to_host, size)
+    else:
+      self.to_device += size
+      self.largest_to_device = max(self.largest_to_device, size)
     self.in_loops += size if in_loop else 0
     self.overlapped += size if overlapped else 0
 
-  def add(self, other: _HostTally, mult: int) -> None:
-    for name in ('to_host', 'to_device', 'in_loops', 'overlapped', 'host_computations'):
-      setattr(self, name, getattr(self, name) + mult * getattr(other, name))
+  def add(self, other: _HostTally, times: int) -> None:
+    self.to_host += times * other.to_host
+    self.to_device += times * other.to_device
+    self.in_loops += times * other.in_loops
+    self.overlapped += times * other.overlapped
+    self.host_computations += times * other.host_computations
     self.largest_to_host = max(self.largest_to_host, other.largest_to_host)
     self.largest_to_device = max(self.largest_to_device, other.largest_to_device)
+
+  def weight(self) -> int:
+    """The bytes moved either way (`hlo.Tally`)."""
+    return self.to_host + self.to_device
+
+  def counted(self) -> bool:
+    return bool(self.to_host or self.to_device or self.host_computations)
 
 
 class _HostLink:
   """`count_host_transfers` as an analysis of `hlo.Program.walk`."""
+
+  counts = 'its host transfers are'
+  differ = 'move different bytes'
 
   def __init__(self, program: hlo.Program):
     self.program = program
@@ -194,21 +210,6 @@ class _HostLink:
       for direction, size in _host_execute(site.line):
         tally.moved(direction, size, in_loop, overlapped)
     return True
-
-  def loop(self, site: hlo.Site, trip: int | None, body: _HostTally, into: _HostTally) -> None:
-    if trip is None:
-      self.uncertain.append(f'while loop %{site.name} in %{site.computation}')
-    into.add(body, trip or 1)
-
-  def branches(self, site: hlo.Site, subs: list[_HostTally], into: _HostTally) -> None:
-    moved = [s.to_host + s.to_device for s in subs]
-    if len(set(moved)) > 1:
-      self.uncertain.append(
-        f'conditional %{site.name} in %{site.computation}: its branches move different bytes'
-        ' and one runs per step; the branch that moves most is counted'
-      )
-    if subs:
-      into.add(subs[moved.index(max(moved))], 1)
 
 
 def _overlapping_copies(lines: list[str]) -> set[int]:

@@ -109,7 +109,7 @@ class Result:
   once, by `evaluate`, from the candidate and its stages (or from what refused it)."""
 
   candidate: Candidate
-  outcome: Outcome  # (or its value, e.g. 'fits')
+  outcome: Outcome
   reason: str = ''  # why it is not 'fits': the compiler's refusal, which memory, the error
   theory_bytes: int = 0  # model states at rest per chip, from the plan
   host_bytes: int = 0
@@ -151,7 +151,8 @@ class Result:
   priced: Priced | None = dataclasses.field(default=None, repr=False, compare=False)
 
   def __post_init__(self):
-    object.__setattr__(self, 'outcome', Outcome(self.outcome))
+    if not isinstance(self.outcome, Outcome):
+      raise TypeError(f'Result.outcome must be an Outcome, got {self.outcome!r}.')
 
   @property
   def status(self) -> str:
