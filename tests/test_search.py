@@ -12,7 +12,15 @@ import pytest
 from _models import child_env
 
 import zerojax
-from zerojax._src.planner import candidates, lowering, presets, roofline, search, search_report
+from zerojax._src.planner import (
+  candidates,
+  lowering,
+  presets,
+  program_cache,
+  roofline,
+  search,
+  search_report,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -287,7 +295,6 @@ def test_search_reads_v5p_and_v6e_programs(topology, chip):
 @pytest.mark.xdist_group('libtpu')
 def test_compile_with_text_reads_the_dump_where_as_text_fails():
   pytest.importorskip('libtpu')
-  from zerojax._src.planner import report as report_lib
   from zerojax._src.planner import tpu
 
   devices = tpu.topology_devices('v5p:2x2x2')
@@ -302,8 +309,8 @@ def test_compile_with_text_reads_the_dump_where_as_text_fails():
   except jax.errors.JaxRuntimeError as e:
     assert 'RET_CHECK' in str(e)  # the one failure the dump stands in for
     printed = None
-  _, text = report_lib.compile_with_text(lowered)
-  _, dumped = report_lib.dumped_hlo_text(lowered)  # the fallback, on every version
+  _, text = program_cache.compile_with_text(lowered)
+  _, dumped = program_cache.dumped_hlo_text(lowered)  # the fallback, on every version
   assert dumped.startswith('HloModule') and 'ENTRY' in dumped
   counts = zerojax.inspect.count_collectives(dumped)
   assert counts['all-gather'] > 0

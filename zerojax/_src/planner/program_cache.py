@@ -22,6 +22,7 @@ compiles anew), and the planner needs only the analyses.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import gzip
 import hashlib
 import importlib.metadata
@@ -184,6 +185,53 @@ def _from_record(record: dict, source: str) -> Compiled:
   return Compiled(program, program.text, source, 0.0, program.compile_seconds, program.platform)
 
 
+def compile_with_text(
+  lowered: Any, compiler_options: dict[str, Any] | None = None
+) -> tuple[Any, str]:
+  """Compiles `lowered` (with `compiler_options`, as `jax.jit(..., compiler_options=...)`
+  takes them) and returns the program with its optimized HLO text.
+
+  The text is `as_text()`'s where it can print the program. Some jax and
+  libtpu pairs (jax 0.10 with libtpu 0.0.52) cannot print v5p and v6e programs
+  that hold asynchronous updates (an XLA RET_CHECK on their arity); where
+  `as_text()` fails, the text is read from XLA's dump (`dumped_hlo_text`).
+  """
+  compiled = lowered.compile(compiler_options=compiler_options or None)
+  try:
+    return compiled, compiled.as_text()
+  except jax.errors.JaxRuntimeError as e:
+    try:
+      return dumped_hlo_text(lowered, compiler_options)
+    except Exception as dump_error:
+      e.add_note(f"zerojax: reading the program from XLA's dump failed too: {dump_error}")
+      raise e from None
+
+
+def dumped_hlo_text(
+  lowered: Any, compiler_options: dict[str, Any] | None = None
+) -> tuple[Any, str]:
+  """Compiles `lowered` with XLA's dump options and reads the optimized HLO it wrote.
+
+  The same program as `as_text()` prints, as written by the compiler itself.
+  jax 0.12's dump leaves out the loops' known trip counts, so
+  `count_collectives` warns and counts a loop body once there.
+
+  Raises:
+    RuntimeError: XLA did not dump exactly one optimized module.
+  """
+  with tempfile.TemporaryDirectory() as folder:
+    options = {**(compiler_options or {}), 'xla_dump_to': folder, 'xla_dump_hlo_as_text': True}
+    compiled = lowered.compile(compiler_options=options)
+    dumped = glob.glob(os.path.join(folder, '*after_optimizations.txt'))
+    if len(dumped) != 1:
+      raise RuntimeError(
+        f'the compiled program cannot be printed here and XLA dumped {len(dumped)} optimized'
+        ' modules for it (one expected), so its collectives cannot be counted.'
+      )
+    with open(dumped[0]) as f:
+      return compiled, f.read()
+
+
 def compile_program(
   lowered: Any,
   *,
@@ -210,7 +258,7 @@ def compile_program(
   """
   if cache_dir is None and memo is None:
     start = time.perf_counter()
-    program, text = report_lib.compile_with_text(lowered, compiler_options)
+    program, text = compile_with_text(lowered, compiler_options)
     seconds = time.perf_counter() - start
     return Compiled(program, text, 'compiled', seconds, seconds, report_lib.platform_of(program))
   key = program_key(lowered, topology, compiler_options)
@@ -225,7 +273,7 @@ def compile_program(
   start = time.perf_counter()
   base = {'format': FORMAT, 'topology': topology, 'versions': _versions()}
   try:
-    program, text = report_lib.compile_with_text(lowered, compiler_options)
+    program, text = compile_with_text(lowered, compiler_options)
   except jax.errors.JaxRuntimeError as e:
     if runtime.is_out_of_memory(e):
       _keep(path, memo, key, base | {'error': str(e)})

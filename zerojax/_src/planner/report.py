@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import glob
-import os
-import tempfile
 from typing import Any
 
 import jax
@@ -194,53 +191,6 @@ def _process_devices(plan: Any) -> dict[int, int]:
   return dict(sorted(counts.items()))
 
 
-def compile_with_text(
-  lowered: Any, compiler_options: dict[str, Any] | None = None
-) -> tuple[Any, str]:
-  """Compiles `lowered` (with `compiler_options`, as `jax.jit(..., compiler_options=...)`
-  takes them) and returns the program with its optimized HLO text.
-
-  The text is `as_text()`'s where it can print the program. Some jax and
-  libtpu pairs (jax 0.10 with libtpu 0.0.52) cannot print v5p and v6e programs
-  that hold asynchronous updates (an XLA RET_CHECK on their arity); where
-  `as_text()` fails, the text is read from XLA's dump (`dumped_hlo_text`).
-  """
-  compiled = lowered.compile(compiler_options=compiler_options or None)
-  try:
-    return compiled, compiled.as_text()
-  except jax.errors.JaxRuntimeError as e:
-    try:
-      return dumped_hlo_text(lowered, compiler_options)
-    except Exception as dump_error:
-      e.add_note(f"zerojax: reading the program from XLA's dump failed too: {dump_error}")
-      raise e from None
-
-
-def dumped_hlo_text(
-  lowered: Any, compiler_options: dict[str, Any] | None = None
-) -> tuple[Any, str]:
-  """Compiles `lowered` with XLA's dump options and reads the optimized HLO it wrote.
-
-  The same program as `as_text()` prints, as written by the compiler itself.
-  jax 0.12's dump leaves out the loops' known trip counts, so
-  `count_collectives` warns and counts a loop body once there.
-
-  Raises:
-    RuntimeError: XLA did not dump exactly one optimized module.
-  """
-  with tempfile.TemporaryDirectory() as folder:
-    options = {**(compiler_options or {}), 'xla_dump_to': folder, 'xla_dump_hlo_as_text': True}
-    compiled = lowered.compile(compiler_options=options)
-    dumped = glob.glob(os.path.join(folder, '*after_optimizations.txt'))
-    if len(dumped) != 1:
-      raise RuntimeError(
-        f'the compiled program cannot be printed here and XLA dumped {len(dumped)} optimized'
-        ' modules for it (one expected), so its collectives cannot be counted.'
-      )
-    with open(dumped[0]) as f:
-      return compiled, f.read()
-
-
 def step_report(
   compiled: Any,
   *,
@@ -257,7 +207,7 @@ def step_report(
     plan: the step's `ZeroPlan`, to compare traffic with the ZeRO floor.
     bytes_per_param: bytes per parameter in the floor (4 for fp32 gradients).
     hlo_text: the program's optimized HLO, where `compiled.as_text()` cannot
-      print it (`compile_with_text`): its text, or the `hlo.Program` read from it.
+      print it (`program_cache.compile_with_text`): its text, or the `hlo.Program` read from it.
     platform: where the program runs, for a program read back from the planner's cache
       (`program_cache.Compiled.platform`); None reads it from `compiled`.
 
