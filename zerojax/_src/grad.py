@@ -141,11 +141,7 @@ def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any
   # Stage 1 keeps a full gradient buffer through the micro-batches and leaves
   # it reduce-scattered into the optimizer state's shards (the update reads
   # only those): the floor's traffic, where an all-reduce would move more.
-  grad_layouts = jax.tree.leaves(plan.grads)
-  if stage == 1:
-    shards = jax.tree.leaves(plan.param_shards)
-    padding = plan.padding or (None,) * len(shards)
-    grad_layouts = [g if pad else s for g, s, pad in zip(grad_layouts, shards, padding)]
+  grad_layouts = _grad_layouts(plan)
   routes = []
   for (path, x), rest, grad, q in zip(
     flat, jax.tree.leaves(plan.params), grad_layouts, plan.quantized()
@@ -183,6 +179,17 @@ def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any
       )
     )
   return tuple(routes), plan
+
+
+def _grad_layouts(plan: plan_lib.ZeroPlan) -> list:
+  """Each gradient leaf's layout as `value_and_grad` returns it: the plan's, and at stage 1
+  split like the optimizer state (where the leaf is not padded)."""
+  grad_layouts = jax.tree.leaves(plan.grads)
+  if plan.stage == 1:
+    shards = jax.tree.leaves(plan.param_shards)
+    padding = plan.padding or (None,) * len(shards)
+    grad_layouts = [g if pad else s for g, s, pad in zip(grad_layouts, shards, padding)]
+  return grad_layouts
 
 
 # -- per device -----------------------------------------------------------------
@@ -312,11 +319,11 @@ def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
         "zerojax.value_and_grad runs the loss on each device's part of the batch, in a region"
         f' where the ZeRO axes {r.axes} are manual, and the model names a layout over one of'
         ' them there (an out_sharding= or jax.sharding.reshard naming it), which JAX refuses'
-        ' inside such a region. Train a model that names its layouts with its own gradient'
-        ' (nnx.value_and_grad or jax.value_and_grad inside jit) and the optimizer line alone'
-        ' (nnx.Optimizer(model, zerojax.zero_stage(tx, ...), wrt=nnx.Param) or tx.update):'
-        " the compiler then places ZeRO's collectives. Or name the layouts without the ZeRO"
-        ' axes.'
+        ' inside such a region. Pass manual=False (zerojax.value_and_grad(loss_fn, tx,'
+        ' manual=False), or zerojax.nnx.value_and_grad): the loss then runs on the whole batch'
+        " and the compiler places ZeRO's collectives; or take the model's own gradient"
+        ' (nnx.value_and_grad or jax.value_and_grad inside jit) with the optimizer line alone;'
+        ' or name the layouts without the ZeRO axes.'
       )
       raise
     e.add_note(
@@ -595,6 +602,7 @@ def value_and_grad(
   reduce_dtype: Any = None,
   has_aux: bool = False,
   per_layer: bool = False,
+  manual: bool = True,
 ) -> Callable[..., Any]:
   """`jax.value_and_grad` over the global batch, for a zero-wrapped optimizer.
 
@@ -635,6 +643,17 @@ def value_and_grad(
       input and the program is `per_layer=False`'s, so one loss line serves
       every stage. A split parameter used without a gather raises a TypeError
       naming it.
+    manual: True (the default): the loss runs once per device and micro-batch
+      inside `jax.shard_map` over the ZeRO axes, and zerojax writes the
+      collectives. False: the loss runs once on the whole batch under `jit`,
+      as `jax.value_and_grad` runs it, and the compiler places ZeRO's
+      collectives from the layouts (the gathers of `zerojax.gather`, the
+      gradients laid out as the plan says). For a model that names layouts
+      over the ZeRO axes (`out_sharding=`, `jax.sharding.reshard`), which JAX
+      refuses inside a region manual over them. One micro-batch, parameters on
+      the device; the loss's values combine as above (a `WeightedMean` is
+      its total over its weight on the whole batch), and the keys among
+      `args` are not folded (one draw over the whole batch).
 
   Returns:
     `fn(params, batch, *args, loss_scale=None)` -> `(loss, grads)` (or
@@ -666,6 +685,15 @@ def value_and_grad(
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
     raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
   options = dict(micro_batches=micro_batches, reduce_dtype=reduce_dtype, has_aux=has_aux)
+  if not manual:
+    _check_compiler_placed(config, micro_batches)
+
+    def whole_batch_fn(params, *batch_and_args, loss_scale=None):
+      if not batch_and_args:
+        raise TypeError(_NO_BATCH)
+      return _whole_batch_step(config, loss_fn, options, params, *batch_and_args, scale=loss_scale)
+
+    return whole_batch_fn
 
   def grad_fn(params, *batch_and_args, loss_scale=None):
     if not batch_and_args:
@@ -675,6 +703,51 @@ def value_and_grad(
     )
 
   return grad_fn
+
+
+def _check_compiler_placed(config: Any, micro_batches: int) -> None:
+  """Refuses what `value_and_grad(manual=False)` does not do, naming what does."""
+  if micro_batches != 1:
+    raise ValueError(
+      f'value_and_grad(manual=False) runs the loss once on the whole batch, so it takes no'
+      f' micro_batches (got {micro_batches}): accumulate over batches in the step, or use'
+      ' manual=True.'
+    )
+  streamed = config.options.update_on == 'stream' or config.options.offload_params
+  if streamed or config.replica_axes:
+    why = 'replica axes' if config.replica_axes else 'gradients streamed to host memory'
+    raise ValueError(
+      f'value_and_grad(manual=False) leaves the collectives to the compiler, and {why}'
+      " (update_on='stream', offload_params, replica_axis) need the per-device region"
+      ' zerojax writes: use manual=True.'
+    )
+
+
+def _whole_batch_step(config, loss_fn, options, params, batch, *args, scale=None):
+  """`value_and_grad(manual=False)`: jax's gradient of the loss on the whole batch, the
+  gradients laid out as the plan says (the compiler places the reduction)."""
+  plan = config.plan(params)
+  has_aux, reduce_dtype = options['has_aux'], options['reduce_dtype']
+  value = lambda x: x.value if reduction.is_combined(x) else x
+  scale = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale)
+
+  def scaled(p):
+    out = loss_fn(p, batch, *args)
+    loss, aux = out if has_aux else (out, None)
+    loss = value(loss)
+    aux = jax.tree.map(value, aux, is_leaf=reduction.is_combined)
+    return (loss * scale.astype(loss.dtype)), (loss, aux)
+
+  (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+  leaves, treedef = jax.tree.flatten(grads)
+  layouts = _grad_layouts(plan)
+  cast = lambda g: g.astype(reduce_dtype) if reduce_dtype is not None else g
+  lay = (
+    jax.sharding.reshard if mesh_lib.any_explicit(config.mesh) else jax.lax.with_sharding_constraint
+  )
+  leaves = [lay(cast(g), layout) for g, layout in zip(leaves, layouts)]
+  grads = jax.tree.unflatten(treedef, leaves)
+  return ((loss, aux), grads) if has_aux else (loss, grads)
 
 
 def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=None):

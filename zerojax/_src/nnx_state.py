@@ -298,7 +298,7 @@ def value_and_grad(
     tx: the optimizer from `zerojax.zero_stage`.
     has_aux: `loss_fn` returns `(loss, aux)`.
     **options: `zerojax.value_and_grad`'s (`micro_batches`, `reduce_dtype`,
-      `per_layer`).
+      `per_layer`, `manual`: False for a model that names its layouts over the ZeRO axes).
 
   Returns:
     `fn(model, batch, *args, loss_scale=None)` -> `(loss, grads)` (or
