@@ -301,14 +301,15 @@ def test_pretrained_gpt2_fine_tunes_on_bpe_tokens():
 # --- The shared command line and the per-stage comparison
 
 
+def _help(script: str) -> str:
+  """What `examples/<script>.py --help` prints."""
+  command = [sys.executable, os.path.join(EXAMPLES, f'{script}.py'), '--help']
+  return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
 @pytest.mark.parametrize('script', ['mlp_mnist', 'cnn_cifar', 'bert_mrpc', 'gpt'])
 def test_help_shows_every_default(script):
-  out = subprocess.run(
-    [sys.executable, os.path.join(EXAMPLES, f'{script}.py'), '--help'],
-    capture_output=True,
-    text=True,
-    check=True,
-  ).stdout
+  out = _help(script)
   flat = ' '.join(out.split())
   for shown in ('--stage', '(default: 3)', '--steps', '(default: 200)', '(default: None)'):
     assert shown in flat, (shown, out)
@@ -319,12 +320,7 @@ def test_help_shows_every_default(script):
 
 @pytest.mark.parametrize('script', ['nnx_minigpt', 'finetune_lm'])
 def test_every_option_of_a_script_shows_its_default(script):
-  out = subprocess.run(
-    [sys.executable, os.path.join(EXAMPLES, f'{script}.py'), '--help'],
-    capture_output=True,
-    text=True,
-    check=True,
-  ).stdout
+  out = _help(script)
   # Each option's entry: its line of `  --name ...` and the help lines indented below it.
   options, lines = [], out.split('options:', 1)[1].splitlines()
   for line in lines:
