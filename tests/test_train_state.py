@@ -328,6 +328,7 @@ def test_the_optimizer_line_on_an_fsdp_program(stage, mesh):
       ' so, stage 3 is its ZeRO (parameters, gradients and state split, the parameters'
       ' gathered where they are used).'
     ]
+    assert record[0].filename == __file__  # the caller's line
     assert not state[0].mu['dense1']['kernel'].sharding.is_fully_replicated
   whole = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
   with warnings.catch_warnings():

@@ -626,8 +626,7 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     body = mesh_lib.run_in_layout(body, mesh, plan.opt_state)
     if _has_tracers(params):
       return body(params)
-    _warn_if_whole_at_stage_3(params, plan, config)
-    _check_split_below_stage_3(params, plan, config)
+    _check_placement(params, plan, config)
     # Created directly in its layout: each device computes only its shards.
     state = jax.jit(body, out_shardings=plan.opt_state)(params)
     # Placed parameters show their layouts over a tensor-parallel axis; traced ones on Auto
@@ -832,6 +831,13 @@ def _without_variables(params: Any) -> Any:
   return layouts_lib.values_of(params)
 
 
+def _check_placement(params: Any, plan: plan_lib.ZeroPlan, config: ZeroConfig) -> None:
+  """What `tx.init` says of where the parameters it got are: whole at stage 3, or split over
+  the ZeRO axes by the program itself below it."""
+  _warn_if_whole_at_stage_3(params, plan, config)
+  _check_split_below_stage_3(params, plan, config)
+
+
 def _check_split_below_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: ZeroConfig) -> None:
   """The optimizer line given parameters a program already splits over the ZeRO axes (its own
   FSDP). Stage 0 would make their optimizer state whole on every device: refused, as for a train
@@ -871,7 +877,7 @@ def _check_split_below_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zer
     f'{got}. Stage {config.stage} splits the optimizer state{grads} over it and leaves the'
     " parameters' layout to the program; on a layout already split so, stage 3 is its ZeRO"
     ' (parameters, gradients and state split, the parameters gathered where they are used).',
-    stacklevel=3,
+    stacklevel=4,
   )
 
 
@@ -912,7 +918,7 @@ def _warn_if_whole_at_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zero
       ' the model with zerojax.nnx.create_model), zerojax.create_train_state, or'
       ' jax.device_put(params, zerojax.plan_for(tx, params).params).'
     )
-  warnings.warn(message, stacklevel=3)
+  warnings.warn(message, stacklevel=4)
 
 
 def _kept_as_typed(

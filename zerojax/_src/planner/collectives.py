@@ -181,10 +181,8 @@ class _Tally:
         mine[k] += times * v
 
   def _counters(self) -> tuple:
-    return (
-      self.counts, self.nbytes, self.ring, self.overlapped, self.dcn, self.dcn_overlapped,
-      self.dcn_gathers,
-    )  # fmt: skip
+    names = ('counts', 'nbytes', 'ring', 'overlapped', 'dcn', 'dcn_overlapped', 'dcn_gathers')
+    return tuple(vars(self)[name] for name in names)
 
   def key(self) -> tuple:
     return tuple(sorted(self.counts.items())), tuple(sorted(self.nbytes.items()))

@@ -144,11 +144,9 @@ def offload_flags_error(args) -> str | None:
       ' or say --update-on host.'
     )
   if args.offload_params and (args.offload is None or args.update_on == 'device'):
-    missing = ' and '.join(
-      [f for f, wanted in (('--offload opt_state+master', args.offload is None),
-                           ('--update-on host (or stream)', args.update_on == 'device'))
-       if wanted]
-    )  # fmt: skip
+    wanted = [('--offload opt_state+master', args.offload is None)]
+    wanted.append(('--update-on host (or stream)', args.update_on == 'device'))
+    missing = ' and '.join(flag for flag, lacking in wanted if lacking)
     return (
       '--offload-params keeps the parameters in host memory, so the optimizer update runs'
       f' there too, on an offloaded state: add {missing}.'
