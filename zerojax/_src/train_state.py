@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -104,15 +105,9 @@ def _refuse_regathering(params: Any, plan: Any) -> None:
   axes (an FSDP layout): that would raise their memory per device without a word."""
   if plan.stage == 3:
     return
-  axes = set(plan.axes)
-  splits = lambda spec: any(axes & set(rules.spec_axes(e)) for e in spec)
   split, now, after = [], 0, 0
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  for (path, x), target in zip(flat, jax.tree.leaves(plan.params)):
-    spec = getattr(getattr(x, 'sharding', None), 'spec', None)
-    if spec is None or not splits(spec) or splits(target.spec):
-      continue
-    split.append(f'params{jax.tree_util.keystr(path)}')
+  for path, x, spec, target in transform.split_by_the_program(params, plan):
+    split.append(path)
     now += rules.bytes_per_device(x.shape, x.dtype, spec, plan.mesh)
     after += rules.bytes_per_device(x.shape, x.dtype, target.spec, plan.mesh)
   if split:
@@ -355,7 +350,7 @@ def check_jit_shardings(shardings: Any, state: Any, name: str = 'in_shardings') 
     state: the state as it is passed to the jitted step.
     name: how the message names `shardings`.
   """
-  is_sharding = lambda x: x is None or isinstance(x, jax.sharding.Sharding)
+  is_sharding = _is_sharding_or_none
   fix = f' Take them from the state that is passed: {name}=zerojax.inspect.jit_shardings(state).'
   given, want = jax.tree.structure(shardings, is_leaf=is_sharding), jax.tree.structure(state)
   if given != want:
@@ -386,6 +381,11 @@ def check_jit_shardings(shardings: Any, state: Any, name: str = 'in_shardings') 
     )
 
 
+def _is_sharding_or_none(x: Any) -> bool:
+  """A leaf of a tree of jit shardings (None: any layout)."""
+  return x is None or isinstance(x, jax.sharding.Sharding)
+
+
 def _same_layout(a: Any, b: Any, ndim: int) -> bool:
   """Whether two shardings place an array of `ndim` dimensions alike (memory kind included)."""
   if b is None:
@@ -397,10 +397,9 @@ def _same_layout(a: Any, b: Any, ndim: int) -> bool:
 def _differing_fields(a: Any, b: Any) -> list[str]:
   """The top-level fields (of a dataclass, or keys of a mapping) where two trees' structures
   differ, for a message; [] where they cannot be compared field by field."""
-  import dataclasses
-
-  is_sharding = lambda x: x is None or isinstance(x, jax.sharding.Sharding)
-  differs = lambda x, y: jax.tree.structure(x, is_leaf=is_sharding) != jax.tree.structure(y)
+  differs = lambda x, y: (
+    jax.tree.structure(x, is_leaf=_is_sharding_or_none) != (jax.tree.structure(y))
+  )
   if dataclasses.is_dataclass(a) and type(a) is type(b):
     out = []
     for f in dataclasses.fields(a):

@@ -831,6 +831,21 @@ def _without_variables(params: Any) -> Any:
   return layouts_lib.values_of(params)
 
 
+def split_by_the_program(params: Any, plan: plan_lib.ZeroPlan) -> list[tuple]:
+  """(path, leaf, its spec, the plan's NamedSharding) of each placed leaf that rests split over
+  the plan's ZeRO axes where the plan keeps it whole over them (a program's own FSDP)."""
+  axes = set(plan.axes)
+  splits = lambda spec: any(axes & set(rules.spec_axes(e)) for e in spec)
+  found = []
+  for (path, x), target in zip(
+    jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(plan.params)
+  ):
+    spec = getattr(getattr(x, 'sharding', None), 'spec', None)
+    if spec is not None and splits(spec) and not splits(target.spec):
+      found.append((f'params{jax.tree_util.keystr(path)}', x, spec, target))
+  return found
+
+
 def _check_placement(params: Any, plan: plan_lib.ZeroPlan, config: ZeroConfig) -> None:
   """What `tx.init` says of where the parameters it got are: whole at stage 3, or split over
   the ZeRO axes by the program itself below it."""
@@ -844,15 +859,7 @@ def _check_split_below_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Zer
   state. Stages 1-2 split only what the program splits already: said once, with stage 3."""
   if config.stage == 3:
     return
-  axes = set(config.axes)
-  splits = lambda spec: any(axes & set(rules.spec_axes(e)) for e in spec)
-  split = []
-  for (path, x), target in zip(
-    jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(plan.params)
-  ):
-    spec = getattr(getattr(x, 'sharding', None), 'spec', None)
-    if spec is not None and splits(spec) and not splits(target.spec):
-      split.append(f'params{jax.tree_util.keystr(path)}')
+  split = [path for path, *_ in split_by_the_program(params, plan)]
   if not split:
     return
   on = config.axes[0] if len(config.axes) == 1 else config.axes
