@@ -188,7 +188,9 @@ def _apply_gradients(tx, grads, opt_state, params):
 
 PROGRAMS = {
   **{f'optimizer line, stage {s}': (_optimizer_line, s, AxisType.Auto) for s in STAGES},
-  **{f'optimizer line, Explicit, stage {s}': (_optimizer_line, s, AxisType.Explicit) for s in STAGES},
+  **{
+    f'optimizer line, Explicit, stage {s}': (_optimizer_line, s, AxisType.Explicit) for s in STAGES
+  },
   **{f'value_and_grad, stage {s}': (_value_and_grad, s, AxisType.Auto) for s in STAGES},
   **{f'tensor-parallel 4x2, stage {s}': (_tensor_parallel, s, AxisType.Auto) for s in STAGES},
   **{f'train state, stage {s}': (_train_state, s, AxisType.Auto) for s in STAGES},
