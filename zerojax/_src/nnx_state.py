@@ -11,13 +11,14 @@ import jax.numpy as jnp
 import optax
 from flax import errors as flax_errors
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from zerojax._src import gather as gather_lib
 from zerojax._src import grad as grad_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
-from zerojax._src import reduction, rules, transform
+from zerojax._src import reduction, transform
+from zerojax._src.variables import metadata_specs
 
 
 def with_metadata_layouts(zero: Any, params: Any) -> Any:
@@ -31,96 +32,12 @@ def with_metadata_layouts(zero: Any, params: Any) -> Any:
   other axes (`P()`), as `nnx.get_partition_spec` reads it.
   """
   config = zero if isinstance(zero, transform.ZeroConfig) else transform.config_of(zero)
-  if config is None or not config._layouts_only_on_arrays():  # a plan is already decided
+  if config is None:  # a plan: already decided
     return zero
-  leaves = jax.tree.leaves(params)
-  if all(
-    not isinstance(x, jax.core.Tracer) and isinstance(getattr(x, 'sharding', None), NamedSharding)
-    for x in leaves
-  ):
+  bound = config.with_declared_layouts(params)
+  if bound is config:
     return zero
-  specs = jax.tree.leaves(
-    metadata_specs(params, config.mesh), is_leaf=lambda x: isinstance(x, PartitionSpec)
-  )
-  if len(specs) != len(leaves):  # metadata that is not one spec per leaf: nothing to read
-    return zero
-  _check_metadata_axes(params, specs, config.mesh)
-  bound = config.with_param_specs(jax.tree.unflatten(jax.tree.structure(params), specs))
   return bound if isinstance(zero, transform.ZeroConfig) else transform.zero_optimizer(bound)
-
-
-def metadata_specs(tree: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
-  """The PartitionSpec each Variable of `tree` declares, in every form Flax reads, as a pure
-  tree (`nnx.as_pure`): `P()` for a Variable (or array) without an annotation.
-
-  The forms of `nnx.with_partitioning(init, sharding)` (its `out_sharding` metadata): a tuple
-  of mesh axis names or a `PartitionSpec`; logical names, under `nnx.logical_axis_rules` or
-  the Variable's own `sharding_rules` (Flax's `nnx.get_partition_spec` reads these three);
-  a `NamedSharding`, as the JAX AI Stack's tutorials write it (read here: Flax's reading of
-  it fails); and none.
-
-  Raises:
-    ValueError: with `mesh`, a Variable's annotation is for another mesh (a `NamedSharding`'s
-      own, or its `mesh` metadata): its path, both meshes, and the fix.
-  """
-
-  def one(path, x):
-    if isinstance(x, nnx.Variable):
-      return _variable_spec(x, f'params{jax.tree_util.keystr(path)}', mesh)
-    return PartitionSpec() if hasattr(x, 'shape') else None
-
-  return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def _variable_spec(var: nnx.Variable, where: str, mesh: jax.sharding.Mesh | None) -> Any:
-  meta = var.get_metadata()
-  sharding = meta.get('out_sharding', None)
-  declared = sharding.mesh if isinstance(sharding, NamedSharding) else meta.get('mesh', None)
-  if mesh is not None and declared is not None and not _same_mesh(declared, mesh):
-    raise ValueError(
-      f'{where}: its sharding metadata ({sharding}) is for the mesh {_shown(declared)}, and the'
-      f' optimizer was built on the mesh {_shown(mesh)}: a layout means something on its own'
-      ' mesh only. Build the optimizer on the mesh the model was annotated with'
-      " (zero_stage(..., mesh=that_mesh)), or annotate the model on the optimizer's mesh."
-    )
-  if isinstance(sharding, NamedSharding):
-    return PartitionSpec(*sharding.spec)
-  return nnx.as_pure(nnx.get_partition_spec(var))
-
-
-def _same_mesh(a: Any, b: Any) -> bool:
-  """The same axis names and sizes, and the same devices where both are concrete meshes."""
-  if tuple(a.axis_names) != tuple(b.axis_names) or tuple(a.axis_sizes) != tuple(b.axis_sizes):
-    return False
-  devices = [getattr(m, 'devices', None) for m in (a, b)]
-  if any(d is None for d in devices):  # an abstract mesh (jax.set_mesh, inside jit)
-    return True
-  return [d.id for d in devices[0].flat] == [d.id for d in devices[1].flat]
-
-
-def _shown(mesh: Any) -> str:
-  sizes = ', '.join(f'{n!r}: {s}' for n, s in zip(mesh.axis_names, mesh.axis_sizes))
-  devices = getattr(mesh, 'devices', None)
-  ids = '' if devices is None else f' over devices {[d.id for d in devices.flat]}'
-  return f'{{{sizes}}}{ids}'
-
-
-def _check_metadata_axes(params: Any, specs: list, mesh: jax.sharding.Mesh) -> None:
-  """Raises ValueError where a Param's metadata names an axis the mesh does not have: a
-  logical name, read here where no `nnx.logical_axis_rules` turns it into a mesh axis."""
-  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(nnx.as_pure(params))[0]]
-  for path, spec in zip(paths, specs):
-    named = [e for e in spec if isinstance(e, (str, tuple))]
-    unknown = [a for e in named for a in rules.spec_axes(e) if a not in mesh.axis_names]
-    if unknown:
-      raise ValueError(
-        f'params{jax.tree_util.keystr(path)}: its nnx.with_partitioning metadata reads {spec},'
-        f' and {unknown[0]!r} is not an axis of the mesh {tuple(mesh.axis_names)}: a logical'
-        ' name, and no nnx.logical_axis_rules is active here to turn it into one. Run this'
-        ' under `with nnx.logical_axis_rules(rules):` as when the model was created, or give'
-        ' the layouts once: zero_stage(..., param_specs=zerojax.nnx.logical_param_specs(model,'
-        ' rules)).'
-      )
 
 
 def logical_param_specs(tree: Any, rules: Any, *, mesh: jax.sharding.Mesh | None = None) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +15,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zerojax._src import compat, rules, streaming, validation
+from zerojax._src import compat, rules, streaming, validation, variables
 from zerojax._src import layouts as layouts_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import options as options_lib
@@ -122,6 +121,20 @@ class ZeroConfig:
     if not self._layouts_only_on_arrays():
       return self
     return dataclasses.replace(self, options=dataclasses.replace(self.options, param_specs=specs))
+
+  def with_declared_layouts(self, params: Any) -> ZeroConfig:
+    """This config with the layouts the Flax Variables of `params` declare (their sharding
+    metadata) as its `param_specs`, where their arrays cannot show them (traced or unplaced on
+    Auto axes beside another axis, no `param_specs`); else itself."""
+    if not self._layouts_only_on_arrays():
+      return self
+    shown = lambda x: (
+      not isinstance(x, jax.core.Tracer) and isinstance(getattr(x, 'sharding', None), NamedSharding)
+    )
+    if all(shown(x) for x in jax.tree.leaves(variables.values_of(params))):
+      return self
+    specs = variables.declared_specs(params, self.mesh)
+    return self if specs is None else self.with_param_specs(specs)
 
   def with_recorded(self, layouts: layouts_lib.Layouts, params: Any, name: str) -> ZeroConfig:
     """This config with the layouts a state recorded as its `param_specs`, for `params`."""
@@ -615,23 +628,34 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
   mesh = config.mesh
 
   def init(params: optax.Params) -> optax.OptState:
-    params = _without_variables(params)
+    given = params
+    params = variables.checked_values(params)
     validation.abstract_arrays(params, 'params')
-    plan = config.plan(params)
+    wrapped = variables.has_variables(given)
+    bound = config.with_declared_layouts(given) if wrapped else config
+    plan = bound.plan(params)
 
     def body(p):
       state = mesh_lib.constrain(inner.init(_pad(p, plan)), _on_device(plan.opt_state), mesh)
       return _to_memory(state, plan.opt_state, host=True)
 
     body = mesh_lib.run_in_layout(body, mesh, plan.opt_state)
-    if _has_tracers(params):
-      return body(params)
-    _check_placement(params, plan, config)
-    # Created directly in its layout: each device computes only its shards.
-    state = jax.jit(body, out_shardings=plan.opt_state)(params)
+    traced = _has_tracers(params)
+    if traced:
+      state = body(params)
+    else:
+      _check_placement(params, plan, config)
+      # Created directly in its layout: each device computes only its shards.
+      state = jax.jit(body, out_shardings=plan.opt_state)(params)
+    if wrapped:
+      # Given Flax Variables, the state is made of them, its layout in their metadata; at stage 3
+      # the parameters' own metadata is told their split (see `variables`).
+      if config.stage == 3 and not traced:
+        variables.record_layouts(given, plan.params)
+      state = variables.state_in_variables(state, plan.opt_state)
     # Placed parameters show their layouts over a tensor-parallel axis; traced ones on Auto
     # axes do not, so the state carries them to every update (`layouts.ZeroState`).
-    recorded = config.recorded_layouts(plan)
+    recorded = bound.recorded_layouts(plan)
     return state if recorded is None else layouts_lib.ZeroState(state, recorded)
 
   def update(
@@ -641,14 +665,30 @@ def zero_optimizer(config: ZeroConfig) -> optax.GradientTransformationExtraArgs:
     _applied: bool = False,
     **extra_args: Any,
   ) -> tuple[optax.Updates, optax.OptState]:
+    if not _applied:
+      _warn_if_update_leaves_host(config, stacklevel=3)
+    if not variables.has_variables(updates, state, params):
+      return pure_update(config, updates, state, params, extra_args, _applied)
+    # Flax Variables: the update runs on their values, and answers in the caller's form.
+    bound = config.with_declared_layouts(params if params is not None else updates)
+    out, new_state = pure_update(
+      bound,
+      variables.values_of(updates),
+      variables.values_of(state),
+      variables.values_of(params),
+      extra_args,
+      _applied,
+    )
+    out = variables.wrapped_like(out, params if _applied else updates)
+    return out, variables.wrapped_like(new_state, state)
+
+  def pure_update(bound, updates, state, params, extra_args, applied):
     validation.abstract_arrays(updates, 'grads')
     if params is not None:
       validation.check_like_params(updates, params, 'grads')
-    if not _applied:
-      _warn_if_update_leaves_host(config, stacklevel=3)
     if isinstance(state, layouts_lib.ZeroState):
-      return _recorded_update(config, inner, run, updates, state, params, extra_args, _applied)
-    return run(config, updates, state, params, extra_args, _applied)
+      return _recorded_update(bound, inner, run, updates, state, params, extra_args, applied)
+    return run(bound, updates, state, params, extra_args, applied)
 
   def run(bound, updates, state, params, extra_args, applied=False):
     plan = bound.plan(params if params is not None else updates, opt_state=state)
@@ -798,37 +838,6 @@ def _recorded_update(config, inner, run, updates, state, params, extra_args, app
     bound = config.with_recorded(state.layouts, like, name)
     updates, inner_state = run(bound, updates, state.inner, params, extra_args, applied)
   return updates, layouts_lib.ZeroState(inner_state, state.layouts)
-
-
-def _without_variables(params: Any) -> Any:
-  """`params` with Flax NNX Variables replaced by their values (`nnx.as_pure`).
-
-  `nnx.Optimizer` hands `tx.init` the model's `nnx.Param`s. A state made of Variables would
-  carry their sharding metadata (`sharding_names`), and flax lays a Variable out by it when
-  it wraps the state, undoing the ZeRO layout: made of arrays, the state keeps the plan's.
-
-  Raises:
-    ValueError: a Variable asks for its own optimizer-state layout (`optimizer_sharding`).
-  """
-  nnx = sys.modules.get('flax.nnx')  # no Variables exist unless flax.nnx was imported
-  if nnx is None:
-    return params
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)[0]
-  fighting = [
-    f'params{jax.tree_util.keystr(path)}'
-    for path, x in flat
-    if is_variable(x) and x.get_metadata().get('optimizer_sharding') is not None
-  ]
-  if fighting:
-    shown = validation.listed(fighting)
-    raise ValueError(
-      f'{shown}: nnx.Param(..., optimizer_sharding=...) lays out its optimizer state itself,'
-      ' and zero_stage lays out the optimizer state over its ZeRO axes: the two would fight.'
-      ' Drop optimizer_sharding from these parameters and let zero_stage split the state'
-      ' (stage 1 and up), or leave zero_stage out for them.'
-    )
-  return layouts_lib.values_of(params)
 
 
 def split_by_the_program(params: Any, plan: plan_lib.ZeroPlan) -> list[tuple]:
