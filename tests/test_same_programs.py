@@ -183,7 +183,7 @@ def _offload(stage, mesh, update_on='host', offload_params=False):
 
 
 def _apply_gradients(tx, grads, opt_state, params):
-  return tx.update.apply_gradients(grads, opt_state, params)
+  return zerojax.apply_gradients(tx, grads, opt_state, params)
 
 
 PROGRAMS = {

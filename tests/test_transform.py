@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -196,3 +197,38 @@ def test_the_config_is_data_on_the_transformation_not_an_attribute_of_a_function
     tx.update.config = None
   # A chain around it is another transformation, with no ZeRO config.
   assert zerojax.config_of(optax.chain(tx, optax.scale(1.0))) is None
+
+
+def _parameters(fn):
+  return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize('stage', [0, 1, 2, 3])
+def test_update_has_optaxs_signature_and_apply_gradients_is_update_then_add(stage, auto_mesh):
+  """`tx.update` takes what optax's extra-args update takes, nothing private; and
+  `zerojax.apply_gradients` is `tx.update` followed by `optax.apply_updates`, bit for bit,
+  for a zerojax optimizer and a plain optax one alike."""
+  optax_update = optax.TransformUpdateExtraArgsFn.__call__
+  tx = zerojax.zero_stage(optax.adamw(1e-2, weight_decay=0.1), stage, mesh=auto_mesh)
+  assert _parameters(tx.update) == _parameters(optax_update)[1:]  # without `self`
+  params = jax.device_put(mlp_params(), zerojax.plan_for(tx, mlp_params()).params)
+  grads = jax.tree.map(lambda p: 0.1 * p + 0.01, params)
+  state = tx.init(params)
+  updates, want_state = jax.jit(tx.update)(grads, state, params)
+  want = optax.apply_updates(params, updates)
+  got, got_state = jax.jit(functools.partial(zerojax.apply_gradients, tx))(grads, state, params)
+  assert max_rel_err(got, want) == 0.0
+  assert max_rel_err(got_state, want_state) == 0.0
+  plain = optax.sgd(0.5)
+  new, _ = zerojax.apply_gradients(plain, grads, plain.init(params), params)
+  assert max_rel_err(new, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)) == 0.0
+
+
+def test_apply_gradients_needs_the_parameters():
+  tx = optax.sgd(0.1)
+  with pytest.raises(TypeError) as err:
+    zerojax.apply_gradients(tx, {'w': jnp.ones(2)}, tx.init({'w': jnp.ones(2)}), None)
+  assert str(err.value) == (
+    'zerojax.apply_gradients(tx, grads, opt_state, params): params is None; pass the'
+    ' parameters the gradients are of (the new ones are made from them).'
+  )

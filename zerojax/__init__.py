@@ -25,6 +25,7 @@ from zerojax._src.reduction import Sum as Sum
 from zerojax._src.reduction import WeightedMean as WeightedMean
 from zerojax._src.train_state import create_train_state as create_train_state
 from zerojax._src.transform import ZeroConfig as ZeroConfig
+from zerojax._src.transform import apply_gradients as apply_gradients
 from zerojax._src.transform import config_of as config_of
 from zerojax._src.transform import plan_for as plan_for
 from zerojax._src.version import __version__ as __version__
@@ -38,6 +39,7 @@ __all__ = [
   'config_of',
   'ZeroPlan',
   'plan_for',
+  'apply_gradients',
   'create_train_state',
   'specs_of',
   # Gradients, and how a loss's values combine over devices.

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zerojax._src import compat, jaxprs, rules
+from zerojax._src import compat, jaxprs, rules, variables
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
@@ -435,6 +435,12 @@ def gather(
   leaves = jax.tree.leaves(tree, is_leaf=is_sharded_leaf)
   if any(isinstance(x, ShardedLeaf) for x in leaves) or _manual(axes):
     return gather_manual(tree, dtype)
+  if plan is None and layouts is None and variables.has_variables(tree):
+    # Flax Variables say their layouts in their metadata where the arrays cannot: the plan of
+    # this tree reads them there, as `plan_for(tx, tree)` does.
+    config = _config(zero)
+    bound = config.with_declared_layouts(tree)
+    plan = None if bound is config else bound.plan(tree)
   if plan is not None and plan.quantize is not None:
     raise ValueError(
       'this plan asks for ZeRO++ quantized collectives (quantize=...), which zerojax places'
@@ -456,6 +462,12 @@ def gather(
       raise ValueError('zerojax.gather(..., scanned=True) describes `layouts`: pass them too.')
     shardings = _own_layouts(tree, mesh, axes, _replica_axes(zero))
   return gather_to(tree, shardings, mesh, dtype)
+
+
+def _config(zero: Any) -> Any:
+  from zerojax._src import transform
+
+  return zero if isinstance(zero, transform.ZeroConfig) else transform.config_of(zero)
 
 
 def _replica_axes(zero: Any) -> tuple[str, ...]:

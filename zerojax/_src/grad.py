@@ -42,6 +42,7 @@ from zerojax._src import gather as gather_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
+from zerojax._src import update as update_lib
 
 # A split: the dimension and the mesh axes (in the spec's order) it is split over.
 Split = tuple[int, tuple[str, ...]]
@@ -401,7 +402,7 @@ def _micro_step(r: Routes, loss_fn, treedef, flat_params, mb, args, scale, meta:
   if r.has_aux:
     aux = reduction.stack_aux(aux, meta['aux_kinds'])
   grads = [
-    g if transform.in_host_memory(g) else g.astype(route.acc_dtype)
+    g if update_lib.in_host_memory(g) else g.astype(route.acc_dtype)
     for g, route in zip(grads, r.leaves)
   ]
   return total.astype(jnp.float32), weight, aux, grads
@@ -491,7 +492,7 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
     t, w, aux, grads = _micro_step(r, loss_fn, treedef, flat_params, mb, part, scale, meta)
     grads = [_reduce_micro(r, route, g) for g, route in zip(grads, r.leaves)]
     if acc is None:  # the first micro-batch; streamed gradients are kept part by part
-      acc = [(g,) if transform.in_host_memory(g) else g for g in grads]
+      acc = [(g,) if update_lib.in_host_memory(g) else g for g in grads]
     else:
       acc = [a + (g,) if isinstance(a, tuple) else a + g for a, g in zip(acc, grads)]
     return (acc, sums + (t if w is None else jnp.stack([t, w]))), aux

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import validation
+from zerojax._src.variables import values_of
 
 
 @jax.tree_util.register_static
@@ -123,10 +124,3 @@ def specs_of(tree: Any) -> Any:
       ' Call it on the placed parameters outside jax.jit (or nnx.jit).'
     )
   return specs
-
-
-def values_of(tree: Any) -> Any:
-  """`tree` with Flax NNX Variables replaced by their values (`nnx.as_pure`); as it is where
-  flax.nnx was never imported (no Variables can exist then)."""
-  nnx = sys.modules.get('flax.nnx')
-  return tree if nnx is None else nnx.as_pure(tree)

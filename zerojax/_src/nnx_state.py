@@ -249,7 +249,7 @@ class Optimizer(nnx.Optimizer):
 
   With `offload_params=True` at stage 3, `nnx.Optimizer.update` calls `tx.update` and then
   adds the updates; the compiler holds them, every layer at once, in device memory for the
-  add (`tx.update` warns). This class's `update` calls `tx.update.apply_gradients` there
+  add (`tx.update` warns). This class's `update` calls `zerojax.apply_gradients` there
   instead, so the device's peak stays flat in the layer count, and returns None (no updates
   are made to return). Everywhere else it is `nnx.Optimizer.update`, returning the updates.
   Construct it as `nnx.Optimizer`: `zerojax.nnx.Optimizer(model, tx, wrt=nnx.Param)`.
@@ -261,8 +261,8 @@ class Optimizer(nnx.Optimizer):
       return super().update(model, grads, **kwargs)
     params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-    new_params, new_state = update.apply_gradients(
-      grads, nnx.as_pure(self.opt_state), params, **nnx.as_pure(kwargs)
+    new_params, new_state = transform.apply_gradients(
+      self.tx, grads, nnx.as_pure(self.opt_state), params, **nnx.as_pure(kwargs)
     )
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(new_state, graph=self.graph))

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from zerojax._src import transform
+from zerojax._src import update as update_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +168,7 @@ def mixed_precision(
       )
     dtypes = jax.tree.map(lambda p: p.dtype, params)
     rounded, new_state = step(grads, state, dtypes, **extra_args)
-    return transform.updates_to(rounded, params), new_state
+    return update_lib.updates_to(rounded, params), new_state
 
   return optax.GradientTransformationExtraArgs(init, MixedPrecisionUpdate(step, update))
 

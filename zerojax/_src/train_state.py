@@ -12,8 +12,8 @@ import optax
 
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import options as options_lib
+from zerojax._src import placement, precision, rules, transform, validation
 from zerojax._src import plan as plan_lib
-from zerojax._src import precision, rules, transform, validation
 
 State = TypeVar('State')
 
@@ -21,7 +21,7 @@ State = TypeVar('State')
 @functools.cache
 def fused_train_state() -> type:
   """flax's `TrainState` whose `apply_gradients` takes offloaded stage-3 parameters from their
-  zero-wrapped optimizer in one call (`ZeroUpdate.apply_gradients`), made where they rest, in
+  zero-wrapped optimizer in one call (`zerojax.apply_gradients`), made where they rest, in
   host memory; any other state updates as flax's does. The default class of
   `create_train_state`."""
   from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
@@ -29,7 +29,7 @@ def fused_train_state() -> type:
 
   class TrainState(flax_train_state.TrainState):
     """flax's `TrainState`; `apply_gradients` updates offloaded stage-3 parameters in one
-    call (`tx.update.apply_gradients`), so they never come to the device whole."""
+    call (`zerojax.apply_gradients`), so they never come to the device whole."""
 
     def apply_gradients(self, *, grads, **kwargs):
       update = getattr(self.tx, 'update', None)
@@ -37,7 +37,7 @@ def fused_train_state() -> type:
       fp8 = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
       if not isinstance(update, transform.ZeroUpdate) or fp8 or not update.fuses:
         return super().apply_gradients(grads=grads, **kwargs)
-      params, opt_state = update.apply_gradients(grads, self.opt_state, self.params)
+      params, opt_state = transform.apply_gradients(self.tx, grads, self.opt_state, self.params)
       return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
 
   return TrainState
@@ -106,7 +106,7 @@ def _refuse_regathering(params: Any, plan: Any) -> None:
   if plan.stage == 3:
     return
   split, now, after = [], 0, 0
-  for path, x, spec, target in transform.split_by_the_program(params, plan):
+  for path, x, spec, target in placement.split_by_the_program(params, plan):
     split.append(path)
     now += rules.bytes_per_device(x.shape, x.dtype, spec, plan.mesh)
     after += rules.bytes_per_device(x.shape, x.dtype, target.spec, plan.mesh)

@@ -12,27 +12,37 @@ and `jax.tree.map(lambda x: x.sharding, ...)` all read the same layout.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax._src import rules, validation
 
 
+def _nnx() -> Any:
+  """`flax.nnx`, where it was imported; else None. `import zerojax` loads no flax, and no Flax
+  Variable can exist before `flax.nnx` is imported, so a tree holds none then: this one check
+  stands for every function below, which import it only where Variables were found."""
+  return sys.modules.get('flax.nnx')
+
+
 def is_variable(x: Any) -> bool:
-  return isinstance(x, nnx.Variable)
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def has_variables(*trees: Any) -> bool:
   """Whether any of `trees` holds a Flax Variable."""
+  if _nnx() is None:
+    return False
   return any(any(map(is_variable, jax.tree.leaves(t, is_leaf=is_variable))) for t in trees)
 
 
 def values_of(tree: Any) -> Any:
   """`tree` with Flax Variables replaced by their values (`nnx.as_pure`)."""
-  return nnx.as_pure(tree)
+  return tree if not has_variables(tree) else _nnx().as_pure(tree)
 
 
 def wrapped_like(values: Any, like: Any) -> Any:
@@ -82,7 +92,7 @@ def state_in_variables(state: Any, shardings: Any) -> Any:
 
   Made without Flax's eager sharding (the arrays are in that layout already)."""
   return jax.tree.map(
-    lambda x, s: nnx.OptVariable(x, eager_sharding=False, out_sharding=_axes_of(s, x.ndim)),
+    lambda x, s: _nnx().OptVariable(x, eager_sharding=False, out_sharding=_axes_of(s, x.ndim)),
     state,
     shardings,
   )
@@ -143,7 +153,7 @@ def metadata_specs(tree: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
   return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_variable)
 
 
-def _variable_spec(var: nnx.Variable, where: str, mesh: jax.sharding.Mesh | None) -> Any:
+def _variable_spec(var: Any, where: str, mesh: jax.sharding.Mesh | None) -> Any:
   meta = var.get_metadata()
   sharding = meta.get('out_sharding', None)
   declared = sharding.mesh if isinstance(sharding, NamedSharding) else meta.get('mesh', None)
@@ -156,6 +166,7 @@ def _variable_spec(var: nnx.Variable, where: str, mesh: jax.sharding.Mesh | None
     )
   if isinstance(sharding, NamedSharding):
     return PartitionSpec(*sharding.spec)
+  nnx = _nnx()
   return nnx.as_pure(nnx.get_partition_spec(var))
 
 
@@ -179,7 +190,7 @@ def shown_mesh(mesh: Any) -> str:
 def check_metadata_axes(params: Any, specs: list, mesh: jax.sharding.Mesh) -> None:
   """Raises ValueError where a Param's metadata names an axis the mesh does not have: a
   logical name, read here where no `nnx.logical_axis_rules` turns it into a mesh axis."""
-  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(nnx.as_pure(params))[0]]
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(values_of(params))[0]]
   for path, spec in zip(paths, specs):
     named = [e for e in spec if isinstance(e, (str, tuple))]
     unknown = [a for e in named for a in rules.spec_axes(e) if a not in mesh.axis_names]
