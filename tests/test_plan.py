@@ -9,6 +9,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zerojax
+from zerojax._src import plan as plan_lib
 from zerojax._src import rules
 from zerojax._src.layouts import ZeroState
 
@@ -348,7 +349,7 @@ def test_plan_cache_is_bounded(explicit_mesh):
   config = zerojax.config_of(tx)
   for rows in range(8, 8 * 40, 8):
     zerojax.plan_for(tx, {'w': jax.ShapeDtypeStruct((rows, 8), jnp.float32)})
-  assert len(config._plans) <= 16
+  assert len(plan_lib._PLANS[config]) <= plan_lib.PLAN_CACHE_SIZE == 16
   # The newest plans are kept.
   last = {'w': jax.ShapeDtypeStruct((8 * 39, 8), jnp.float32)}
   assert zerojax.plan_for(tx, last) is zerojax.plan_for(tx, last)

@@ -8,6 +8,8 @@ multi-process helpers live in submodules, imported when first used:
 
 import importlib as _importlib
 
+from zerojax._src.config import ZeroConfig as ZeroConfig
+from zerojax._src.config import config_of as config_of
 from zerojax._src.gather import ShardedLeaf as ShardedLeaf
 from zerojax._src.gather import gather as gather
 from zerojax._src.gather import recompute_gathers as recompute_gathers
@@ -24,9 +26,7 @@ from zerojax._src.quantize import Quantize as Quantize
 from zerojax._src.reduction import Sum as Sum
 from zerojax._src.reduction import WeightedMean as WeightedMean
 from zerojax._src.train_state import create_train_state as create_train_state
-from zerojax._src.transform import ZeroConfig as ZeroConfig
 from zerojax._src.transform import apply_gradients as apply_gradients
-from zerojax._src.transform import config_of as config_of
 from zerojax._src.transform import plan_for as plan_for
 from zerojax._src.version import __version__ as __version__
 from zerojax._src.zero_stage import zero_stage as zero_stage

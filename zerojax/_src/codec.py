@@ -41,7 +41,7 @@ def plan_of(state: Any) -> plan_lib.ZeroPlan | None:
   config = transform.config_of(getattr(state, 'tx', None))
   if config is None or not train_state_lib.is_train_state(state):
     return None
-  return config.plan(state.params)
+  return plan_lib.plan_of(config, state.params)
 
 
 def state_padding(state: Any, plan: plan_lib.ZeroPlan | None) -> list:

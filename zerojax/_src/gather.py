@@ -32,6 +32,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax._src import compat, jaxprs, rules, variables
+from zerojax._src import config as config_lib
+from zerojax._src import layouts as layouts_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
@@ -364,11 +366,9 @@ def _manual(axes: tuple[str, ...]) -> bool:
 
 def resolve(zero: Any) -> tuple[Any, tuple[str, ...], plan_lib.ZeroPlan | None]:
   """(mesh, ZeRO axes, plan or None) of a `ZeroPlan`, a `ZeroConfig` or a zero-wrapped tx."""
-  from zerojax._src import transform
-
   if isinstance(zero, plan_lib.ZeroPlan):
     return zero.mesh, zero.axes, zero
-  config = zero if isinstance(zero, transform.ZeroConfig) else transform.config_of(zero)
+  config = _config(zero)
   if config is None:
     raise TypeError(
       'zerojax.gather(tree, zero): `zero` says which mesh axes to gather over: the optimizer'
@@ -439,8 +439,10 @@ def gather(
     # Flax Variables say their layouts in their metadata where the arrays cannot: the plan of
     # this tree reads them there, as `plan_for(tx, tree)` does.
     config = _config(zero)
-    bound = config.with_declared_layouts(tree)
-    plan = None if bound is config else bound.plan(tree)
+    resolved = layouts_lib.resolve(config, tree)
+    plan = (
+      plan_lib.plan_of(config, tree, layouts=resolved) if resolved.source == 'metadata' else None
+    )
   if plan is not None and plan.quantize is not None:
     raise ValueError(
       'this plan asks for ZeRO++ quantized collectives (quantize=...), which zerojax places'
@@ -464,19 +466,15 @@ def gather(
   return gather_to(tree, shardings, mesh, dtype)
 
 
-def _config(zero: Any) -> Any:
-  from zerojax._src import transform
-
-  return zero if isinstance(zero, transform.ZeroConfig) else transform.config_of(zero)
+def _config(zero: Any) -> config_lib.ZeroConfig | None:
+  return zero if isinstance(zero, config_lib.ZeroConfig) else config_lib.config_of(zero)
 
 
 def _replica_axes(zero: Any) -> tuple[str, ...]:
   """The data-parallel axes beside the ZeRO axes (nothing is ever split over them)."""
-  from zerojax._src import transform
-
   if isinstance(zero, plan_lib.ZeroPlan):
     return zero.replica_axes
-  config = zero if isinstance(zero, transform.ZeroConfig) else transform.config_of(zero)
+  config = _config(zero)
   return config.replica_axes if config is not None else ()
 
 
@@ -494,7 +492,7 @@ def _own_layouts(
   )
 
   def one(path, x):
-    if hidden and isinstance(x, jax.core.Tracer):
+    if hidden and layouts_lib.is_traced(x):
       raise ValueError(
         f'zerojax.gather: params{jax.tree_util.keystr(path)} is traced on Auto mesh axes, where'
         ' arrays carry no layout, and the mesh has other axes than the ZeRO ones, so its'

@@ -137,7 +137,7 @@ class Routes:
 
 def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any) -> tuple:
   """One `LeafRoute` per parameter leaf, from the plan."""
-  plan, axes, stage = config.plan(params), config.axes, config.stage
+  plan, axes, stage = plan_lib.plan_of(config, params), config.axes, config.stage
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   # Stage 1 keeps a full gradient buffer through the micro-batches and leaves
   # it reduce-scattered into the optimizer state's shards (the update reads
@@ -727,7 +727,7 @@ def _check_compiler_placed(config: Any, micro_batches: int) -> None:
 def _whole_batch_step(config, loss_fn, options, params, batch, *args, scale=None):
   """`value_and_grad(manual=False)`: jax's gradient of the loss on the whole batch, the
   gradients laid out as the plan says (the compiler places the reduction)."""
-  plan = config.plan(params)
+  plan = plan_lib.plan_of(config, params)
   has_aux, reduce_dtype = options['has_aux'], options['reduce_dtype']
   value = lambda x: x.value if reduction.is_combined(x) else x
   scale = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale)

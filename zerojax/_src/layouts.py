@@ -1,4 +1,13 @@
-"""Layouts that travel with the optimizer state: what `tx.init` saw, for every traced update.
+"""Where each parameter is split over the mesh's non-ZeRO axes, resolved in one place.
+
+`resolve(config, params, recorded)` chooses among the sources a layout can come from, in this
+order, and says which it used: the `param_specs` the optimizer was given; the arrays themselves
+(placed, or typed on Explicit axes); a record (`Layouts`) that `tx.init` left in the state or a
+train state left in its `tx`; the Flax Variables' sharding metadata; and where none can say it
+(traced on Auto axes beside another axis), a refusal naming the fixes. The plan is then
+`plan.build_plan(config, params, layouts)`. This module alone asks whether an array is traced.
+
+Layouts that travel with the optimizer state: what `tx.init` saw, for every traced update.
 
 On a mesh with Auto axes a traced array carries no layout, so inside `jax.jit` (or
 `nnx.jit`) an update cannot read where the model splits each parameter over a
@@ -16,11 +25,10 @@ from typing import Any, NamedTuple
 
 import jax
 import optax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax._src import mesh as mesh_lib
-from zerojax._src import plan as plan_lib
-from zerojax._src import validation
+from zerojax._src import rules, validation, variables
 from zerojax._src.variables import values_of
 
 
@@ -111,9 +119,9 @@ def specs_of(tree: Any) -> Any:
   hidden = []
 
   def one(path, x):
-    if isinstance(x, jax.core.Tracer) and not mesh_lib.any_explicit(jax.typeof(x).sharding.mesh):
+    if is_traced(x) and not mesh_lib.any_explicit(jax.typeof(x).sharding.mesh):
       hidden.append(f'params{jax.tree_util.keystr(path)}')
-    spec = plan_lib.spec_of(x)
+    spec = spec_of(x)
     return PartitionSpec() if spec is None else spec
 
   specs = jax.tree_util.tree_map_with_path(one, tree)
@@ -124,3 +132,111 @@ def specs_of(tree: Any) -> Any:
       ' Call it on the placed parameters outside jax.jit (or nnx.jit).'
     )
   return specs
+
+
+def is_traced(x: Any) -> bool:
+  """Whether `x` is traced (inside `jax.jit`, `nnx.jit`, a scan...): the one trace-state test."""
+  return isinstance(x, jax.core.Tracer)
+
+
+def any_traced(tree: Any) -> bool:
+  return any(is_traced(x) for x in jax.tree.leaves(tree))
+
+
+def spec_of(x: Any) -> PartitionSpec | None:
+  """The PartitionSpec a leaf carries, if any: a placed array's, or a traced one's type's (on
+  Auto axes a traced array's type carries none)."""
+  sharding = jax.typeof(x).sharding if is_traced(x) else getattr(x, 'sharding', None)
+  return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def visible_spec(x: Any, mesh: Any) -> PartitionSpec | None:
+  """The layout of `x` where it can be seen: a placed array, or a traced one whose type
+  carries it (Explicit axes). Traced on Auto axes, the layout is not known yet."""
+  if is_traced(x):
+    return jax.typeof(x).sharding.spec if mesh_lib.any_explicit(mesh) else None
+  sharding = getattr(x, 'sharding', None)
+  return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def other_axes(config: Any) -> list[str]:
+  """The mesh axes of size > 1 that are neither ZeRO nor data-parallel (replica) axes."""
+  skip = set(config.axes) | set(config.replica_axes)
+  return [a for a in config.mesh.axis_names if a not in skip and config.mesh.shape[a] > 1]
+
+
+def needs_record(config: Any) -> bool:
+  """Whether layouts over the other mesh axes can be read only from placed arrays: no
+  `param_specs` nor record in the config, Auto axes (traced arrays carry no layout), and other
+  axes to split over. Then
+  `tx.init` records them in the state (`ZeroState`), and a train state in its `tx`."""
+  given = config.options.param_specs is not None or config.recorded is not None
+  return not given and not mesh_lib.any_explicit(config.mesh) and bool(other_axes(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+  """The layouts a plan is built from, and where they came from.
+
+  Attributes:
+    specs: a tree of `PartitionSpec`s, a prefix of the parameters' values; None: read each
+      leaf's own (`spec_of`).
+    source: 'param_specs', 'arrays', 'record' or 'metadata' (for error messages).
+  """
+
+  specs: Any
+  source: str
+
+
+def resolve(config: Any, params: Any, recorded: Layouts | None = None, name: str = 'params'):
+  """The layouts of `params` over the mesh's other axes, from the first source that has them
+  (see the module's docstring). `params` may hold Flax Variables; `recorded` is the record of
+  the state being updated (`ZeroState.layouts`), if any.
+
+  Raises:
+    ValueError: traced on Auto mesh axes beside another axis, with nothing that says the
+      layouts; a record for another number of leaves; metadata for another mesh.
+  """
+  if config.options.param_specs is not None:
+    return Resolved(config.options.param_specs, 'param_specs')
+  values = values_of(params)
+  if config.recorded is not None:  # a train state's `tx`
+    return Resolved(config.recorded.tree_like(values, name), 'record')
+  if not needs_record(config):
+    return Resolved(None, 'arrays')
+  if recorded is not None:  # the state's (`ZeroState`)
+    return Resolved(recorded.tree_like(values, name), 'record')
+  leaves = jax.tree.leaves(values)
+  shown = all(
+    not is_traced(x) and isinstance(getattr(x, 'sharding', None), NamedSharding) for x in leaves
+  )
+  if not shown and variables.has_variables(params):
+    specs = variables.declared_specs(params, config.mesh)
+    if specs is not None:
+      return Resolved(specs, 'metadata')
+  if any(is_traced(x) for x in leaves):
+    raise ValueError(
+      'zerojax: these parameters are traced on Auto mesh axes, where arrays carry no'
+      f' layout, and the mesh splits them over {other_axes(config)} too (tensor parallelism), so'
+      ' where each is split cannot be read. Give tx.init the placed parameters outside'
+      ' jit (nnx.Optimizer(model, tx, wrt=nnx.Param) does), and the state it returns'
+      ' carries their layouts to every update; or give them to the optimizer:'
+      ' zero_stage(..., param_specs=zerojax.specs_of(params)) on the placed parameters'
+      ' (arrays, nnx.state(model, nnx.Param), or a boxed linen tree); or build the state'
+      ' with zerojax.create_train_state or zero_stage(train_state, ...), which record them'
+      ' in state.tx.'
+    )
+  return Resolved(None, 'arrays')
+
+
+def record_of(config: Any, plan: Any) -> Layouts | None:
+  """What `tx.init` records in the state (and a train state in its `tx`) for traced updates to
+  read: `plan`'s layouts over the other mesh axes, where traced parameters could not show them
+  (`needs_record`); else None."""
+  if not needs_record(config):
+    return None
+  drop = config.axes
+  specs = jax.tree.map(
+    lambda s: rules.normalize_spec(s.spec, len(s.spec), config.mesh, drop=drop), plan.params
+  )
+  return Layouts.of(specs)

@@ -21,25 +21,6 @@ from zerojax._src import reduction, transform
 from zerojax._src.variables import metadata_specs
 
 
-def with_metadata_layouts(zero: Any, params: Any) -> Any:
-  """`zero` (an optimizer, its config or its plan), told the tensor-parallel layouts that the
-  `nnx.Param`s in `params` declare (`nnx.with_partitioning`, `sharding_names`), where their
-  arrays cannot show them: traced or abstract on Auto axes beside a tensor axis, with no
-  `param_specs`. Otherwise `zero` itself.
-
-  Placed arrays show where they are; inside `nnx.jit` on Auto axes only Flax's metadata says
-  it, and it travels with the Variables. A parameter without an annotation is whole over the
-  other axes (`P()`), as `nnx.get_partition_spec` reads it.
-  """
-  config = zero if isinstance(zero, transform.ZeroConfig) else transform.config_of(zero)
-  if config is None:  # a plan: already decided
-    return zero
-  bound = config.with_declared_layouts(params)
-  if bound is config:
-    return zero
-  return bound if isinstance(zero, transform.ZeroConfig) else transform.zero_optimizer(bound)
-
-
 def logical_param_specs(tree: Any, rules: Any, *, mesh: jax.sharding.Mesh | None = None) -> Any:
   """Mesh PartitionSpecs of an NNX model's `nnx.Param`s from their logical axis names, for
   `zero_stage(param_specs=...)`.
@@ -103,7 +84,7 @@ def gathered(module: nnx.Module, zero: Any, *, dtype: Any = None) -> nnx.Module:
     dtype: compute dtype to cast parameters to before the gather.
   """
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-  params = gather_lib.gather(params, with_metadata_layouts(zero, params), dtype=dtype)
+  params = gather_lib.gather(params, zero, dtype=dtype)
   return nnx.merge(graphdef, params, rest)
 
 
@@ -115,7 +96,7 @@ def _plan(tx: optax.GradientTransformation, model: nnx.Module, where: str) -> pl
       ' ZeRO stage and options: tx = zerojax.zero_stage(optax.adam(1e-3), stage=3, mesh=mesh).'
     )
   params = nnx.state(model, nnx.Param)
-  return with_metadata_layouts(config, params).plan(params)
+  return plan_lib.plan_of(config, params)
 
 
 def shard(model: nnx.Module, tx: optax.GradientTransformation) -> nnx.Module:
@@ -234,8 +215,7 @@ def value_and_grad(
       written = jax.tree.map(lambda x: reduction.WeightedMean(x.astype(jnp.float32)), written)
       return (out[0], (out[1], written)) if has_aux else (out, (None, written))
 
-    told = with_metadata_layouts(tx, params)
-    grad_fn = grad_lib.value_and_grad(state_loss, told, has_aux=True, **options)
+    grad_fn = grad_lib.value_and_grad(state_loss, tx, has_aux=True, **options)
     (loss, (aux, written)), grads = grad_fn(params, batch, keys, rest, *args, loss_scale=loss_scale)
     nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype), written, rest))
     return ((loss, aux), grads) if has_aux else (loss, grads)

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zerojax._src import layouts as layouts_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import rules, validation
@@ -55,7 +56,8 @@ def _check_split_below_stage_3(params: Any, plan: plan_lib.ZeroPlan, config: Any
   )
   if config.stage == 0:
     whole = plan.bytes_per_device()['opt_state']
-    kept = dataclasses.replace(config, stage=3).plan(params).bytes_per_device()['opt_state']
+    whole_kept = plan_lib.plan_of(dataclasses.replace(config, stage=3), params)
+    kept = whole_kept.bytes_per_device()['opt_state']
     raise ValueError(
       f'{got}; stage 0 keeps the optimizer state whole on every device, which would raise it'
       f' from {plan_lib.fmt_bytes(kept)} (split as the parameters are) to'
@@ -128,7 +130,7 @@ def kept_as_typed(
   shardings, treedef = jax.tree.flatten(plan.params, is_leaf=is_sharding)
   kept = []
   for x, g, want in zip(jax.tree.leaves(params), jax.tree.leaves(grads), shardings):
-    have, got = visible_spec(x, config.mesh), visible_spec(g, config.mesh)
+    have, got = layouts_lib.visible_spec(x, config.mesh), layouts_lib.visible_spec(g, config.mesh)
     split = set(config.axes) & mesh_axes(want.spec)
     whole = have is not None and got is not None
     whole = whole and bool(split - mesh_axes(have)) and bool(split - mesh_axes(got))
@@ -142,15 +144,6 @@ def mesh_axes(spec: PartitionSpec) -> set[str]:
   return {a for entry in spec for a in rules.spec_axes(entry)}
 
 
-def visible_spec(x: Any, mesh: Mesh) -> PartitionSpec | None:
-  """The layout of `x` where it can be seen: a placed array, or a traced one whose type
-  carries it (Explicit axes). Traced on Auto axes, the layout is not known yet."""
-  if isinstance(x, jax.core.Tracer):
-    return jax.typeof(x).sharding.spec if mesh_lib.any_explicit(mesh) else None
-  sharding = getattr(x, 'sharding', None)
-  return sharding.spec if isinstance(sharding, NamedSharding) else None
-
-
 def check_state_not_replicated(state: Any, plan: plan_lib.ZeroPlan, mesh: Mesh) -> None:
   """Refuses optimizer state that was moved to whole copies on every device.
 
@@ -161,7 +154,7 @@ def check_state_not_replicated(state: Any, plan: plan_lib.ZeroPlan, mesh: Mesh) 
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
   bad = []
   for (path, x), want in zip(flat, jax.tree.leaves(plan.opt_state)):
-    spec = visible_spec(x, mesh)
+    spec = layouts_lib.visible_spec(x, mesh)
     if spec is not None and not any(spec) and any(want.spec):
       bad.append(f'opt_state{jax.tree_util.keystr(path)}')
   if bad:

@@ -4,28 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Protocol
+import weakref
+from collections import OrderedDict
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zerojax._src import layouts as layouts_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import rules, validation
-
-
-class PlanOptions(Protocol):
-  """What a plan is built from: a `ZeroConfig` (`zerojax.config_of(tx)`).
-
-  A protocol, so that this module needs nothing from the transform built on it.
-  """
-
-  inner: optax.GradientTransformation
-  stage: int
-  mesh: Mesh
-  axes: tuple[str, ...]
-  options: Any  # zerojax.Options
+from zerojax._src.config import ZeroConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,13 +209,7 @@ def _quantized_and_padded(plan: ZeroPlan) -> list[str]:
   return lines
 
 
-def spec_of(x: Any) -> PartitionSpec | None:
-  """The PartitionSpec a leaf already carries, if any."""
-  if isinstance(x, jax.core.Tracer):
-    sharding = jax.typeof(x).sharding
-  else:
-    sharding = getattr(x, 'sharding', None)
-  return sharding.spec if isinstance(sharding, NamedSharding) else None
+spec_of = layouts_lib.spec_of
 
 
 def _match_param(state_path: tuple, param_paths: dict[tuple, Any], shape) -> Any:
@@ -250,9 +235,14 @@ class _Leaves:
 
 
 def build_plan(
-  params: optax.Params, config: PlanOptions, opt_state: optax.OptState | None = None
+  config: ZeroConfig,
+  params: optax.Params,
+  layouts: layouts_lib.Resolved,
+  opt_state: optax.OptState | None = None,
 ) -> ZeroPlan:
-  """The ZeRO layouts of `params`, their grads and the optimizer's state, in named steps.
+  """The ZeRO layouts of `params`, their grads and the optimizer's state, in named steps: a
+  function of its inputs. `layouts` (`layouts.resolve`) says where each parameter is split
+  over the other mesh axes.
 
   Nothing is allocated: shapes come from `params` (arrays, tracers or
   ShapeDtypeStructs) and the optimizer state is evaluated abstractly, unless
@@ -260,13 +250,13 @@ def build_plan(
   """
   param_axes = order_axes(config.mesh, config.axes, config.options.param_axis)[1]
   leaf_rule = _leaf_rule_for(config)
-  param_leaves, opt_shapes = _param_rules(params, config, leaf_rule)
+  param_leaves, opt_shapes = _param_rules(params, config, leaf_rule, layouts)
   state_leaves, state_padding = _state_rules(param_leaves, opt_shapes, config, leaf_rule, opt_state)
   _check_splittable(param_leaves, state_leaves, config)
   return _assemble(param_leaves, state_leaves, state_padding, param_axes, config)
 
 
-def _leaf_rule_for(config: PlanOptions):
+def _leaf_rule_for(config: ZeroConfig):
   # Padding only matters where something is split: from stage 1 up.
   pad = config.options.policy == 'pad' and config.stage >= 1
 
@@ -285,17 +275,17 @@ def _leaf_rule_for(config: PlanOptions):
   return rule_for
 
 
-def _param_rules(params, config: PlanOptions, rule_for) -> tuple[_Leaves, list]:
+def _param_rules(params, config: ZeroConfig, rule_for, layouts) -> tuple[_Leaves, list]:
   """A rule per parameter (keeping its tensor-parallel layout), and the shapes the
   optimizer sees (padded where the policy pads)."""
   abstract = validation.abstract_arrays(params, 'params')
-  if config.options.param_specs is not None:
-    specs = validation.broadcast_prefix(config.options.param_specs, params, 'param_specs')
+  if layouts.specs is not None:
+    specs = validation.broadcast_prefix(layouts.specs, params, 'param_specs')
   else:
     specs = jax.tree.map(spec_of, params)
   spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: s is None or isinstance(s, PartitionSpec))
   entries = _paths(abstract)
-  if config.options.param_specs is not None:
+  if layouts.source == 'param_specs':
     _check_spec_axes(entries, spec_leaves, config.mesh)
   stacked = validation.stacked_leaves(config.options.stacked, params)
   leaf_rules = [
@@ -342,7 +332,7 @@ def _check_layer_axes(entries, leaf_rules, stacked) -> None:
 
 
 def _state_rules(
-  param_leaves: _Leaves, opt_shapes: list, config: PlanOptions, rule_for, opt_state
+  param_leaves: _Leaves, opt_shapes: list, config: ZeroConfig, rule_for, opt_state
 ) -> tuple[_Leaves, list]:
   """A rule per optimizer-state leaf: its parameter's when path and shape match."""
   if opt_state is not None:
@@ -372,7 +362,7 @@ def _must_split(stage: int) -> dict[str, bool]:
   return {'params': stage >= 3, 'grads': stage >= 2, 'opt_state': stage >= 1}
 
 
-def _check_splittable(param_leaves: _Leaves, state_leaves: _Leaves, config: PlanOptions) -> None:
+def _check_splittable(param_leaves: _Leaves, state_leaves: _Leaves, config: ZeroConfig) -> None:
   """Under policy='error', every leaf the stage must split can be split; else one error."""
   must = _must_split(config.stage)
   offending = []
@@ -497,7 +487,7 @@ def _assemble(
     state_padding=tuple(state_padding),
     quantize=config.options.quantize,
     unquantized=_unquantized(param_leaves, config.options.quantize),
-    replica_axes=tuple(getattr(config, 'replica_axes', ())),
+    replica_axes=tuple(config.replica_axes),
   )
 
 
@@ -556,3 +546,62 @@ def _restrict(
   kept = tuple(n for n in names if n in within or n not in axes)
   entries[dim] = None if not kept else kept[0] if len(kept) == 1 else kept
   return PartitionSpec(*entries)
+
+
+# The plans of each config, a pure function of (config, the parameters' signature, their
+# layouts), kept per config while it lives; the least recently used past `PLAN_CACHE_SIZE` go.
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+PLAN_CACHE_SIZE = 16
+
+
+def plan_of(
+  config: ZeroConfig,
+  params: optax.Params,
+  *,
+  layouts: layouts_lib.Resolved | None = None,
+  recorded: layouts_lib.Layouts | None = None,
+  opt_state: optax.OptState | None = None,
+  name: str = 'params',
+) -> ZeroPlan:
+  """`build_plan(config, params, layouts.resolve(config, params, recorded))`, memoised for
+  parameters that are not traced. `params` may hold Flax Variables (their metadata is a source
+  of layouts); `layouts`, when given, was resolved already.
+
+  Raises:
+    ValueError: as `layouts.resolve` does, where no source says the layouts.
+  """
+  if layouts is None:
+    layouts = layouts_lib.resolve(config, params, recorded, name)
+  traced = layouts_lib.any_traced(params)
+  key = None if traced else _signature(config, params, layouts)
+  cache = _PLANS.setdefault(config, OrderedDict())
+  if key is not None and key in cache:
+    cache.move_to_end(key)
+    return cache[key]
+  plan = build_plan(config, params, layouts, opt_state)
+  if key is not None:
+    cache[key] = plan
+    while len(cache) > PLAN_CACHE_SIZE:
+      cache.popitem(last=False)
+  return plan
+
+
+def _signature(config: ZeroConfig, tree: Any, layouts: layouts_lib.Resolved) -> tuple:
+  """(tree structure, (shape, dtype) per leaf, layout per leaf over the other mesh axes): what
+  a plan depends on. Where the ZeRO axes split a leaf is the plan's own output, not an input."""
+  leaves, treedef = jax.tree.flatten(tree)
+  shapes = tuple(
+    (tuple(getattr(x, 'shape', ())), str(getattr(x, 'dtype', type(x).__name__))) for x in leaves
+  )
+  if layouts.specs is None:
+    given = [spec_of(x) for x in leaves]
+  else:
+    given = jax.tree.leaves(
+      validation.broadcast_prefix(layouts.specs, tree, 'param_specs'),
+      is_leaf=lambda s: s is None or isinstance(s, PartitionSpec),
+    )
+  specs = tuple(
+    rules.normalize_spec(s, len(shape), config.mesh, drop=config.axes)
+    for s, (shape, _) in zip(given, shapes)
+  )
+  return treedef, shapes, specs, layouts.source

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import optax
 
+from zerojax._src import plan as plan_lib
 from zerojax._src import transform, validation
 
 LOG = logging.getLogger('zerojax')
@@ -434,7 +435,7 @@ def load_safetensors(
   abstract = jax.eval_shape(init_fn, *init_args)
   entries = read_headers(path)
   matched = match(abstract, entries, names, skip=skip, init=init)
-  plan = config.plan(abstract)
+  plan = plan_lib.plan_of(config, abstract)
   shardings = {leaf_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(plan.params)[0]}
   leaves = _progress(list(matched.sources.values()))
   loaded = {leaf.path: _place(entries, leaf, shardings[leaf.path]) for leaf in leaves}

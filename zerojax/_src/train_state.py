@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import jax
 import optax
 
+from zerojax._src import layouts as layouts_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import options as options_lib
 from zerojax._src import placement, precision, rules, transform, validation
@@ -166,7 +167,7 @@ def _layout(
   abstract_params = initial
   if param_dtype is not None:  # the plan's accounting uses the dtype the state will hold
     abstract_params = precision.cast(initial, param_dtype)
-  plan = config.plan(abstract_params)
+  plan = plan_lib.plan_of(config, abstract_params)
   tx = transform.with_layouts(tx, plan)
   # One object for every trace of the state, so that their pytree metadata are equal.
   guarded_apply = _guarded_apply(apply_fn, config.stage, config.axes)
@@ -321,7 +322,7 @@ def jit_shardings(state: Any) -> Any:
   traced = []
 
   def one(path, x):
-    if isinstance(x, jax.core.Tracer):
+    if layouts_lib.is_traced(x):
       traced.append(f'state{jax.tree_util.keystr(path)}')
       return None
     return x.sharding if isinstance(x, jax.Array) else None

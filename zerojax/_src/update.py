@@ -373,22 +373,6 @@ def streamed_update(step: Step, grads, state, params, arrays, noted):
   return updates_to(rounded, params), _to_plan_memory(state, plan.opt_state)
 
 
-def recorded_update(config, inner, run, updates, state, params, extra_args, applied=False):
-  """The update of a state that carries its parameters' layouts (`layouts.ZeroState`): `run`
-  (the update's body) with the config told those layouts, the record passed on unchanged
-  (`applied`: the new parameters in place of the updates, at stage 3)."""
-  if config.stage == 0 and config.options.offload is None:
-    # Stage 0 splits nothing over the ZeRO axes: the wrapped optimizer as it is, so the
-    # compiler lays the state out over the other axes as it would without zerojax (pinned
-    # whole there, an unannotated embedding's moments would hold more).
-    updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
-  else:
-    like, name = (params, 'params') if params is not None else (updates, 'grads')
-    bound = config.with_recorded(state.layouts, like, name)
-    updates, inner_state = run(bound, updates, state.inner, params, extra_args, applied)
-  return updates, layouts_lib.ZeroState(inner_state, state.layouts)
-
-
 @dataclasses.dataclass(frozen=True)
 class Core:
   """What a zero-wrapped optimizer's `init` and `update` run: the config, the wrapped optax
@@ -411,23 +395,21 @@ class Core:
     given = params
     params = variables.checked_values(params)
     validation.abstract_arrays(params, 'params')
-    wrapped = variables.has_variables(given)
-    bound = config.with_declared_layouts(given) if wrapped else config
-    plan = bound.plan(params)
+    plan = plan_lib.plan_of(config, params, layouts=layouts_lib.resolve(config, given))
 
     def body(p):
       state = mesh_lib.constrain(self.inner.init(pad(p, plan)), on_device(plan.opt_state), mesh)
       return to_memory(state, plan.opt_state, host=True)
 
     body = mesh_lib.run_in_layout(body, mesh, plan.opt_state)
-    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params))
+    traced = layouts_lib.any_traced(params)
     if traced:
       state = body(params)
     else:
       placement.check_placement(params, plan, config)
       # Created directly in its layout: each device computes only its shards.
       state = jax.jit(body, out_shardings=plan.opt_state)(params)
-    if wrapped:
+    if variables.has_variables(given):
       # Given Flax Variables, the state is made of them, its layout in their metadata; at stage 3
       # the parameters' own metadata is told their split (see `variables`).
       if config.stage == 3 and not traced:
@@ -435,18 +417,20 @@ class Core:
       state = variables.state_in_variables(state, plan.opt_state)
     # Placed parameters show their layouts over a tensor-parallel axis; traced ones on Auto
     # axes do not, so the state carries them to every update (`layouts.ZeroState`).
-    recorded = bound.recorded_layouts(plan)
+    recorded = layouts_lib.record_of(config, plan)
     return state if recorded is None else layouts_lib.ZeroState(state, recorded)
 
   def update(self, updates, state, params, extra_args: dict, *, applied: bool):
-    """One update: `(updates, state)`, or with `applied` `(new_params, state)`."""
-    config = self.config
+    """One update: `(updates, state)`, or with `applied` `(new_params, state)`. The layouts are
+    resolved once, here, from the caller's trees (Flax Variables included); the update runs on
+    their values and answers in the caller's form."""
+    like, name = (params, 'params') if params is not None else (updates, 'grads')
+    record = state.layouts if isinstance(state, layouts_lib.ZeroState) else None
+    layouts = layouts_lib.resolve(self.config, like, record, name)
     if not variables.has_variables(updates, state, params):
-      return self.pure_update(config, updates, state, params, extra_args, applied)
-    # Flax Variables: the update runs on their values, and answers in the caller's form.
-    bound = config.with_declared_layouts(params if params is not None else updates)
+      return self.pure_update(layouts, updates, state, params, extra_args, applied)
     out, new_state = self.pure_update(
-      bound,
+      layouts,
       variables.values_of(updates),
       variables.values_of(state),
       variables.values_of(params),
@@ -456,25 +440,32 @@ class Core:
     out = variables.wrapped_like(out, params if applied else updates)
     return out, variables.wrapped_like(new_state, state)
 
-  def pure_update(self, bound, updates, state, params, extra_args, applied):
+  def pure_update(self, layouts, updates, state, params, extra_args, applied):
     validation.abstract_arrays(updates, 'grads')
     if params is not None:
       validation.check_like_params(updates, params, 'grads')
-    if isinstance(state, layouts_lib.ZeroState):
-      return recorded_update(
-        bound, self.inner, self.run, updates, state, params, extra_args, applied
-      )
-    return self.run(bound, updates, state, params, extra_args, applied)
+    if not isinstance(state, layouts_lib.ZeroState):
+      return self.run(layouts, updates, state, params, extra_args, applied)
+    # A state that carries its parameters' layouts: the record is passed on unchanged.
+    if self.config.stage == 0 and self.config.options.offload is None:
+      # Stage 0 splits nothing over the ZeRO axes: the wrapped optimizer as it is, so the
+      # compiler lays the state out over the other axes as it would without zerojax (pinned
+      # whole there, an unannotated embedding's moments would hold more).
+      out, inner = self.inner.update(updates, state.inner, params, **extra_args)
+    else:
+      out, inner = self.run(layouts, updates, state.inner, params, extra_args, applied)
+    return out, layouts_lib.ZeroState(inner, state.layouts)
 
-  def run(self, bound, updates, state, params, extra_args, applied=False):
-    mesh = bound.mesh
-    plan = bound.plan(params if params is not None else updates, opt_state=state)
-    plan = placement.kept_as_typed(plan, params, updates, bound)
+  def run(self, layouts, updates, state, params, extra_args, applied=False):
+    config, mesh = self.config, self.config.mesh
+    tree = params if params is not None else updates
+    plan = plan_lib.plan_of(config, tree, layouts=layouts, opt_state=state)
+    plan = placement.kept_as_typed(plan, params, updates, config)
     placement.check_state_not_replicated(state, plan, mesh)
     arrays, others = split_extra_args(extra_args, plan, mesh)
-    step = Step(bound, self.inner, self.master_step, plan, others, applied)
+    step = Step(config, self.inner, self.master_step, plan, others, applied)
     noted = step.streamed_parts(updates, params)
-    strategy = STRATEGIES[bound.options.update_on]
+    strategy = STRATEGIES[config.options.update_on]
     body = mesh_lib.run_in_layout(
       functools.partial(strategy, step), mesh, (plan.params, plan.opt_state)
     )
