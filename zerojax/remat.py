@@ -15,15 +15,15 @@ presets and for a model of your own that tags its activations.
 - `policy(name)`: the `jax.checkpoint` policy; `names(name)`: what it needs tagged.
 """
 
-from zerojax._src.decoder import ATTENTION_OUT as ATTENTION_OUT
-from zerojax._src.decoder import ATTENTION_RESIDUAL as ATTENTION_RESIDUAL
-from zerojax._src.decoder import LAYER_INPUT as LAYER_INPUT
-from zerojax._src.decoder import MLP_HIDDEN as MLP_HIDDEN
-from zerojax._src.decoder import POLICIES as POLICIES
-from zerojax._src.decoder import QKV as QKV
-from zerojax._src.decoder import REMAT as NAMES
-from zerojax._src.decoder import policy_names as names
-from zerojax._src.decoder import remat_policy as policy
+from zerojax._src.remat_policies import ATTENTION_OUT as ATTENTION_OUT
+from zerojax._src.remat_policies import ATTENTION_RESIDUAL as ATTENTION_RESIDUAL
+from zerojax._src.remat_policies import LAYER_INPUT as LAYER_INPUT
+from zerojax._src.remat_policies import MLP_HIDDEN as MLP_HIDDEN
+from zerojax._src.remat_policies import POLICIES as POLICIES
+from zerojax._src.remat_policies import QKV as QKV
+from zerojax._src.remat_policies import REMAT as NAMES
+from zerojax._src.remat_policies import policy_names as names
+from zerojax._src.remat_policies import remat_policy as policy
 
 __all__ = [
   'policy',

@@ -21,77 +21,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zerojax._src import flash, gather, prefetch
 from zerojax._src import plan as plan_lib
-
-
-@dataclasses.dataclass(frozen=True)
-class Rope:
-  """Rotary position embeddings as transformers computes them: the two halves of each head's
-  dimensions rotate together by position x inv_freq, inv_freq_i = theta^(-2i / head_dim).
-
-  Attributes:
-    theta: the base (`rope_theta`).
-    kind: 'default'; 'linear' (every frequency divided by `factor`); 'llama3' (Llama 3.1's:
-      frequencies whose wavelength exceeds original / low_freq_factor divided by `factor`,
-      those under original / high_freq_factor kept, those between blended).
-    factor, low_freq_factor, high_freq_factor, original: the scaling's figures.
-  """
-
-  theta: float = 10000.0
-  kind: str = 'default'
-  factor: float = 1.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original: int = 8192
-
-  def __post_init__(self):
-    if self.kind not in ('default', 'linear', 'llama3'):
-      raise ValueError(f"Rope.kind={self.kind!r}: choose 'default', 'linear' or 'llama3'.")
-
-  def inverse_frequencies(self, head_dim: int) -> np.ndarray:
-    """inv_freq (head_dim / 2,), float32 as transformers keeps it, the scaling applied."""
-    inv = 1.0 / self.theta ** (
-      np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
-    )
-    inv = inv.astype(np.float32)
-    if self.kind == 'linear':
-      return (inv / self.factor).astype(np.float32)
-    if self.kind == 'default':
-      return inv
-    wavelength = 2 * math.pi / inv
-    low, high = self.original / self.low_freq_factor, self.original / self.high_freq_factor
-    scaled = np.where(wavelength > low, inv / self.factor, inv)
-    smooth = (self.original / wavelength - self.low_freq_factor) / (
-      self.high_freq_factor - self.low_freq_factor
-    )
-    blended = (1 - smooth) * scaled / self.factor + smooth * scaled
-    between = (wavelength >= high) & (wavelength <= low)
-    return np.where(between, blended, scaled).astype(np.float32)
-
-
-def rotate(x: jax.Array, rope: Rope, offset: int = 0) -> jax.Array:
-  """`x` (batch, seq, heads, head_dim) rotated by its positions (offset, offset + 1, ...) as
-  transformers rotates it: the angles' cosines and sines computed in float32 and cast to x's
-  dtype, then x * cos + flip(x) * sin in that dtype, flip(x) = (-x2, x1) of x's two halves.
-
-  flip is a product with a fixed signed permutation of the head's dimensions, exact in any
-  dtype (one nonzero term per output), which a TPU runs on its matrix unit rather than by
-  moving halves of its 128-lane registers."""
-  t, d = x.shape[1], x.shape[-1]
-  inv = jnp.asarray(rope.inverse_frequencies(d))
-  angles = jnp.arange(offset, offset + t, dtype=jnp.float32)[:, None] * inv[None, :]
-  angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
-  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-  half = np.arange(d // 2)
-  flip = np.zeros((d, d), np.float32)
-  flip[half + d // 2, half], flip[half, half + d // 2] = -1.0, 1.0
-  flipped = jnp.einsum(
-    'bthd,de->bthe', x, jnp.asarray(flip, x.dtype), precision=jax.lax.Precision.HIGHEST
-  )
-  return x * cos + flipped * sin
+from zerojax._src.remat_policies import (
+  ATTENTION_OUT,
+  ATTENTION_RESIDUAL,
+  LAYER_INPUT,
+  MLP_HIDDEN,
+  QKV,
+  REMAT,
+  remat_policy,
+)
+from zerojax._src.rope import Rope, rotate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,104 +224,8 @@ def chunked_attention(q, k, v, chunk: int, window: int | None = None):
   return out.swapaxes(0, 1).reshape(b, t, h, d)
 
 
-# Names a block gives its activations (`jax.ad_checkpoint.checkpoint_name`) for the remat
-# policies below (docs/planner.md has their table): the query, key and value projections, the
-# attention's output, the MLP's hidden activations, and the block's input, which the layer loop
-# keeps for every layer (layers x batch x seq x d_model) unless a policy offloads that stack.
-# ATTENTION_RESIDUAL is the residual stream after the attention (the MLP norm's input): a policy
-# that keeps it need not run the output projection again in the backward pass.
-QKV, ATTENTION_OUT, MLP_HIDDEN = 'zerojax_qkv', 'zerojax_attention', 'zerojax_mlp_hidden'
-LAYER_INPUT, ATTENTION_RESIDUAL = 'zerojax_layer_input', 'zerojax_attention_residual'
-_MINIMAL_INPUTS = (QKV, MLP_HIDDEN, LAYER_INPUT)
-# What each policy keeps for the backward pass (the rest is recomputed) and what it offloads.
-POLICIES = {
-  'minimal': dict(save=(QKV, MLP_HIDDEN)),  # MaxText's 'minimal'
-  'save_qkv': dict(save=(QKV,)),
-  'save_attention': dict(save=(ATTENTION_OUT,)),
-  'save_qkv_attention': dict(save=(QKV, ATTENTION_OUT)),
-  'save_mlp': dict(save=(MLP_HIDDEN,)),
-  'offload_qkv': dict(offload=(QKV,)),
-  'offload_minimal': dict(offload=(QKV, MLP_HIDDEN)),
-  'save_qkv_offload_mlp': dict(save=(QKV,), offload=(MLP_HIDDEN,)),
-  'save_attention_offload_minimal': dict(save=(ATTENTION_OUT,), offload=(QKV, MLP_HIDDEN)),
-  'offload_all': dict(offload=(QKV, ATTENTION_OUT, MLP_HIDDEN)),
-  'offload_layer_inputs': dict(offload=(LAYER_INPUT,)),  # 'full', the stack on the host
-  'offload_minimal_inputs': dict(offload=_MINIMAL_INPUTS),
-  'save_attention_offload_minimal_inputs': dict(save=(ATTENTION_OUT,), offload=_MINIMAL_INPUTS),
-  'minimal_residual': dict(save=(QKV, MLP_HIDDEN, ATTENTION_RESIDUAL)),
-  'offload_minimal_residual': dict(offload=(QKV, MLP_HIDDEN, ATTENTION_RESIDUAL)),
-  'offload_all_residual': dict(offload=(QKV, ATTENTION_OUT, MLP_HIDDEN, ATTENTION_RESIDUAL)),
-}
-
-
 def _named(x, name: str):
   return jax.ad_checkpoint.checkpoint_name(x, name)
-
-
-def policy_names(remat: str) -> tuple[str, ...]:
-  """The activation names a remat policy keeps or offloads (none for 'gathers', 'full' and
-  'none'): what a model must tag (`jax.ad_checkpoint.checkpoint_name`) for the policy to keep
-  anything.
-
-  >>> policy_names('minimal')
-  ('zerojax_qkv', 'zerojax_mlp_hidden')
-  """
-  if remat not in REMAT:
-    raise ValueError(f'remat {remat!r}: choose one of {REMAT}.')
-  kept = POLICIES.get(remat, {})
-  return tuple(dict.fromkeys((*kept.get('save', ()), *kept.get('offload', ()))))
-
-
-def remat_policy(remat: str):
-  """The `jax.checkpoint` policy of a remat name ('gathers', 'full' or one of `POLICIES`):
-  `jax.checkpoint(layer, policy=remat_policy('offload_minimal'))` keeps (or moves to host
-  memory) the activations the layer tags with the names `policy_names` gives, and recomputes
-  the rest in the backward pass. ('none' keeps everything: no `jax.checkpoint` at all.)"""
-  if remat not in REMAT or remat == 'none':
-    raise ValueError(
-      f"remat {remat!r}: choose one of {REMAT[:-1]} (for 'none', call the layer without"
-      ' jax.checkpoint).'
-    )
-  if remat == 'gathers':
-    return gather.recompute_gathers
-  if remat == 'full':
-    return jax.checkpoint_policies.nothing_saveable
-  kept = POLICIES[remat]
-  if not kept.get('offload'):
-    return jax.checkpoint_policies.save_only_these_names(*kept['save'])
-  return jax.checkpoint_policies.save_and_offload_only_these_names(
-    names_which_can_be_saved=list(kept.get('save', ())),
-    names_which_can_be_offloaded=list(kept['offload']),
-    offload_src='device',
-    offload_dst='pinned_host',
-  )
-
-
-def policy_code(remat: str) -> str:
-  """How a training loop spells a remat name's layer loop (for a search winner's lines)."""
-  fixed = {
-    'gathers': 'policy=zerojax.recompute_gathers',
-    'full': 'a full jax.checkpoint',
-    'none': 'no rematerialisation',
-  }
-  if remat in fixed:
-    return fixed[remat]
-  kept = POLICIES[remat]
-  tagged = ' (activations tagged with jax.ad_checkpoint.checkpoint_name)'
-  if not kept.get('offload'):
-    names = ', '.join(repr(n) for n in kept['save'])
-    return f'policy=jax.checkpoint_policies.save_only_these_names({names})' + tagged
-  return (
-    'policy=jax.checkpoint_policies.save_and_offload_only_these_names('
-    f'names_which_can_be_saved={list(kept.get("save", ()))!r},'
-    f' names_which_can_be_offloaded={list(kept["offload"])!r},'
-    " offload_src='device', offload_dst='pinned_host')" + tagged
-  )
-
-
-def offloads_activations(remat: str) -> bool:
-  """Whether a remat policy moves saved activations to host memory."""
-  return bool(POLICIES.get(remat, {}).get('offload'))
 
 
 def _no_constraint(x, kind: str):
@@ -507,10 +353,6 @@ def plan_gather(plan: plan_lib.ZeroPlan, compute_dtype=None) -> GatherFn:
   return gather_fn
 
 
-# What a block recomputes in the backward pass (the plan search's `remat` too).
-REMAT = ('gathers', 'full', *POLICIES, 'none')
-
-
 def _gathered_top(params: dict, gather_fn: GatherFn | None, per_layer: bool):
   """(params with the top-level leaves laid out for use, and the layers too unless gathered
   per layer; the gather still to run per layer, or None)."""
@@ -543,50 +385,12 @@ def _layer_loop(block, x, layers, gather_fn: GatherFn | None, remat: str):
   return x
 
 
-def _check_options(
-  remat: str, prefetch_next: bool, attention: str, attention_chunk, loss_chunk=None
-) -> None:
-  """`decoder_loss`'s option values, each refused by name."""
-  if remat not in REMAT:
-    raise ValueError(f'decoder_loss: remat must be one of {REMAT}, got {remat!r}.')
-  if attention not in ATTENTION:
-    raise ValueError(f'decoder_loss: attention must be one of {ATTENTION}, got {attention!r}.')
-  if attention == 'flash' and attention_chunk:
-    raise ValueError(
-      "decoder_loss: attention_chunk is for attention='xla'; flash attention works in blocks"
-      ' of its own.'
-    )
-  if prefetch_next and remat not in ('gathers', 'full', 'none'):
-    raise ValueError(
-      f"decoder_loss: prefetch_next runs remat 'gathers' or 'full', not {remat!r}: its layer"
-      ' loop (zerojax.scan_layers) keeps no named activations.'
-    )
-  if loss_chunk is not None and (not isinstance(loss_chunk, int) or loss_chunk < 1):
-    raise ValueError(f'decoder_loss: loss_chunk must be a whole number >= 1, got {loss_chunk!r}.')
+@dataclasses.dataclass(frozen=True)
+class DecoderOptions:
+  """How `decoder_loss`, `decoder_hidden` and `decoder_logits` run the decoder: one record,
+  checked in one place (the planner's `ModelSettings` holds one too).
 
-
-def decoder_loss(
-  params: dict[str, Any],
-  tokens: jax.Array,
-  cfg: DecoderConfig,
-  *,
-  plan: plan_lib.ZeroPlan | None = None,
-  gather_fn: GatherFn | None = None,
-  compute_dtype=jnp.bfloat16,
-  remat: str = 'full',
-  per_layer: bool = True,
-  prefetch_next: bool = False,
-  attention_chunk: int | None = None,
-  attention: str = 'xla',
-  loss_chunk: int | None = None,
-  lean_head: bool = False,
-) -> jax.Array:
-  """Next-token cross-entropy of `tokens` (batch, seq + 1).
-
-  Args:
-    params: from `init_decoder`, laid out as `plan.params`.
-    tokens: int32 token ids.
-    cfg: the model's shape.
+  Attributes:
     plan: the ZeRO plan; when given, parameters are gathered where used.
     gather_fn: instead of `plan`, a function (tree, 'top' or 'layers',
       scanned) -> tree that lays parameters out for use.
@@ -618,74 +422,116 @@ def decoder_loss(
       take each target's logit with a one-hot mask (`one_hot_cross_entropy`) rather than a
       gather, whose backward scatters into f32 logits kept live through the step. The same
       loss; less memory at the step's peak. `loss_chunk` has its own cross-entropy.
+
+  Raises:
+    ValueError: an option's value, named (`remat`, `attention`, `attention_chunk` under flash,
+      `prefetch_next` with a policy, `loss_chunk`).
   """
-  _check_options(remat, prefetch_next, attention, attention_chunk, loss_chunk)
+
+  plan: plan_lib.ZeroPlan | None = None
+  gather_fn: GatherFn | None = None
+  compute_dtype: Any = jnp.bfloat16
+  remat: str = 'full'
+  per_layer: bool = True
+  prefetch_next: bool = False
+  attention_chunk: int | None = None
+  attention: str = 'xla'
+  loss_chunk: int | None = None
+  lean_head: bool = False
+
+  def __post_init__(self):
+    remat, attention, loss_chunk = self.remat, self.attention, self.loss_chunk
+    if remat not in REMAT:
+      raise ValueError(f'decoder_loss: remat must be one of {REMAT}, got {remat!r}.')
+    if attention not in ATTENTION:
+      raise ValueError(f'decoder_loss: attention must be one of {ATTENTION}, got {attention!r}.')
+    if attention == 'flash' and self.attention_chunk:
+      raise ValueError(
+        "decoder_loss: attention_chunk is for attention='xla'; flash attention works in blocks"
+        ' of its own.'
+      )
+    if self.prefetch_next and remat not in ('gathers', 'full', 'none'):
+      raise ValueError(
+        f"decoder_loss: prefetch_next runs remat 'gathers' or 'full', not {remat!r}: its layer"
+        ' loop (zerojax.scan_layers) keeps no named activations.'
+      )
+    if loss_chunk is not None and (not isinstance(loss_chunk, int) or loss_chunk < 1):
+      raise ValueError(f'decoder_loss: loss_chunk must be a whole number >= 1, got {loss_chunk!r}.')
+
+  @classmethod
+  def of(cls, where: str, options: dict) -> DecoderOptions:
+    """The record of keyword arguments `options`, an unknown keyword named with the known ones.
+
+    Raises:
+      TypeError: a keyword that is not an option.
+    """
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in options if k not in known]
+    if unknown:
+      raise TypeError(f'{where}: no option {unknown[0]!r}; the options are {known}.')
+    return cls(**options)
+
+
+def decoder_loss(
+  params: dict[str, Any], tokens: jax.Array, cfg: DecoderConfig, **options: Any
+) -> jax.Array:
+  """Next-token cross-entropy of `tokens` (batch, seq + 1).
+
+  Args:
+    params: from `init_decoder`, laid out as `plan.params`.
+    tokens: int32 token ids.
+    cfg: the model's shape.
+    **options: `DecoderOptions`' fields (`plan=`, `compute_dtype=`, `remat=`, `attention=`,
+      `loss_chunk=`, `lean_head=`...).
+  """
+  o = DecoderOptions.of('decoder_loss', options)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
-  x, head = decoder_hidden(
-    params,
-    inputs,
-    cfg,
-    plan=plan,
-    gather_fn=gather_fn,
-    compute_dtype=compute_dtype,
-    remat=remat,
-    per_layer=per_layer,
-    prefetch_next=prefetch_next,
-    attention_chunk=attention_chunk,
-    attention=attention,
-    lean_head=lean_head,
-  )
-  if loss_chunk and loss_chunk < x.shape[1]:
-    return chunked_cross_entropy(x, head, targets, loss_chunk)
+  x, head = _hidden(params, inputs, cfg, o)
+  if o.loss_chunk and o.loss_chunk < x.shape[1]:
+    return chunked_cross_entropy(x, head, targets, o.loss_chunk)
   logits = (x @ head).astype(jnp.float32)
-  if lean_head:
+  if o.lean_head:
     return one_hot_cross_entropy(logits, targets)
   logp = jax.nn.log_softmax(logits, axis=-1)
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
 def decoder_hidden(
-  params: dict[str, Any],
-  inputs: jax.Array,
-  cfg: DecoderConfig,
-  *,
-  plan: plan_lib.ZeroPlan | None = None,
-  gather_fn: GatherFn | None = None,
-  compute_dtype=jnp.bfloat16,
-  remat: str = 'full',
-  per_layer: bool = True,
-  prefetch_next: bool = False,
-  attention_chunk: int | None = None,
-  attention: str = 'xla',
-  lean_head: bool = False,
+  params: dict[str, Any], inputs: jax.Array, cfg: DecoderConfig, **options: Any
 ) -> tuple[jax.Array, jax.Array]:
   """(the final norm's output (batch, seq, d_model), the head (d_model, vocab)), both in
-  `compute_dtype`, for token ids `inputs` (batch, seq); the keywords as `decoder_loss`'s.
+  `compute_dtype`, for token ids `inputs` (batch, seq); the options as `decoder_loss`'s
+  (`DecoderOptions`; `loss_chunk` is the loss's and is not used here).
   Raises ValueError for a sliding window shorter than the sequence under flash attention."""
+  return _hidden(params, inputs, cfg, DecoderOptions.of('decoder_hidden', options))
+
+
+def _hidden(params: dict[str, Any], inputs: jax.Array, cfg: DecoderConfig, o: DecoderOptions):
   t = inputs.shape[1]
-  if attention == 'flash' and cfg.sliding_window is not None and cfg.sliding_window < t:
+  if o.attention == 'flash' and cfg.sliding_window is not None and cfg.sliding_window < t:
     raise ValueError(
       f"sliding_window={cfg.sliding_window} under {t} positions: flash attention's kernels"
       " attend to every earlier position; use attention='xla' (attention_chunk for memory)."
     )
+  plan, gather_fn, compute_dtype = o.plan, o.gather_fn, o.compute_dtype
   if plan is not None:
     gather_fn = plan_gather(plan, compute_dtype)
-  late_gather = gather_fn if lean_head and 'head' in params else None
+  late_gather = gather_fn if o.lean_head and 'head' in params else None
   head = params.get('head')
   if late_gather is not None:
     params = {k: v for k, v in params.items() if k != 'head'}
-  params, gather_fn = _gathered_top(params, gather_fn, per_layer)
+  params, gather_fn = _gathered_top(params, gather_fn, o.per_layer)
   constrain = _no_constraint
   if plan is not None and 'tensor' in plan.mesh.axis_names and 'tensor' not in plan.axes:
     constrain = tensor_constraint(plan)
   cast = lambda t: jax.tree.map(lambda x: x.astype(compute_dtype), t)
   x = jnp.take(cast(params['embed']), inputs, axis=0)
-  if attention == 'flash':
+  if o.attention == 'flash':
     attend = _flash_attention(plan)
   else:
-    attend = _xla_attention(attention_chunk, cfg.sliding_window)
+    attend = _xla_attention(o.attention_chunk, cfg.sliding_window)
   block = lambda x, layer: _block(cfg, x, cast(layer), attend, constrain)
-  if prefetch_next and plan is not None and remat != 'none' and _split_layers(params):
+  if o.prefetch_next and plan is not None and o.remat != 'none' and _split_layers(params):
     # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
     # loop, with layer i+1's gather issued while layer i computes.
     x = prefetch.scan_layers(
@@ -694,10 +540,10 @@ def decoder_hidden(
       params['layers'],
       plan,
       dtype=compute_dtype,
-      remat=remat,
+      remat=o.remat,
     )
   else:
-    x = _layer_loop(block, x, params['layers'], gather_fn, remat)
+    x = _layer_loop(block, x, params['layers'], gather_fn, o.remat)
   if late_gather is not None:
     x, head = jax.lax.optimization_barrier((x, head))
     params = dict(params, head=late_gather({'head': head}, 'top', False)['head'])

@@ -102,7 +102,7 @@ def estimate_memory(
   out = []
   for stage in stages:
     config = transform.make_config(tx, stage, mesh, options, warn=False)
-    sizes = plan_lib.build_plan(params, config).bytes_per_device()
+    sizes = plan_lib.plan_of(config, params).bytes_per_device()
     out.append(
       MemoryEstimate(
         stage, num_devices, sizes['params'], sizes['grads'], sizes['opt_state'], sizes['host']

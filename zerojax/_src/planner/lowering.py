@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax._src import decoder, jaxprs, precision, train_state, transform
 from zerojax._src import grad as grad_lib
+from zerojax._src import jaxprs, precision, remat_policies, train_state, transform
 from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
 from zerojax._src.options import Options
@@ -241,7 +241,7 @@ def _check_tags(spec: presets.ModelSpec, remat: str, jaxpr: Any) -> None:
   """Refuses a named remat policy for a model of the user's own that tags none of, or only
   some of, the activations the policy keeps (it would keep nothing, or less than its name
   says), naming the tags missing."""
-  needed = decoder.policy_names(remat)
+  needed = remat_policies.policy_names(remat)
   found = jaxprs.checkpoint_names(jaxpr)
   missing = [n for n in needed if n not in found]
   if missing:

@@ -15,22 +15,22 @@ import jax.numpy as jnp
 
 from zerojax._src import plan as plan_lib
 from zerojax._src.decoder import ATTENTION as ATTENTION
-from zerojax._src.decoder import ATTENTION_OUT as ATTENTION_OUT
-from zerojax._src.decoder import ATTENTION_RESIDUAL as ATTENTION_RESIDUAL
-from zerojax._src.decoder import MLP_HIDDEN as MLP_HIDDEN
-from zerojax._src.decoder import POLICIES as POLICIES
-from zerojax._src.decoder import QKV as QKV
-from zerojax._src.decoder import REMAT as REMAT
 from zerojax._src.decoder import DecoderConfig as DecoderConfig
 from zerojax._src.decoder import Rope as Rope
 from zerojax._src.decoder import chunked_attention as chunked_attention
 from zerojax._src.decoder import chunked_cross_entropy as chunked_cross_entropy
 from zerojax._src.decoder import decoder_loss as decoder_loss
 from zerojax._src.decoder import init_decoder as init_decoder
-from zerojax._src.decoder import offloads_activations as offloads_activations
 from zerojax._src.decoder import one_hot_cross_entropy as one_hot_cross_entropy
-from zerojax._src.decoder import policy_code as policy_code
-from zerojax._src.decoder import remat_policy as remat_policy
+from zerojax._src.remat_policies import ATTENTION_OUT as ATTENTION_OUT
+from zerojax._src.remat_policies import ATTENTION_RESIDUAL as ATTENTION_RESIDUAL
+from zerojax._src.remat_policies import MLP_HIDDEN as MLP_HIDDEN
+from zerojax._src.remat_policies import POLICIES as POLICIES
+from zerojax._src.remat_policies import QKV as QKV
+from zerojax._src.remat_policies import REMAT as REMAT
+from zerojax._src.remat_policies import offloads_activations as offloads_activations
+from zerojax._src.remat_policies import policy_code as policy_code
+from zerojax._src.remat_policies import remat_policy as remat_policy
 
 # The revision of the presets' programs, which every committed TPU result records
 # (`model_revision`; absent: 1), so that a result compiled before a change to what the presets
