@@ -17,7 +17,7 @@ reduction is placed here rather than left to the compiler:
 What the per-device parts mean for the whole batch (scalar means,
 `WeightedMean`s, per-row aux, random keys) is `reduction`'s. Every decision
 about a parameter leaf (where it is split at rest and as a gradient, who
-gathers it, its quantization) is made once, in `LeafRoute`, before tracing.
+gathers it, its quantization) is made once, in `routes_lib.LeafRoute`, before tracing.
 Other mesh axes (tensor parallelism) stay under the compiler's control, but for
 each leaf's own collectives: those run manual over the tensor axes the leaf is
 split over too (`gather.on_free_axes`), so that a chip gathers and reduce-scatters
@@ -39,245 +39,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zerojax._src import compat, jaxprs, reduction, runtime, streaming, transform
 from zerojax._src import gather as gather_lib
+from zerojax._src import grad_routes as routes_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src import quantize as quantize_lib
 from zerojax._src import update as update_lib
 
-# A split: the dimension and the mesh axes (in the spec's order) it is split over.
-Split = tuple[int, tuple[str, ...]]
-
-
-def _axis_arg(names: tuple[str, ...]) -> str | tuple[str, ...]:
-  return names[0] if len(names) == 1 else names
-
-
-def _zero_split(spec: PartitionSpec, axes: tuple[str, ...]) -> Split | None:
-  """The dimension a spec splits over ZeRO axes, and those axes."""
-  for dim, entry in enumerate(spec):
-    names = entry if isinstance(entry, tuple) else (entry,)
-    kept = tuple(n for n in names if n in axes)
-    if kept:
-      return dim, kept
-  return None
-
-
-def _manual_spec(spec: PartitionSpec, axes: tuple[str, ...], ndim: int) -> PartitionSpec:
-  """`spec` with only the ZeRO axes kept (shard_map's specs name manual axes only)."""
-  out = []
-  for entry in tuple(spec) + (None,) * (ndim - len(spec)):
-    names = entry if isinstance(entry, tuple) else (entry,)
-    kept = tuple(n for n in names if n in axes)
-    out.append(None if not kept else _axis_arg(kept))
-  return PartitionSpec(*out)
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafRoute:
-  """Where one parameter leaf's collectives go in a step.
-
-  Attributes:
-    path: the leaf's place in the parameter tree, for messages.
-    rest_spec: its layout at rest over the ZeRO axes (what the device holds).
-    grad_spec: its gradient's layout over the ZeRO axes (what is returned).
-    gather: the split at rest, undone before use (None: whole at rest).
-    scatter: the split of its gradient (None: all-reduced whole).
-    model_split: with `per_layer`, the split the model's own gather undoes
-      and whose transpose reduce-scatters the gradient (None: not so).
-    quantize: the ZeRO++ `Quantize` of its collectives, or None.
-    acc_shape: this device's gradient accumulator.
-    acc_dtype: the accumulator's dtype.
-    free: its layout at rest over the mesh axes left to the compiler (a tensor axis), or None;
-      its collectives run manual over those too (`gather.on_free_axes`).
-    grad_free: the same for its gradient.
-    fetched: in host memory at rest (`offload_params`) and brought to the device by the
-      model's own gather, layer by layer (stage 3, `per_layer`); other offloaded leaves
-      come to the device before the step's region.
-  """
-
-  path: str
-  rest_spec: PartitionSpec
-  grad_spec: PartitionSpec
-  gather: Split | None
-  scatter: Split | None
-  model_split: Split | None
-  quantize: Any
-  acc_shape: tuple[int, ...]
-  acc_dtype: Any
-  free: PartitionSpec | None = None
-  grad_free: PartitionSpec | None = None
-  fetched: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Routes:
-  """The static decisions of one step: per-leaf routes and the loop's shape."""
-
-  leaves: tuple[LeafRoute, ...]
-  mesh: Mesh
-  stage: int
-  axes: tuple[str, ...]
-  row_axes: tuple[str, ...]  # the batch's rows are split over these, in this order
-  micro_batches: int
-  has_aux: bool
-  # update_on='stream': per-layer gradients are taken into host memory (see `_loss_inputs`).
-  stream: bool = False
-  # Data-parallel axes beside ZeRO's (`Options.replica_axis`): rows split over them too, and
-  # each gradient shard all-reduced over them once per step.
-  replica_axes: tuple[str, ...] = ()
-
-  def size(self, axes: tuple[str, ...]) -> int:
-    return mesh_lib.axes_size(self.mesh, axes)
-
-  @property
-  def all_axes(self) -> tuple[str, ...]:
-    """Every axis the batch's rows are split over: the replica axes, then ZeRO's."""
-    return self.replica_axes + self.axes
-
-
-def _leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any) -> tuple:
-  """One `LeafRoute` per parameter leaf, from the plan."""
-  plan, axes, stage = plan_lib.plan_of(config, params), config.axes, config.stage
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  # Stage 1 keeps a full gradient buffer through the micro-batches and leaves
-  # it reduce-scattered into the optimizer state's shards (the update reads
-  # only those): the floor's traffic, where an all-reduce would move more.
-  grad_layouts = _grad_layouts(plan)
-  routes = []
-  for (path, x), rest, grad, q in zip(
-    flat, jax.tree.leaves(plan.params), grad_layouts, plan.quantized()
-  ):
-    rest_spec = _manual_spec(rest.spec, axes, x.ndim)
-    grad_spec = _manual_spec(grad.spec, axes, x.ndim)
-    gather, scatter = _zero_split(rest_spec, axes), _zero_split(grad_spec, axes)
-    acc_shape = list(x.shape)
-    if stage >= 2 and scatter is not None:
-      acc_shape[scatter[0]] //= mesh_lib.axes_size(config.mesh, scatter[1])
-    model_split = (gather if stage == 3 else scatter) if per_layer else None
-    manual = config.replica_axes + axes
-    free = gather_lib.free_spec(rest.spec, manual, (model_split or gather or (None,))[0])
-    grad_free = gather_lib.free_spec(grad.spec, manual, (scatter or (None,))[0])
-    fetched = (
-      rest.memory_kind == plan_lib.HOST
-      and stage == 3
-      and model_split is not None
-      and not _packed_rows(x.ndim, x.dtype)
-    )
-    routes.append(
-      LeafRoute(
-        f'params{jax.tree_util.keystr(path)}',
-        rest_spec,
-        grad_spec,
-        gather,
-        scatter,
-        model_split,
-        q,
-        tuple(acc_shape),
-        reduce_dtype or x.dtype,
-        free,
-        grad_free,
-        fetched,
-      )
-    )
-  return tuple(routes), plan
-
-
-def _grad_layouts(plan: plan_lib.ZeroPlan) -> list:
-  """Each gradient leaf's layout as `value_and_grad` returns it: the plan's, and at stage 1
-  split like the optimizer state (where the leaf is not padded)."""
-  grad_layouts = jax.tree.leaves(plan.grads)
-  if plan.stage == 1:
-    shards = jax.tree.leaves(plan.param_shards)
-    padding = plan.padding or (None,) * len(shards)
-    grad_layouts = [g if pad else s for g, s, pad in zip(grad_layouts, shards, padding)]
-  return grad_layouts
-
-
 # -- per device -----------------------------------------------------------------
-
-
-def _loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], list]]:
-  """What the loss is differentiated with respect to, and how it becomes its leaves.
-
-  Without `per_layer`, split leaves are gathered up front. With it, the loss
-  gets `ShardedLeaf`s (stage 3: the local shard; stage 2: this device's slice
-  of the whole it holds, with the whole beside it, so its gather moves
-  nothing) and the gradient is taken with respect to the shards only.
-  """
-  leaves = []
-  for route, x in zip(r.leaves, flat_params):
-    if route.model_split is not None:
-      dim, axes = route.model_split
-      whole = None
-      if r.stage < 3:
-        size = x.shape[dim] // r.size(axes)
-        whole, x = x, jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * size, size, dim)
-      # update_on='stream': the gradient is taken with respect to a stand-in in
-      # host memory, which the model's gathers send it to (its value is never
-      # read; whether the TPU compiler drops it is not yet checked).
-      sink = _host_stand_in(x.shape, _sink_dtype(x.ndim, route.acc_dtype)) if r.stream else None
-      leaves.append(
-        gather_lib.ShardedLeaf(
-          x,
-          dim,
-          axes,
-          x.ndim,
-          route.path,
-          whole,
-          route.quantize,
-          sink,
-          # With one micro-batch the gather's backward also sums the shard over the replica
-          # axes, in the dtype it was reduce-scattered in (the compute dtype, at stage 3).
-          replicas=r.replica_axes if r.micro_batches == 1 else (),
-          free=route.free,
-          host=route.fetched,
-        )
-      )
-    elif route.gather is not None:
-      leaf = gather_lib.ShardedLeaf(
-        x, *route.gather, x.ndim, route.path, quantize=route.quantize, free=route.free
-      )
-      leaves.append(leaf.gather())
-    else:
-      leaves.append(x)
-  diff = [_diff_of(x) for x in leaves]
-
-  def rebuild(diff):
-    return [_with_diff(x, v) for x, v in zip(leaves, diff)]
-
-  return diff, rebuild
-
-
-def _diff_of(x: Any) -> Any:
-  if not gather_lib.is_sharded_leaf(x):
-    return x
-  return x.shard if x.sink is None else x.sink
-
-
-def _with_diff(x: Any, v: Any) -> Any:
-  if not gather_lib.is_sharded_leaf(x):
-    return v
-  return x.replace(shard=v) if x.sink is None else x.replace(sink=v)
-
-
-def _packed_rows(ndim: int, dtype: Any) -> bool:
-  """Whether a layer loop over a stacked leaf would move single rows of a packed 16-bit
-  vector to or from host memory (two rows share a word), which the TPU compiler cannot:
-  leaves of fewer than three dimensions in a 16-bit float."""
-  return ndim < 3 and jnp.dtype(dtype).itemsize < 4 and jnp.issubdtype(dtype, jnp.floating)
-
-
-def _sink_dtype(ndim: int, dtype: Any) -> Any:
-  """The dtype a leaf's gradient travels to host memory in: 32-bit where its rows would
-  be packed (`_packed_rows`; cast back on the host). Offloaded parameters with packed rows
-  (norm scales) come to the device whole instead of row by row."""
-  return jnp.float32 if _packed_rows(ndim, dtype) else dtype
-
-
-def _host_stand_in(shape: tuple[int, ...], dtype: Any) -> jax.Array:
-  """Zeros in host memory, asked of the host (a stand-in whose value is never read)."""
-  zeros = lambda: jnp.zeros(shape, dtype)
-  return compat.compute_on_host(zeros, out_memory_spaces=jax.memory.Space.Host)()
 
 
 def _host_finish(
@@ -299,7 +67,7 @@ def _host_finish(
   return noted.note(run(how.parts, how.weight), how)
 
 
-def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
+def _traced_loss(r: routes_lib.Routes, loss_fn, treedef, rebuild, diff, mb, args):
   """The loss of one part as (total, weight, aux). What the loss raises keeps its type, with a
   note on what zerojax changed around it: shards in place of split parameters, and part of the
   batch in place of the whole."""
@@ -338,18 +106,48 @@ def _traced_loss(r: Routes, loss_fn, treedef, rebuild, diff, mb, args):
   return total, weight, aux  # weight None: a plain mean, one per part
 
 
-def _check_loss(r: Routes, loss_fn, treedef, flat_params, mb, args, meta: dict) -> None:
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """`value_and_grad`'s options, checked: how many micro-batches, the dtype gradients are
+  reduced in (None: the parameters'), and whether the loss returns `(loss, aux)`."""
+
+  micro_batches: int
+  reduce_dtype: Any
+  has_aux: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LossKind:
+  """What tracing one part's loss finds out (`_check_loss`), before the step is built.
+
+  Attributes:
+    weighted: the loss is a `zerojax.WeightedMean` (else a plain mean, one per part).
+    aux_kinds: per aux leaf, how its parts combine (`reduction.aux_kinds`); () without aux.
+    aux_treedef: the aux's structure (None without aux).
+  """
+
+  weighted: bool
+  aux_kinds: tuple = ()
+  aux_treedef: Any = None
+
+  @property
+  def per_row(self) -> list[bool]:
+    """Per aux leaf: whether it keeps one value per batch row (concatenated over devices)."""
+    return [k == 'rows' for k in self.aux_kinds]
+
+
+def _check_loss(r: routes_lib.Routes, loss_fn, treedef, flat_params, mb, args) -> LossKind:
   """Traces one part's loss once, before the loop: refuses a loss or aux whose parts would
-  not add up to the global batch's, and records what it returns in `meta`."""
+  not add up to the global batch's, and says what it returns."""
 
   def one_part(flat, b):  # traced on its own: nothing of it enters the step's program
-    diff, rebuild = _loss_inputs(r, flat)
+    diff, rebuild = routes_lib.loss_inputs(r, flat)
     return _traced_loss(r, loss_fn, treedef, rebuild, diff, b, args)
 
   closed, shapes = jax.make_jaxpr(one_part, return_shape=True)(flat_params, mb)
   num_params, num_batch = len(flat_params), len(jax.tree.leaves(mb))
   _, weight, aux = shapes
-  meta['weighted'] = weight is not None
+  weighted = weight is not None
   deps = reduction.output_deps(closed, num_params, num_batch)  # one walk for both checks
   if not reduction.depends_on_batch(deps[0]):
     raise ValueError(
@@ -359,20 +157,22 @@ def _check_loss(r: Routes, loss_fn, treedef, flat_params, mb, args, meta: dict) 
       ' loss_fn(params, batch), called as fn(params, batch).'
     )
   # The scalar loss, and scalar aux values (means over the rows under the same rule).
-  outputs = ['loss'] + [None] * meta['weighted']
+  outputs = ['loss'] + [None] * weighted
+  kind = LossKind(weighted)
   if r.has_aux:
-    meta['aux_kinds'] = reduction.aux_kinds(aux, jax.tree.leaves(mb)[0].shape[0])
-    meta['aux_treedef'] = jax.tree.structure(aux, is_leaf=reduction.is_combined)
-    outputs += reduction.aux_output_names(aux, meta['aux_kinds'])
+    kinds = tuple(reduction.aux_kinds(aux, jax.tree.leaves(mb)[0].shape[0]))
+    kind = LossKind(weighted, kinds, jax.tree.structure(aux, is_leaf=reduction.is_combined))
+    outputs += reduction.aux_output_names(aux, list(kinds))
   outputs += [None] * (len(closed.jaxpr.outvars) - len(outputs))
   reduction.check_normalisation(closed, num_params, num_batch, outputs)
-  if meta['weighted'] and reduction.depends_on_params(deps[1]):
+  if weighted and reduction.depends_on_params(deps[1]):
     raise ValueError(
       'zerojax.value_and_grad: the loss returned a zerojax.WeightedMean whose weight depends'
       ' on the parameters; the weight is a count or sum of weights taken from the batch.'
     )
   if r.stage == 3 and any(route.model_split is not None for route in r.leaves):
     _warn_unrolled(closed)
+  return kind
 
 
 def _warn_unrolled(closed: Any) -> None:
@@ -390,9 +190,9 @@ def _warn_unrolled(closed: Any) -> None:
     )
 
 
-def _micro_step(r: Routes, loss_fn, treedef, flat_params, mb, args, scale, meta: dict):
+def _micro_step(r: routes_lib.Routes, loss_fn, treedef, flat_params, mb, args, scale, kind):
   """One part's (total, weight, aux, gradients of total * scale)."""
-  diff, rebuild = _loss_inputs(r, flat_params)
+  diff, rebuild = routes_lib.loss_inputs(r, flat_params)
 
   def scaled(diff):
     total, weight, aux = _traced_loss(r, loss_fn, treedef, rebuild, diff, mb, args)
@@ -400,7 +200,7 @@ def _micro_step(r: Routes, loss_fn, treedef, flat_params, mb, args, scale, meta:
 
   (_, (total, weight, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(diff)
   if r.has_aux:
-    aux = reduction.stack_aux(aux, meta['aux_kinds'])
+    aux = reduction.stack_aux(aux, list(kind.aux_kinds))
   grads = [
     g if update_lib.in_host_memory(g) else g.astype(route.acc_dtype)
     for g, route in zip(grads, r.leaves)
@@ -408,21 +208,21 @@ def _micro_step(r: Routes, loss_fn, treedef, flat_params, mb, args, scale, meta:
   return total.astype(jnp.float32), weight, aux, grads
 
 
-def _reduce_scatter(route: LeafRoute, g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def _reduce_scatter(route: routes_lib.LeafRoute, g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   """Reduce-scatters over the axes that split the gradient, sums over the other ZeRO axes."""
   dim, split_axes = route.scatter
   g = quantize_lib.reduce_scatter(g, split_axes, dim, route.quantize)  # qgZ if asked
   rest = tuple(a for a in axes if a not in split_axes)
-  return jax.lax.psum(g, _axis_arg(rest)) if rest else g
+  return jax.lax.psum(g, routes_lib.axis_arg(rest)) if rest else g
 
 
-def _across_replicas(r: Routes, g: jax.Array) -> jax.Array:
+def _across_replicas(r: routes_lib.Routes, g: jax.Array) -> jax.Array:
   """A gradient shard summed over the replica axes (one all-reduce of the shard: the only
   traffic between TPU slices under hierarchical ZeRO)."""
-  return jax.lax.psum(g, _axis_arg(r.replica_axes)) if r.replica_axes else g
+  return jax.lax.psum(g, routes_lib.axis_arg(r.replica_axes)) if r.replica_axes else g
 
 
-def _reduce_micro(r: Routes, route: LeafRoute, g: jax.Array) -> jax.Array:
+def _reduce_micro(r: routes_lib.Routes, route: routes_lib.LeafRoute, g: jax.Array) -> jax.Array:
   """Stages 2-3: each micro-batch's gradient into its shard (unless the model's gather did).
 
   With one micro-batch the shard is also summed over the replica axes here (or by the
@@ -466,7 +266,7 @@ def _psum_in_slices(x: jax.Array, axes: Any) -> jax.Array:
   return jax.lax.fori_loop(0, slices, one, x)
 
 
-def _reduce_final(r: Routes, route: LeafRoute, acc: jax.Array) -> jax.Array:
+def _reduce_final(r: routes_lib.Routes, route: routes_lib.LeafRoute, acc: jax.Array) -> jax.Array:
   """After the loop: stage 1 reduce-scatters its full buffer; whole leaves are all-reduced."""
   if route.scatter is not None and r.stage >= 2:
     if r.micro_batches == 1:
@@ -475,21 +275,23 @@ def _reduce_final(r: Routes, route: LeafRoute, acc: jax.Array) -> jax.Array:
   if route.scatter is not None and r.stage == 1:
     reduce = lambda g: _across_replicas(r, _reduce_scatter(route, g, r.axes))
     return gather_lib.on_free_axes(reduce, route.grad_free, acc)
-  whole = functools.partial(_psum_in_slices, axes=_axis_arg(r.all_axes))
+  whole = functools.partial(_psum_in_slices, axes=routes_lib.axis_arg(r.all_axes))
   return gather_lib.on_free_axes(whole, route.grad_free, acc)
 
 
-def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, scale):
-  """One device's step: the micro-batch loop, then the reductions and the global means."""
+def _per_device(r: routes_lib.Routes, loss_fn, treedef, found, flat_params, batch, args, scale):
+  """One device's step: the micro-batch loop, then the reductions and the global means. What
+  tracing the loss found (`LossKind`) is handed out in `found`, a one-slot list, for the
+  step's outputs to be read by."""
   m = r.micro_batches
   micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
-  first = jax.lax.axis_index(_axis_arg(r.row_axes)) * m  # this device's first part
+  first = jax.lax.axis_index(routes_lib.axis_arg(r.row_axes)) * m  # this device's first part
 
   def body(carry, xs):
     acc, sums = carry
     i, mb = xs
     part = reduction.fold_keys(args, first + i)  # each part draws its own numbers
-    t, w, aux, grads = _micro_step(r, loss_fn, treedef, flat_params, mb, part, scale, meta)
+    t, w, aux, grads = _micro_step(r, loss_fn, treedef, flat_params, mb, part, scale, kind)
     grads = [_reduce_micro(r, route, g) for g, route in zip(grads, r.leaves)]
     if acc is None:  # the first micro-batch; streamed gradients are kept part by part
       acc = [(g,) if update_lib.in_host_memory(g) else g for g in grads]
@@ -498,8 +300,9 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
     return (acc, sums + (t if w is None else jnp.stack([t, w]))), aux
 
   mb0 = jax.tree.map(lambda x: x[0], micro)
-  _check_loss(r, loss_fn, treedef, flat_params, mb0, reduction.fold_keys(args, first), meta)
-  sums0 = jnp.zeros((2,) if meta['weighted'] else (), jnp.float32)
+  kind = _check_loss(r, loss_fn, treedef, flat_params, mb0, reduction.fold_keys(args, first))
+  found.append(kind)
+  sums0 = jnp.zeros((2,) if kind.weighted else (), jnp.float32)
   if m == 1:
     # No loop and no accumulator: the gradient goes straight to its reduction,
     # so no second gradient-sized buffer is live.
@@ -520,8 +323,8 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
   # The global normaliser: the parts' summed weights (one all-reduce with the
   # loss), or for a plain mean the number of parts. A loss scale stays in the
   # gradients: `mixed_precision` divides it out, once.
-  sums = jax.lax.psum(sums, _axis_arg(r.all_axes))
-  total, weight = (sums[0], sums[1]) if meta['weighted'] else (sums, r.size(r.all_axes) * m)
+  sums = jax.lax.psum(sums, routes_lib.axis_arg(r.all_axes))
+  total, weight = (sums[0], sums[1]) if kind.weighted else (sums, r.size(r.all_axes) * m)
   # Streamed gradients leave as their micro-batch parts, with the divisor.
   grads = [
     a if isinstance(a, tuple) else (_reduce_final(r, route, a) / weight).astype(a.dtype)
@@ -532,9 +335,8 @@ def _per_device(r: Routes, loss_fn, treedef, meta, flat_params, batch, args, sca
   if not r.has_aux:
     return loss, None, grads, weight
   aux, per_row = reduction.finish_aux(
-    auxes, meta['aux_treedef'], meta['aux_kinds'], _axis_arg(r.all_axes)
+    auxes, kind.aux_treedef, list(kind.aux_kinds), routes_lib.axis_arg(r.all_axes)
   )
-  meta['aux_per_row'] = per_row
   # Per-row leaves leave concatenated over devices; global means leave one copy per device.
   return loss, [x if rows else x[None] for x, rows in zip(aux, per_row)], grads, weight
 
@@ -685,7 +487,7 @@ def value_and_grad(
   per_layer = per_layer and config.stage >= 2
   if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
     raise ValueError(f'`micro_batches` must be a positive int, got {micro_batches!r}.')
-  options = dict(micro_batches=micro_batches, reduce_dtype=reduce_dtype, has_aux=has_aux)
+  options = Options(micro_batches, reduce_dtype, has_aux)
   if not manual:
     _check_compiler_placed(config, micro_batches)
 
@@ -728,7 +530,7 @@ def _whole_batch_step(config, loss_fn, options, params, batch, *args, scale=None
   """`value_and_grad(manual=False)`: jax's gradient of the loss on the whole batch, the
   gradients laid out as the plan says (the compiler places the reduction)."""
   plan = plan_lib.plan_of(config, params)
-  has_aux, reduce_dtype = options['has_aux'], options['reduce_dtype']
+  has_aux, reduce_dtype = options.has_aux, options.reduce_dtype
   value = lambda x: x.value if reduction.is_combined(x) else x
   scale = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale)
 
@@ -741,7 +543,7 @@ def _whole_batch_step(config, loss_fn, options, params, batch, *args, scale=None
 
   (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
   leaves, treedef = jax.tree.flatten(grads)
-  layouts = _grad_layouts(plan)
+  layouts = routes_lib.grad_layouts(plan)
   cast = lambda g: g.astype(reduce_dtype) if reduce_dtype is not None else g
   lay = (
     jax.sharding.reshard if mesh_lib.any_explicit(config.mesh) else jax.lax.with_sharding_constraint
@@ -753,13 +555,13 @@ def _whole_batch_step(config, loss_fn, options, params, batch, *args, scale=None
 
 def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=None):
   """What `value_and_grad`'s function does: routes, then the per-device step in shard_map."""
-  mesh, m = config.mesh, options['micro_batches']
+  mesh, m = config.mesh, options.micro_batches
   axes, replica = config.axes, config.replica_axes
   _check_batch(batch, mesh_lib.axes_size(mesh, replica + axes), m)
   reduction.check_raw_keys(args)
   leaves, treedef = jax.tree.flatten(params)
-  routes, plan = _leaf_routes(
-    config, params, per_layer=per_layer, reduce_dtype=options['reduce_dtype']
+  routes, plan = routes_lib.leaf_routes(
+    config, params, per_layer=per_layer, reduce_dtype=options.reduce_dtype
   )
   row_axes = _row_axes(batch, replica + axes)
   # Offloaded parameters stream their gradients down too: the update runs in host memory.
@@ -776,15 +578,17 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
       ' on a mesh with replica axes (e.g. several TPU slices).'
     )
   noted = streaming.start() if stream else None
-  r = Routes(routes, mesh, config.stage, axes, row_axes, m, options['has_aux'], stream, replica)
-  rows = PartitionSpec(_axis_arg(row_axes))
+  r = routes_lib.Routes(
+    routes, mesh, config.stage, axes, row_axes, m, options.has_aux, stream, replica
+  )
+  rows = PartitionSpec(routes_lib.axis_arg(row_axes))
   scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
-  meta: dict = {}  # what tracing the loss finds out: its kind, its aux's structure
+  found: list[LossKind] = []  # what tracing the loss finds out (`_per_device` hands it out)
   # Streamed gradients leave the region as one part per micro-batch (see `_host_finish`).
   streamed = [stream and x.model_split is not None for x in routes]
   grad_specs = [(x.grad_spec,) * m if s else x.grad_spec for x, s in zip(routes, streamed)]
   mapped = jax.shard_map(
-    functools.partial(_per_device, r, loss_fn, treedef, meta),
+    functools.partial(_per_device, r, loss_fn, treedef, found),
     mesh=mesh,
     in_specs=([x.rest_spec for x in routes], rows, PartitionSpec(), PartitionSpec()),
     out_specs=(PartitionSpec(), rows, grad_specs, PartitionSpec()),
@@ -799,12 +603,13 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
     batch = jax.tree.map(lambda x: jax.sharding.reshard(x, NamedSharding(mesh, rows)), batch)
   leaves = _fetch_whole(leaves, routes, plan)
   loss, aux, grads, weight = mapped(leaves, batch, args, scale)
+  (kind,) = found
   grads = [
-    _host_finish(noted, list(g), weight, route.acc_dtype, meta['weighted']) if s else g
+    _host_finish(noted, list(g), weight, route.acc_dtype, kind.weighted) if s else g
     for g, route, s in zip(grads, routes, streamed)
   ]
   grads = jax.tree.unflatten(treedef, grads)
   if not r.has_aux:
     return loss, grads
-  aux = [x if per_row else _first(x, mesh) for x, per_row in zip(aux, meta['aux_per_row'])]
-  return (loss, meta['aux_treedef'].unflatten(aux)), grads
+  aux = [x if per_row else _first(x, mesh) for x, per_row in zip(aux, kind.per_row)]
+  return (loss, kind.aux_treedef.unflatten(aux)), grads
