@@ -42,7 +42,7 @@ def _decoder_run(mesh, stage, *, offload_params, update_on, micro_batches=1, ste
   def step(params, opt_state, tokens):
     value, grads = grad_fn(params, tokens)
     if fused:
-      params, opt_state = ztx.update.apply_gradients(grads, opt_state, params)
+      params, opt_state = zerojax.apply_gradients(ztx, grads, opt_state, params)
       return params, opt_state, value
     updates, opt_state = ztx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
@@ -95,7 +95,7 @@ UPDATE_WARNING = (
   'offload_params=True at stage 3: tx.update returns the updates for optax.apply_updates,'
   ' and the compiler holds them, every layer at once, in device memory for that add; the'
   " device's peak then grows with the layer count. Take the new parameters in the update's"
-  ' own host computation instead: params, opt_state = tx.update.apply_gradients(grads,'
+  ' own host computation instead: params, opt_state = zerojax.apply_gradients(tx, grads,'
   ' opt_state, params) (a train state from zerojax.create_train_state does this in'
   ' state.apply_gradients; for Flax NNX, zerojax.nnx.Optimizer in place of nnx.Optimizer).'
 )

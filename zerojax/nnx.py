@@ -7,7 +7,7 @@
 - `logical_param_specs(model, rules)`: mesh layouts from `nnx.with_partitioning`'s logical
   axis names, for `zero_stage(param_specs=...)`.
 - `Optimizer(model, tx, wrt=...)`: `nnx.Optimizer` whose `update` keeps offloaded stage-3
-  parameters' update in host memory (`tx.update.apply_gradients`).
+  parameters' update in host memory (`zerojax.apply_gradients`).
 """
 
 from zerojax._src.nnx_state import Optimizer as Optimizer

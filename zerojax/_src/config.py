@@ -92,7 +92,7 @@ class ZeroUpdate:
     on the host (`update_on='host'` or `'stream'`) the new parameters are made in the
     update's own host computation, where they rest: the updates never come to the device
     (compiled into one computation, the add may be contracted with the update: values a
-    rounding step apart can occur). Called as `tx.update.apply_gradients(grads, opt_state,
+    rounding step apart can occur). Called by `zerojax.apply_gradients(tx, grads, opt_state,
     params)`.
 
     Raises:

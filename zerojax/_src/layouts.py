@@ -20,7 +20,6 @@ given. Nothing is remembered between calls.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -112,10 +111,9 @@ def specs_of(tree: Any) -> Any:
   >>> zerojax.specs_of({'w': jax.numpy.ones((2, 2))}) == {'w': jax.sharding.PartitionSpec()}
   True
   """
-  tree = values_of(tree)
-  meta = sys.modules.get('flax.core.meta')
-  if meta is not None:
-    tree = meta.unbox(tree)
+  from flax.core import meta  # linen's boxes (`nn.Partitioned`); flax is loaded on use only
+
+  tree = meta.unbox(values_of(tree))
   hidden = []
 
   def one(path, x):

@@ -219,7 +219,7 @@ def create_train_state(
     apply_fn: the model's apply function, stored in the state.
     state_class: a TrainState class or subclass; default flax's `TrainState` with an
       `apply_gradients` that takes the new parameters in one call
-      (`tx.update.apply_gradients`: offloaded stage-3 parameters never come to the device).
+      (`zerojax.apply_gradients`: offloaded stage-3 parameters never come to the device).
     param_dtype: if given (e.g. `jnp.bfloat16`), the state's parameters are
       cast to it after `tx.init` has seen them at full precision: with
       `zerojax.mixed_precision(tx)` the fp32 master copy lives in the

@@ -218,7 +218,7 @@ def warn_if_update_leaves_host(config: Any, stacklevel: int) -> None:
     'offload_params=True at stage 3: tx.update returns the updates for optax.apply_updates,'
     ' and the compiler holds them, every layer at once, in device memory for that add; the'
     " device's peak then grows with the layer count. Take the new parameters in the update's"
-    ' own host computation instead: params, opt_state = tx.update.apply_gradients(grads,'
+    ' own host computation instead: params, opt_state = zerojax.apply_gradients(tx, grads,'
     ' opt_state, params) (a train state from zerojax.create_train_state does this in'
     ' state.apply_gradients; for Flax NNX, zerojax.nnx.Optimizer in place of nnx.Optimizer).',
     stacklevel=stacklevel,
