@@ -62,12 +62,8 @@ def _data(mesh):
   return jax.device_put(batch(), NamedSharding(mesh, PartitionSpec('data')))
 
 
-def _optimizer_line(stage, mesh):
-  """On Explicit axes the parameters stay replicated: a plain loss reads them as typed."""
-  tx = zerojax.zero_stage(optax.adamw(1e-2, weight_decay=0.1), stage, mesh=mesh)
-  params = jax.device_put(mlp_params(), zerojax.plan_for(tx, mlp_params()).params)
-  if jax.sharding.AxisType.Explicit in mesh.axis_types:
-    params = jax.device_put(mlp_params(), NamedSharding(mesh, PartitionSpec()))
+def _compiled_plain_step(tx, params, mesh):
+  """jax's gradient, `tx.update` and `optax.apply_updates` in one jitted step, compiled."""
   state = tx.init(params)
 
   def step(params, state, x, y):
@@ -76,6 +72,15 @@ def _optimizer_line(stage, mesh):
     return optax.apply_updates(params, updates), state
 
   return jax.jit(step).lower(params, state, *_data(mesh)).compile()
+
+
+def _optimizer_line(stage, mesh):
+  """On Explicit axes the parameters stay replicated: a plain loss reads them as typed."""
+  tx = zerojax.zero_stage(optax.adamw(1e-2, weight_decay=0.1), stage, mesh=mesh)
+  params = jax.device_put(mlp_params(), zerojax.plan_for(tx, mlp_params()).params)
+  if jax.sharding.AxisType.Explicit in mesh.axis_types:
+    params = jax.device_put(mlp_params(), NamedSharding(mesh, PartitionSpec()))
+  return _compiled_plain_step(tx, params, mesh)
 
 
 def _value_and_grad(stage, mesh):
@@ -103,14 +108,7 @@ def _tensor_parallel(stage, _):
   params = jax.device_put(mlp_params(), jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
   tx = zerojax.zero_stage(optax.adam(1e-2), stage, mesh=mesh)
   params = jax.device_put(params, zerojax.plan_for(tx, params).params)
-  state = tx.init(params)
-
-  def step(params, state, x, y):
-    grads = jax.grad(loss_fn)(params, x, y)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return jax.jit(step).lower(params, state, *_data(mesh)).compile()
+  return _compiled_plain_step(tx, params, mesh)
 
 
 def _train_state(stage, mesh):
