@@ -131,13 +131,16 @@ def _update_on_host(inner, grads, state, params, extra_args, applied=False):
   return (out if applied else _move(out, jax.memory.Space.Device)), state
 
 
-def _host_master_step(
-  step, grads, state, params, arrays, others, noted, stay_on_host=False, applied=False
-):
+# What the streamed master step returns: the rounded new parameters, written to device memory;
+# or, for parameters resting in host memory, the updates to them or the new parameters
+# (`optax.apply_updates`'s sum), left there.
+MASTER_RETURNS = ('rounded', 'updates', 'params')
+
+
+def _host_master_step(step, grads, state, params, arrays, others, noted, returns='rounded'):
   """`update_on='stream'` with `mixed_precision`: its master step runs in host memory on the
-  host, and only the new parameters come back, in their compute dtype, one leaf at a time
-  (`stay_on_host`: the updates to `params`, which are in host memory, stay there instead;
-  with `applied` too, `params` plus those updates, as `optax.apply_updates` adds them).
+  host, and only what `returns` names comes back (`MASTER_RETURNS`), in the parameters'
+  compute dtype, one leaf at a time.
 
   Streamed gradients that `value_and_grad` noted (`noted`, per leaf) are finished
   from their micro-batch parts in this same host computation: an output of a
@@ -158,11 +161,12 @@ def _host_master_step(
     if kept is None:
       return rounded, state
     updates = updates_to(rounded, kept)
-    return (optax.apply_updates(kept, updates) if applied else updates), state
+    return (optax.apply_updates(kept, updates) if returns == 'params' else updates), state
 
   # The new parameters are written straight to device memory. Parameters kept in host memory
-  # (`stay_on_host`) are read there, and the updates to them are taken in this same
-  # computation: a second host computation would hold its input in device memory.
+  # are read there, and the updates to them are taken in this same computation: a second host
+  # computation would hold its input in device memory.
+  stay_on_host = returns != 'rounded'
   space = host if stay_on_host else jax.memory.Space.Device
   run = compat.compute_on_host(update, out_memory_spaces=(space, host))
   return run(
@@ -354,16 +358,9 @@ def streamed_update(step: Step, grads, state, params, arrays, noted):
   # Offloaded stage-3 parameters are updated where they live: the new ones stay in host
   # memory, in the shards the host computed them in (stages 1-2 gather them on the device).
   stay = step.config.updates_params_on_host
+  returns = ('params' if step.applied else 'updates') if stay else 'rounded'
   new, state = _host_master_step(
-    step.master_step,
-    grads,
-    state,
-    params,
-    arrays,
-    step.others,
-    noted,
-    stay_on_host=stay,
-    applied=step.applied,
+    step.master_step, grads, state, params, arrays, step.others, noted, returns
   )
   if stay:  # `new`: the updates themselves (or the new parameters), in host memory
     return new, _to_plan_memory(state, plan.opt_state)
