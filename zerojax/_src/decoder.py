@@ -458,6 +458,10 @@ class DecoderOptions:
     if loss_chunk is not None and (not isinstance(loss_chunk, int) or loss_chunk < 1):
       raise ValueError(f'decoder_loss: loss_chunk must be a whole number >= 1, got {loss_chunk!r}.')
 
+  def as_kwargs(self) -> dict[str, Any]:
+    """The record as `decoder_loss`'s keyword arguments."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
   @classmethod
   def of(cls, where: str, options: dict) -> DecoderOptions:
     """The record of keyword arguments `options`, an unknown keyword named with the known ones.

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from zerojax._src import plan as plan_lib
 from zerojax._src.decoder import ATTENTION as ATTENTION
 from zerojax._src.decoder import DecoderConfig as DecoderConfig
+from zerojax._src.decoder import DecoderOptions as DecoderOptions
 from zerojax._src.decoder import Rope as Rope
 from zerojax._src.decoder import chunked_attention as chunked_attention
 from zerojax._src.decoder import chunked_cross_entropy as chunked_cross_entropy
@@ -91,6 +92,18 @@ class ModelSettings:
       if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f'`{field}` must be a whole number >= 1 or None, got {value!r}.')
     jnp.dtype(self.compute_dtype)  # an unknown dtype raises here, naming it
+
+  def decoder_options(self, **candidate: Any) -> DecoderOptions:
+    """The decoder's options record (`DecoderOptions`, checked there) these settings give, with
+    a candidate's `remat`, `prefetch_next` and `lean_head`."""
+    return DecoderOptions(
+      compute_dtype=jnp.dtype(self.compute_dtype),
+      per_layer=self.per_layer,
+      attention_chunk=self.attention_chunk,
+      attention=self.attention,
+      loss_chunk=self.loss_chunk,
+      **candidate,
+    )
 
   def given(self) -> tuple[str, ...]:
     """The settings that differ from the defaults, by name (a model function of its own
@@ -240,22 +253,15 @@ def decoder_spec(
   else:
     cfg = PRESETS[name]
   seq = settings.seq_len or cfg.seq_len
-  loss = functools.partial(
-    decoder_loss,
-    cfg=cfg,
-    compute_dtype=jnp.dtype(settings.compute_dtype),
-    remat=remat,
-    per_layer=settings.per_layer,
-    prefetch_next=prefetch_next,
-    attention_chunk=settings.attention_chunk,
-    attention=settings.attention,
-    loss_chunk=settings.loss_chunk,
-    lean_head=lean_head,
-  )
+  options = settings.decoder_options(remat=remat, prefetch_next=prefetch_next, lean_head=lean_head)
+
+  def loss_fn(params, tokens, plan):
+    return decoder_loss(params, tokens, cfg, **dataclasses.replace(options, plan=plan).as_kwargs())
+
   return ModelSpec(
     name=name,
     init_fn=functools.partial(init_decoder, cfg),
-    loss_fn=lambda params, tokens, plan: loss(params, tokens, plan=plan),
+    loss_fn=loss_fn,
     batch=lambda global_batch: jax.ShapeDtypeStruct((global_batch, seq + 1), jnp.int32),
     tensor_specs=lambda axis, size: (cfg.check_tensor(size), cfg.param_specs(axis))[1],
     stacked=cfg.stacked(),
