@@ -353,3 +353,17 @@ def test_plan_cache_is_bounded(explicit_mesh):
   # The newest plans are kept.
   last = {'w': jax.ShapeDtypeStruct((8 * 39, 8), jnp.float32)}
   assert zerojax.plan_for(tx, last) is zerojax.plan_for(tx, last)
+
+
+def test_a_config_refuses_to_plan_with_the_new_spelling(explicit_mesh):
+  """`zerojax.config_of(tx).plan(params)`, as code written before the plan left the config
+  calls it: refused, naming the call that gives the plan now."""
+  tx = zerojax.zero_stage(optax.adam(1e-3), 2, mesh=explicit_mesh)
+  params = {'w': jax.ShapeDtypeStruct((64, 8), jnp.float32)}
+  with pytest.raises(AttributeError) as err:
+    zerojax.config_of(tx).plan(params)
+  assert str(err.value) == (
+    'ZeroConfig.plan(params) moved: a ZeroConfig holds only what the optimizer was built with.'
+    ' Call zerojax.plan_for(tx, params) on the optimizer instead.'
+  )
+  assert zerojax.plan_for(tx, params).grads['w'].spec == jax.P('data', None)

@@ -43,6 +43,18 @@ class ZeroConfig:
   replica_axes: tuple[str, ...] = ()
   recorded: layouts_lib.Layouts | None = None
 
+  def plan(self, params: Any, opt_state: Any = None) -> Any:
+    """Moved: a config is data, and the plan is the planner's (`zerojax.plan_for`).
+
+    Raises:
+      AttributeError: always, with the new spelling.
+    """
+    del params, opt_state
+    raise AttributeError(
+      'ZeroConfig.plan(params) moved: a ZeroConfig holds only what the optimizer was built with.'
+      ' Call zerojax.plan_for(tx, params) on the optimizer instead.'
+    )
+
   @property
   def updates_params_on_host(self) -> bool:
     """Offloaded stage-3 parameters: updated in host memory, in the shards they rest in
