@@ -421,26 +421,21 @@ class Core:
     """One update: `(updates, state)`, or with `applied` `(new_params, state)`. The layouts are
     resolved once, here, from the caller's trees (Flax Variables included); the update runs on
     their values and answers in the caller's form."""
+    pure = [variables.values_of(t) for t in (updates, state, params)]
+    validation.abstract_arrays(pure[0], 'grads')
+    if params is not None:
+      validation.check_like_params(pure[0], pure[2], 'grads')
     like, name = (params, 'params') if params is not None else (updates, 'grads')
     record = state.layouts if isinstance(state, layouts_lib.ZeroState) else None
     layouts = layouts_lib.resolve(self.config, like, record, name)
+    out, new_state = self.pure_update(layouts, *pure, extra_args, applied)
     if not variables.has_variables(updates, state, params):
-      return self.pure_update(layouts, updates, state, params, extra_args, applied)
-    out, new_state = self.pure_update(
-      layouts,
-      variables.values_of(updates),
-      variables.values_of(state),
-      variables.values_of(params),
-      extra_args,
-      applied,
-    )
+      return out, new_state
     out = variables.wrapped_like(out, params if applied else updates)
     return out, variables.wrapped_like(new_state, state)
 
   def pure_update(self, layouts, updates, state, params, extra_args, applied):
-    validation.abstract_arrays(updates, 'grads')
-    if params is not None:
-      validation.check_like_params(updates, params, 'grads')
+    """The update on arrays (no Flax Variables), the inputs checked and the layouts resolved."""
     if not isinstance(state, layouts_lib.ZeroState):
       return self.run(layouts, updates, state, params, extra_args, applied)
     # A state that carries its parameters' layouts: the record is passed on unchanged.
