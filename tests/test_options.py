@@ -26,6 +26,7 @@ def test_defaults_and_one_spelling_per_choice():
     'offload_params': False,
     'quantize': None,
     'replica_axis': None,
+    'trainable': None,
   }
   # Frozen and keyword-only: an options object cannot change under a plan that used it.
   with pytest.raises(dataclasses.FrozenInstanceError):
@@ -104,7 +105,7 @@ def test_zero_stage_names_an_unknown_option_and_every_known_one():
   assert str(e.value) == (
     'zerojax.zero_stage got unknown option(s) shard_axis; the ZeRO options (zerojax.Options) are'
     ' axis, policy, replicate_below_bytes, param_specs, stacked, param_axis, offload, update_on, offload_params, quantize,'
-    ' replica_axis.'
+    ' replica_axis, trainable.'
   )
   assert options_lib.NAMES == tuple(f.name for f in dataclasses.fields(zerojax.Options))
 

@@ -38,6 +38,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zerojax._src import compat, jaxprs, reduction, runtime, streaming, transform
+from zerojax._src import frozen as frozen_lib
 from zerojax._src import gather as gather_lib
 from zerojax._src import grad_routes as routes_lib
 from zerojax._src import mesh as mesh_lib
@@ -193,16 +194,24 @@ def _warn_unrolled(closed: Any) -> None:
 def _micro_step(r: routes_lib.Routes, loss_fn, treedef, flat_params, mb, args, scale, kind):
   """One part's (total, weight, aux, gradients of total * scale)."""
   diff, rebuild = routes_lib.loss_inputs(r, flat_params)
+  # Frozen leaves (`Options.trainable`) are closed over, not differentiated: their gradient
+  # is neither computed nor reduced (None from here on).
+  trains = [not route.frozen for route in r.leaves]
 
-  def scaled(diff):
-    total, weight, aux = _traced_loss(r, loss_fn, treedef, rebuild, diff, mb, args)
+  def scaled(trained):
+    given = iter(trained)
+    full = [next(given) if t else x for x, t in zip(diff, trains)]
+    total, weight, aux = _traced_loss(r, loss_fn, treedef, rebuild, full, mb, args)
     return (total * scale.astype(total.dtype)).astype(total.dtype), (total, weight, aux)
 
-  (_, (total, weight, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(diff)
+  trained = [x for x, t in zip(diff, trains) if t]
+  (_, (total, weight, aux)), got = jax.value_and_grad(scaled, has_aux=True)(trained)
   if r.has_aux:
     aux = reduction.stack_aux(aux, list(kind.aux_kinds))
+  got = iter(got)
+  grads = [next(got) if t else None for t in trains]
   grads = [
-    g if update_lib.in_host_memory(g) else g.astype(route.acc_dtype)
+    g if g is None or update_lib.in_host_memory(g) else g.astype(route.acc_dtype)
     for g, route in zip(grads, r.leaves)
   ]
   return total.astype(jnp.float32), weight, aux, grads
@@ -229,7 +238,7 @@ def _reduce_micro(r: routes_lib.Routes, route: routes_lib.LeafRoute, g: jax.Arra
   model's gather, inside the backward pass where the compiler can overlap it); with several,
   once after the loop.
   """
-  if r.stage >= 2 and route.scatter is not None and route.model_split is None:
+  if g is not None and r.stage >= 2 and route.scatter is not None and route.model_split is None:
 
     def reduce(g):
       g = _reduce_scatter(route, g, r.axes)
@@ -279,6 +288,20 @@ def _reduce_final(r: routes_lib.Routes, route: routes_lib.LeafRoute, acc: jax.Ar
   return gather_lib.on_free_axes(whole, route.grad_free, acc)
 
 
+def _finished(r: routes_lib.Routes, acc: list, weight: Any) -> list:
+  """Each leaf's gradient from its accumulator: reduced and divided by the global weight;
+  streamed ones as their parts; frozen leaves zeros in their gradient's layout, from no
+  computation."""
+  return [
+    jnp.zeros(route.grad_shape, route.acc_dtype)
+    if route.frozen
+    else a
+    if isinstance(a, tuple)
+    else (_reduce_final(r, route, a) / weight).astype(a.dtype)
+    for a, route in zip(acc, r.leaves)
+  ]
+
+
 def _per_device(r: routes_lib.Routes, loss_fn, treedef, found, flat_params, batch, args, scale):
   """One device's step: the micro-batch loop, then the reductions and the global means. What
   tracing the loss found (`LossKind`) is handed out in `found`, a one-slot list, for the
@@ -294,9 +317,12 @@ def _per_device(r: routes_lib.Routes, loss_fn, treedef, found, flat_params, batc
     t, w, aux, grads = _micro_step(r, loss_fn, treedef, flat_params, mb, part, scale, kind)
     grads = [_reduce_micro(r, route, g) for g, route in zip(grads, r.leaves)]
     if acc is None:  # the first micro-batch; streamed gradients are kept part by part
-      acc = [(g,) if update_lib.in_host_memory(g) else g for g in grads]
+      acc = [(g,) if g is not None and update_lib.in_host_memory(g) else g for g in grads]
     else:
-      acc = [a + (g,) if isinstance(a, tuple) else a + g for a, g in zip(acc, grads)]
+      acc = [
+        None if g is None else a + (g,) if isinstance(a, tuple) else a + g
+        for a, g in zip(acc, grads)
+      ]
     return (acc, sums + (t if w is None else jnp.stack([t, w]))), aux
 
   mb0 = jax.tree.map(lambda x: x[0], micro)
@@ -318,7 +344,9 @@ def _per_device(r: routes_lib.Routes, loss_fn, treedef, found, flat_params, batc
     acc, sums = carry
     auxes = jax.tree.map(lambda *xs: jnp.stack(xs), *parts)
   else:
-    acc0 = [jnp.zeros(route.acc_shape, route.acc_dtype) for route in r.leaves]
+    acc0 = [
+      None if route.frozen else jnp.zeros(route.acc_shape, route.acc_dtype) for route in r.leaves
+    ]
     (acc, sums), auxes = jax.lax.scan(body, (acc0, sums0), (jnp.arange(m), micro))
   # The global normaliser: the parts' summed weights (one all-reduce with the
   # loss), or for a plain mean the number of parts. A loss scale stays in the
@@ -326,10 +354,7 @@ def _per_device(r: routes_lib.Routes, loss_fn, treedef, found, flat_params, batc
   sums = jax.lax.psum(sums, routes_lib.axis_arg(r.all_axes))
   total, weight = (sums[0], sums[1]) if kind.weighted else (sums, r.size(r.all_axes) * m)
   # Streamed gradients leave as their micro-batch parts, with the divisor.
-  grads = [
-    a if isinstance(a, tuple) else (_reduce_final(r, route, a) / weight).astype(a.dtype)
-    for a, route in zip(acc, r.leaves)
-  ]
+  grads = _finished(r, acc, weight)
   loss = total / weight
   weight = jnp.asarray(weight, jnp.float32)
   if not r.has_aux:
@@ -534,14 +559,21 @@ def _whole_batch_step(config, loss_fn, options, params, batch, *args, scale=None
   value = lambda x: x.value if reduction.is_combined(x) else x
   scale = jnp.ones((), jnp.float32) if scale is None else jnp.asarray(scale)
 
-  def scaled(p):
+  frozen = plan.frozen or None
+
+  def scaled(trained):
+    # Frozen leaves (`Options.trainable`) are closed over: no gradient is taken for them.
+    p = frozen_lib.fill(trained, params, frozen, frozen_lib.frozen_of(params, frozen))
     out = loss_fn(p, batch, *args)
     loss, aux = out if has_aux else (out, None)
     loss = value(loss)
     aux = jax.tree.map(value, aux, is_leaf=reduction.is_combined)
     return (loss * scale.astype(loss.dtype)), (loss, aux)
 
-  (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+  trained = frozen_lib.prune(params, frozen)
+  (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(trained)
+  zeros = [jnp.zeros_like(x) for x in frozen_lib.frozen_of(params, frozen)]
+  grads = frozen_lib.fill(grads, params, frozen, zeros)
   leaves, treedef = jax.tree.flatten(grads)
   layouts = routes_lib.grad_layouts(plan)
   cast = lambda g: g.astype(reduce_dtype) if reduce_dtype is not None else g
@@ -585,7 +617,7 @@ def _step(config, loss_fn, per_layer, options, params, batch, *args, loss_scale=
   scale = jnp.ones((), jnp.float32) if loss_scale is None else jnp.asarray(loss_scale)
   found: list[LossKind] = []  # what tracing the loss finds out (`_per_device` hands it out)
   # Streamed gradients leave the region as one part per micro-batch (see `_host_finish`).
-  streamed = [stream and x.model_split is not None for x in routes]
+  streamed = [stream and x.model_split is not None and not x.frozen for x in routes]
   grad_specs = [(x.grad_spec,) * m if s else x.grad_spec for x, s in zip(routes, streamed)]
   mapped = jax.shard_map(
     functools.partial(_per_device, r, loss_fn, treedef, found),

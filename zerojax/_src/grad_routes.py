@@ -66,6 +66,8 @@ class LeafRoute:
     fetched: in host memory at rest (`offload_params`) and brought to the device by the
       model's own gather, layer by layer (stage 3, `per_layer`); other offloaded leaves
       come to the device before the step's region.
+    frozen: not trained (`Options.trainable`): the loss is not differentiated with respect to
+      it, nothing of its gradient is reduced, and zeros come back in its gradient's layout.
   """
 
   path: str
@@ -80,6 +82,17 @@ class LeafRoute:
   free: PartitionSpec | None = None
   grad_free: PartitionSpec | None = None
   fetched: bool = False
+  frozen: bool = False
+  grad_shape: tuple[int, ...] = ()  # one device's part of the returned gradient
+
+
+def local_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> tuple[int, ...]:
+  """The shape of one device's part of an array of `shape` laid out as `spec`."""
+  entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+  return tuple(
+    d if e is None else d // mesh_lib.axes_size(mesh, e if isinstance(e, tuple) else (e,))
+    for d, e in zip(shape, entries)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +129,10 @@ def leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any)
   # it reduce-scattered into the optimizer state's shards (the update reads
   # only those): the floor's traffic, where an all-reduce would move more.
   layouts = grad_layouts(plan)
+  frozen = plan.frozen or (False,) * len(flat)
   routes = []
-  for (path, x), rest, grad, q in zip(
-    flat, jax.tree.leaves(plan.params), layouts, plan.quantized()
+  for (path, x), rest, grad, q, cold in zip(
+    flat, jax.tree.leaves(plan.params), layouts, plan.quantized(), frozen
   ):
     rest_spec = manual_spec(rest.spec, axes, x.ndim)
     grad_spec = manual_spec(grad.spec, axes, x.ndim)
@@ -150,6 +164,8 @@ def leaf_routes(config: Any, params: Any, *, per_layer: bool, reduce_dtype: Any)
         free,
         grad_free,
         fetched,
+        cold,
+        local_shape(x.shape, grad_spec, config.mesh),
       )
     )
   return tuple(routes), plan
@@ -185,7 +201,8 @@ def loss_inputs(r: Routes, flat_params: list) -> tuple[list, Callable[[list], li
       # update_on='stream': the gradient is taken with respect to a stand-in in
       # host memory, which the model's gathers send it to (its value is never
       # read; whether the TPU compiler drops it is not yet checked).
-      sink = host_stand_in(x.shape, sink_dtype(x.ndim, route.acc_dtype)) if r.stream else None
+      streamed = r.stream and not route.frozen
+      sink = host_stand_in(x.shape, sink_dtype(x.ndim, route.acc_dtype)) if streamed else None
       leaves.append(
         gather_lib.ShardedLeaf(
           x,

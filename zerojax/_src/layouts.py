@@ -26,6 +26,7 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zerojax._src import frozen as frozen_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import rules, validation, variables
 from zerojax._src.variables import values_of
@@ -180,21 +181,33 @@ class Resolved:
     specs: a tree of `PartitionSpec`s, a prefix of the parameters' values; None: read each
       leaf's own (`spec_of`).
     source: 'param_specs', 'arrays', 'record' or 'metadata' (for error messages).
+    frozen: per parameter leaf, whether it is frozen (`Options.trainable`); None: all train.
   """
 
   specs: Any
   source: str
+  frozen: tuple[bool, ...] | None = None
 
 
 def resolve(config: Any, params: Any, recorded: Layouts | None = None, name: str = 'params'):
   """The layouts of `params` over the mesh's other axes, from the first source that has them
-  (see the module's docstring). `params` may hold Flax Variables; `recorded` is the record of
-  the state being updated (`ZeroState.layouts`), if any.
+  (see the module's docstring), and which leaves are frozen (`Options.trainable`). `params` may
+  hold Flax Variables; `recorded` is the record of the state being updated
+  (`ZeroState.layouts`), if any.
 
   Raises:
     ValueError: traced on Auto mesh axes beside another axis, with nothing that says the
-      layouts; a record for another number of leaves; metadata for another mesh.
+      layouts; a record for another number of leaves; metadata for another mesh; a
+      `trainable` that does not fit the parameters (see `frozen.trainable_leaves`).
   """
+  found = _layouts(config, params, recorded, name)
+  frozen = frozen_lib.trainable_leaves(config.options.trainable, params)
+  if frozen is None:
+    return found
+  return Resolved(found.specs, found.source, tuple(not t for t in frozen))
+
+
+def _layouts(config: Any, params: Any, recorded: Layouts | None, name: str) -> Resolved:
   if config.options.param_specs is not None:
     return Resolved(config.options.param_specs, 'param_specs')
   values = values_of(params)

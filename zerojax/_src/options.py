@@ -81,6 +81,12 @@ class Options:
       per step (after its reduce-scatter over `axis`). None (the default) takes the mesh
       axes that run across TPU slices (`Device.slice_index`) and are not in `axis`, so a
       multi-slice mesh is hierarchical ZeRO unless `axis` names its slice axis.
+    trainable: which parameters train; the rest are frozen (LoRA's base weights). None (the
+      default): all of them. A bool or a prefix tree of bools (a mask), a predicate
+      `(key_path, leaf) -> bool`, or a Flax Variable type (`nnx.LoRAParam`) for parameters
+      given as Variables. Frozen leaves are laid out at rest like the others (split at stage
+      3), but get no optimizer state, no master copy and no gradient in the update (it is
+      not read, so a jitted step neither computes nor reduces it); their update is zero.
 
   Every field is checked when the object is made:
 
@@ -101,6 +107,7 @@ class Options:
   offload_params: bool = False
   quantize: quantize_lib.Quantize | None = None
   replica_axis: AxisName | None = None
+  trainable: Any = None
 
   def __post_init__(self):
     _check_axis_name(self.axis, 'axis')

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from zerojax._src import frozen as frozen_lib
 from zerojax._src import layouts as layouts_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import rules, validation
@@ -31,6 +32,7 @@ class PlanRow:
   grads: PartitionSpec | None  # params rows only
   reason: str | None  # why the leaf stays whole on the ZeRO axes, if it does
   offloaded: bool = False  # kept in host memory (memory_kind='pinned_host')
+  frozen: bool = False  # params rows only: not trained (no gradient, no optimizer state)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -64,6 +66,10 @@ class ZeroPlan:
     replica_axes: the data-parallel axes beside the ZeRO axes (`Options.replica_axis`;
       by default those across TPU slices): every position along them holds a whole
       copy of the split state.
+    frozen: per parameter leaf (in `jax.tree.leaves` order), whether it is frozen
+      (`Options.trainable`): laid out in `params` like the others, with no gradient and no
+      optimizer state (`opt_state` is the state of the trainable leaves alone); () when
+      every leaf trains. `grads` and `param_shards` still name a layout for every leaf.
   """
 
   stage: int
@@ -80,6 +86,27 @@ class ZeroPlan:
   quantize: Any = None
   unquantized: tuple[str | None, ...] = ()
   replica_axes: tuple[str, ...] = ()
+  frozen: tuple[bool, ...] = ()
+
+  def trainable_part(self) -> ZeroPlan:
+    """The plan of the trainable leaves alone, what the wrapped optimizer runs on: `params`,
+    `grads` and `param_shards` with the frozen leaves pruned (`optax.MaskedNode`), the
+    per-leaf tuples without them. The plan itself when nothing is frozen."""
+    if not any(self.frozen):
+      return self
+    frozen = self.frozen
+    keep = lambda items: tuple(frozen_lib.trained(list(items), frozen)) if items else items
+    param_rows = [r for r in self.rows if r.group == 'params']
+    return dataclasses.replace(
+      self,
+      params=frozen_lib.prune(self.params, frozen),
+      grads=frozen_lib.prune(self.grads, frozen),
+      param_shards=frozen_lib.prune(self.param_shards, frozen),
+      rows=tuple(keep(param_rows)) + tuple(r for r in self.rows if r.group != 'params'),
+      padding=keep(self.padding),
+      unquantized=keep(self.unquantized),
+      frozen=(),
+    )
 
   def quantized(self) -> tuple[Any, ...]:
     """Per parameter leaf (in `jax.tree.leaves` order): the `Quantize` that applies, or None."""
@@ -172,7 +199,7 @@ def _leaf_table(plan: ZeroPlan) -> list[str]:
   table = []
   for r in plan.rows:
     nbytes = rules.bytes_per_device(r.shape, r.dtype, r.at_rest, plan.mesh)
-    grads = _spec_str(r.grads) if r.grads is not None else ''
+    grads = _spec_str(r.grads) if r.grads is not None else 'frozen' if r.frozen else ''
     table.append(
       (r.group, r.path or '(root)', str(r.shape), r.dtype.name, _spec_str(r.at_rest), grads)
       + (f'{nbytes:,}',)
@@ -251,9 +278,12 @@ def build_plan(
   param_axes = order_axes(config.mesh, config.axes, config.options.param_axis)[1]
   leaf_rule = _leaf_rule_for(config)
   param_leaves, opt_shapes = _param_rules(params, config, leaf_rule, layouts)
-  state_leaves, state_padding = _state_rules(param_leaves, opt_shapes, config, leaf_rule, opt_state)
-  _check_splittable(param_leaves, state_leaves, config)
-  return _assemble(param_leaves, state_leaves, state_padding, param_axes, config)
+  frozen = layouts.frozen or ()
+  state_leaves, state_padding = _state_rules(
+    param_leaves, opt_shapes, config, leaf_rule, opt_state, frozen
+  )
+  _check_splittable(param_leaves, state_leaves, config, frozen)
+  return _assemble(param_leaves, state_leaves, state_padding, param_axes, config, frozen)
 
 
 def _leaf_rule_for(config: ZeroConfig):
@@ -332,9 +362,10 @@ def _check_layer_axes(entries, leaf_rules, stacked) -> None:
 
 
 def _state_rules(
-  param_leaves: _Leaves, opt_shapes: list, config: ZeroConfig, rule_for, opt_state
+  param_leaves: _Leaves, opt_shapes: list, config: ZeroConfig, rule_for, opt_state, frozen=()
 ) -> tuple[_Leaves, list]:
-  """A rule per optimizer-state leaf: its parameter's when path and shape match."""
+  """A rule per optimizer-state leaf: its parameter's when path and shape match. The state
+  is the wrapped optimizer's on the trainable leaves alone (`frozen` pruned)."""
   if opt_state is not None:
     state_abstract = validation.abstract_arrays(opt_state, 'opt_state')
   else:
@@ -342,6 +373,7 @@ def _state_rules(
       param_leaves.treedef,
       [jax.ShapeDtypeStruct(s, r.dtype) for s, r in zip(opt_shapes, param_leaves.rules)],
     )
+    opt_params = frozen_lib.prune(opt_params, frozen or None)
     state_abstract = jax.eval_shape(config.inner.init, opt_params)
   entries = _paths(state_abstract)
   by_path = {
@@ -362,12 +394,17 @@ def _must_split(stage: int) -> dict[str, bool]:
   return {'params': stage >= 3, 'grads': stage >= 2, 'opt_state': stage >= 1}
 
 
-def _check_splittable(param_leaves: _Leaves, state_leaves: _Leaves, config: ZeroConfig) -> None:
-  """Under policy='error', every leaf the stage must split can be split; else one error."""
+def _check_splittable(
+  param_leaves: _Leaves, state_leaves: _Leaves, config: ZeroConfig, frozen=()
+) -> None:
+  """Under policy='error', every leaf the stage must split can be split; else one error.
+  A frozen leaf has no gradient to split: only stage 3's parameters."""
   must = _must_split(config.stage)
   offending = []
-  for (path, _), rule in zip(param_leaves.entries, param_leaves.rules):
-    if rule.indivisible and rule.dim is None and (must['params'] or must['grads']):
+  is_frozen = frozen or (False,) * len(param_leaves.rules)
+  for (path, _), rule, cold in zip(param_leaves.entries, param_leaves.rules, is_frozen):
+    split = must['params'] or (must['grads'] and not cold)
+    if rule.indivisible and rule.dim is None and split:
       offending.append(('params', path, rule))
   for (path, _), rule in zip(state_leaves.entries, state_leaves.rules):
     if rule.indivisible and rule.dim is None and must['opt_state']:
@@ -426,7 +463,7 @@ def _why(rule: rules.LeafRule, split: bool, padded_ok: bool = True) -> str | Non
 
 
 def _assemble(
-  param_leaves: _Leaves, state_leaves: _Leaves, state_padding: list, param_axes, config
+  param_leaves: _Leaves, state_leaves: _Leaves, state_padding: list, param_axes, config, frozen=()
 ) -> ZeroPlan:
   """NamedShardings and per-leaf rows from the rules."""
   mesh, axes = config.mesh, config.axes
@@ -436,24 +473,15 @@ def _assemble(
 
   hpz = param_axes if param_axes != axes else None
   rows, p_rest, p_grad, p_shard = [], [], [], []
-  for (path, _), rule in zip(param_leaves.entries, param_leaves.rules):
+  is_frozen = frozen or (False,) * len(param_leaves.rules)
+  for (path, _), rule, cold in zip(param_leaves.entries, param_leaves.rules, is_frozen):
     memory = HOST if config.options.offload_params and rule.shape else None  # offload_params
     p_rest.append(named(_layout(rule, must['params'], axes, padded_ok=False, within=hpz), memory))
     p_grad.append(named(_layout(rule, must['grads'], axes, padded_ok=False)))
     p_shard.append(named(_layout(rule, config.stage >= 1, axes)))
     reason = _why(rule, must['params'] or must['grads'], padded_ok=False)
-    rows.append(
-      PlanRow(
-        'params',
-        jax.tree_util.keystr(path),
-        rule.shape,
-        rule.dtype,
-        p_rest[-1].spec,
-        p_grad[-1].spec,
-        reason,
-        offloaded=memory is not None,
-      )
-    )
+    grads = None if cold else p_grad[-1].spec  # a frozen leaf has no gradient
+    rows.append(_param_row(path, rule, p_rest[-1].spec, grads, reason, memory, cold))
   s_rest = []
   for (path, x), rule in zip(state_leaves.entries, state_leaves.rules):
     host = _offloaded(path, x, config.options.offload)
@@ -488,6 +516,21 @@ def _assemble(
     quantize=config.options.quantize,
     unquantized=_unquantized(param_leaves, config.options.quantize),
     replica_axes=tuple(config.replica_axes),
+    frozen=tuple(frozen),
+  )
+
+
+def _param_row(path, rule: rules.LeafRule, at_rest, grads, reason, memory, frozen) -> PlanRow:
+  return PlanRow(
+    'params',
+    jax.tree_util.keystr(path),
+    rule.shape,
+    rule.dtype,
+    at_rest,
+    grads,
+    reason,
+    offloaded=memory is not None,
+    frozen=frozen,
   )
 
 
@@ -604,4 +647,4 @@ def _signature(config: ZeroConfig, tree: Any, layouts: layouts_lib.Resolved) -> 
     rules.normalize_spec(s, len(shape), config.mesh, drop=config.axes)
     for s, (shape, _) in zip(given, shapes)
   )
-  return treedef, shapes, specs, layouts.source
+  return treedef, shapes, specs, layouts.source, layouts.frozen

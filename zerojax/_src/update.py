@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from zerojax._src import compat, placement, streaming, validation, variables
+from zerojax._src import frozen as frozen_lib
 from zerojax._src import layouts as layouts_lib
 from zerojax._src import mesh as mesh_lib
 from zerojax._src import plan as plan_lib
@@ -370,6 +371,26 @@ def streamed_update(step: Step, grads, state, params, arrays, noted):
   return updates_to(rounded, params), _to_plan_memory(state, plan.opt_state)
 
 
+def frozen_update(
+  strategy, full: plan_lib.ZeroPlan, step: Step, grads, state, params, arrays, noted
+):
+  """`strategy` on the trainable leaves alone (`step.plan` is `full.trainable_part()`): the
+  frozen leaves' gradients are not read, so a jitted step neither computes nor reduces them, and
+  their update is zero (or, with `applied`, their new parameters are the old ones)."""
+  frozen = full.frozen
+  prune = functools.partial(frozen_lib.prune, frozen=frozen)
+  kept = None if noted is None else frozen_lib.trained(noted, frozen)
+  out, state = strategy(step, prune(grads), state, prune(params), arrays, kept)
+  if step.applied:
+    return frozen_lib.fill(out, params, frozen, frozen_lib.frozen_of(params, frozen)), state
+  mesh = step.config.mesh
+  zeros = [
+    to_memory(mesh_lib.constrain(jnp.zeros(g.shape, g.dtype), on_device(s), mesh), s, host=True)
+    for g, s in zip(frozen_lib.frozen_of(grads, frozen), frozen_lib.frozen_of(full.params, frozen))
+  ]
+  return frozen_lib.fill(out, grads, frozen, zeros), state
+
+
 @dataclasses.dataclass(frozen=True)
 class Core:
   """What a zero-wrapped optimizer's `init` and `update` run: the config, the wrapped optax
@@ -393,9 +414,13 @@ class Core:
     params = variables.checked_values(params)
     validation.abstract_arrays(params, 'params')
     plan = plan_lib.plan_of(config, params, layouts=layouts_lib.resolve(config, given))
+    # Frozen leaves (`Options.trainable`) are pruned: the wrapped optimizer's state is of the
+    # trainable ones alone.
+    part, frozen = plan.trainable_part(), plan.frozen or None
 
     def body(p):
-      state = mesh_lib.constrain(self.inner.init(pad(p, plan)), on_device(plan.opt_state), mesh)
+      state = self.inner.init(pad(frozen_lib.prune(p, frozen), part))
+      state = mesh_lib.constrain(state, on_device(plan.opt_state), mesh)
       return to_memory(state, plan.opt_state, host=True)
 
     body = mesh_lib.run_in_layout(body, mesh, plan.opt_state)
@@ -443,7 +468,11 @@ class Core:
       # Stage 0 splits nothing over the ZeRO axes: the wrapped optimizer as it is, so the
       # compiler lays the state out over the other axes as it would without zerojax (pinned
       # whole there, an unannotated embedding's moments would hold more).
-      out, inner = self.inner.update(updates, state.inner, params, **extra_args)
+      frozen = layouts.frozen
+      pruned = [frozen_lib.prune(t, frozen) for t in (updates, params)]
+      out, inner = self.inner.update(pruned[0], state.inner, pruned[1], **extra_args)
+      zeros = [jnp.zeros_like(g) for g in frozen_lib.frozen_of(updates, frozen)]
+      out = frozen_lib.fill(out, updates, frozen, zeros)
     else:
       out, inner = self.run(layouts, updates, state.inner, params, extra_args, applied)
     return out, layouts_lib.ZeroState(inner, state.layouts)
@@ -453,11 +482,14 @@ class Core:
     tree = params if params is not None else updates
     plan = plan_lib.plan_of(config, tree, layouts=layouts, opt_state=state)
     plan = placement.kept_as_typed(plan, params, updates, config)
-    placement.check_state_not_replicated(state, plan, mesh)
-    arrays, others = split_extra_args(extra_args, plan, mesh)
-    step = Step(config, self.inner, self.master_step, plan, others, applied)
+    part = plan.trainable_part()
+    placement.check_state_not_replicated(state, part, mesh)
+    arrays, others = split_extra_args(extra_args, part, mesh)
+    step = Step(config, self.inner, self.master_step, part, others, applied)
     noted = step.streamed_parts(updates, params)
     strategy = STRATEGIES[config.options.update_on]
+    if part is not plan:  # frozen leaves: the strategy runs on the trainable ones
+      strategy = functools.partial(frozen_update, strategy, plan)
     body = mesh_lib.run_in_layout(
       functools.partial(strategy, step), mesh, (plan.params, plan.opt_state)
     )
