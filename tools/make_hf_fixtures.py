@@ -16,6 +16,13 @@ The Llama family's (`DECODERS`: Llama, Mistral, Qwen2, Qwen3) are made the same 
 call with padding, truncation, both or neither (which transformers writes into tokenizer.json),
 and the ids `AutoTokenizer` reads back from each on fixed texts (`expected.json`). They need
 transformers and tokenizers only: `python tools/make_hf_fixtures.py tests/data --tokenizers`.
+
+`peft-tiny-*/` hold LoRA adapters written by peft's own `save_pretrained` on the Llama, Qwen2
+and Qwen3 fixtures above (their A and B drawn wide, so the adapter changes every logit), with
+the logits `peft.PeftModel` computes on the base's tokens: `--peft` (needs `pip install peft`).
+`bnb-nf4/` holds a weight quantized by bitsandbytes' own NF4 (`quantize_4bit`, blocks of 64,
+with and without double quantization of the scales) and its dequantized values: `--bnb`
+(needs `pip install bitsandbytes`; its CPU backend is enough).
 """
 
 from __future__ import annotations
@@ -184,6 +191,67 @@ def tokenizers(out: str) -> None:
     json.dump({'texts': TOKENIZER_TEXTS, 'ids': expected}, f)
 
 
+# The adapters' fixtures: (folder, base fixture, peft LoraConfig keywords). Together they hold
+# every projection as a target, a subset, rsLoRA and a dropout rate (no effect in eval).
+ADAPTERS = [
+  ('peft-tiny-llama', 'hf-tiny-llama', dict(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=[
+    'q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'])),
+  ('peft-tiny-qwen2', 'hf-tiny-qwen2', dict(r=8, lora_alpha=16, target_modules=['q_proj', 'v_proj'])),
+  ('peft-tiny-qwen3', 'hf-tiny-qwen3', dict(r=4, lora_alpha=4, use_rslora=True, target_modules=[
+    'q_proj', 'o_proj', 'up_proj', 'down_proj'])),
+]  # fmt: skip
+
+
+def adapter(out: str, base: str, lora: dict) -> None:
+  """A LoRA adapter of the base fixture's model, made and saved by peft itself, A and B drawn
+  wide; the logits peft's model gives on the base's tokens."""
+  import torch
+  from peft import LoraConfig, PeftModel, get_peft_model
+  from transformers import AutoModelForCausalLM
+
+  torch.manual_seed(2)
+  model = get_peft_model(
+    AutoModelForCausalLM.from_pretrained(base, attn_implementation='eager'),
+    LoraConfig(task_type='CAUSAL_LM', **lora),
+  )
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if 'lora_' in name:
+        p.copy_(0.3 * torch.randn_like(p))
+  model.save_pretrained(out)
+  tokens = torch.from_numpy(np.load(os.path.join(base, 'expected.npz'))['tokens'])
+  reread = PeftModel.from_pretrained(
+    AutoModelForCausalLM.from_pretrained(base, attn_implementation='eager'), out
+  ).eval()
+  with torch.no_grad():
+    logits = reread(input_ids=tokens).logits
+  _expected(out, tokens=tokens, logits=logits)
+
+
+def nf4(out: str) -> None:
+  """A weight (out 48, in 80: 60 blocks of 64), quantized by bitsandbytes' NF4 with and without
+  double quantization, and dequantized by it."""
+  import torch
+  from bitsandbytes import functional as F
+
+  os.makedirs(out, exist_ok=True)
+  torch.manual_seed(3)
+  w = torch.randn(48, 80) * 0.05
+  w[3, 7], w[40, 70] = 1.5, -2.0  # outliers in two blocks
+  arrays = {'weight': w}
+  for name, double in (('single', False), ('double', True)):
+    packed, state = F.quantize_4bit(w, blocksize=64, quant_type='nf4', compress_statistics=double)
+    arrays[f'{name}_packed'] = packed
+    arrays[f'{name}_dequantized'] = F.dequantize_4bit(packed, state)
+    arrays[f'{name}_absmax'] = state.absmax
+    if double:
+      arrays['double_offset'] = state.offset.reshape(1)
+      arrays['double_absmax2'] = state.state2.absmax
+      arrays['double_code2'] = state.state2.code
+  arrays['code'] = F.get_4bit_type('nf4', device='cpu')
+  _expected(out, **arrays)
+
+
 def _json(out: str, name: str, value: dict) -> None:
   with open(os.path.join(out, name), 'w') as f:
     json.dump(value, f, indent=2)
@@ -196,6 +264,13 @@ def _expected(out: str, **arrays) -> None:
 if __name__ == '__main__':
   args = [a for a in sys.argv[1:] if not a.startswith('--')]
   root = args[0] if args else 'tests/data'
+  if '--peft' in sys.argv:
+    for folder, base, lora in ADAPTERS:
+      adapter(os.path.join(root, folder), os.path.join(root, base), lora)
+  if '--bnb' in sys.argv:
+    nf4(os.path.join(root, 'bnb-nf4'))
+  if '--peft' in sys.argv or '--bnb' in sys.argv:
+    sys.exit(0)
   tokenizers(os.path.join(root, 'hf-tokenizers'))
   if '--tokenizers' in sys.argv:
     sys.exit(0)

@@ -12,6 +12,12 @@ same model.
 - `to_hf_config(cfg)`: a `config.json` for a model made here (saved beside its weights).
 - `names(cfg)`: the name map, for `zerojax.checkpoint.load_safetensors`/`save_safetensors`.
 - `init(cfg, key)`: random parameters (a model from scratch, or for tests).
+- `LoraConfig(rank, alpha, targets=...)`: LoRA adapters (`DecoderConfig.lora`, or
+  `load(..., lora=...)`); `is_adapter`, the predicate that trains them alone
+  (`zero_stage(..., trainable=zerojax.llama.is_adapter)`).
+- `save_adapter(params, folder, cfg)` and `load(..., adapter=folder)`: Hugging Face PEFT's adapter
+  folders out and in; `lora_from_peft(folder)` their config; `merge_lora(params, cfg)` folds the
+  adapters into the weights, for `save`.
 """
 
 from zerojax._src.decoder import DecoderConfig as DecoderConfig
@@ -20,12 +26,17 @@ from zerojax._src.decoder import decoder_hidden as hidden
 from zerojax._src.decoder import decoder_logits as logits
 from zerojax._src.decoder import decoder_loss as loss
 from zerojax._src.decoder import init_decoder as init
+from zerojax._src.hf_adapter import lora_from_peft as lora_from_peft
+from zerojax._src.hf_adapter import merge as merge_lora
+from zerojax._src.hf_adapter import save_adapter as save_adapter
 from zerojax._src.hf_decoder import FAMILIES as FAMILIES
 from zerojax._src.hf_decoder import config_from_hf as config_from_hf
 from zerojax._src.hf_decoder import load as load
 from zerojax._src.hf_decoder import names as names
 from zerojax._src.hf_decoder import save as save
 from zerojax._src.hf_decoder import to_hf_config as to_hf_config
+from zerojax._src.lora import LoraConfig as LoraConfig
+from zerojax._src.lora import is_adapter as is_adapter
 
 __all__ = [
   'DecoderConfig',
@@ -40,4 +51,9 @@ __all__ = [
   'logits',
   'hidden',
   'loss',
+  'LoraConfig',
+  'is_adapter',
+  'save_adapter',
+  'lora_from_peft',
+  'merge_lora',
 ]

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax._src import flash, gather, prefetch
+from zerojax._src import lora as lora_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src.remat_policies import (
   ATTENTION_OUT,
@@ -62,6 +63,8 @@ class DecoderConfig:
     tied_head: the head is the embedding transposed (no parameter of its own).
     sliding_window: each position attends to this many positions, itself included (Mistral);
       None: every earlier position.
+    lora: LoRA adapters on the projections it names (`zerojax.llama.LoraConfig`), in
+      `params['layers']['lora']`; None: none.
   """
 
   vocab: int
@@ -80,6 +83,7 @@ class DecoderConfig:
   qk_norm: bool = False
   tied_head: bool = False
   sliding_window: int | None = None
+  lora: lora_lib.LoraConfig | None = None
 
   @property
   def head_dim(self) -> int:
@@ -110,6 +114,8 @@ class DecoderConfig:
       layers['w_gate'] = cols
     layers |= {k: P(None, tensor) for k in self._extra_layer_leaves() if k in ('bq', 'bk', 'bv')}
     layers |= {k: P() for k in self._extra_layer_leaves() if k not in ('bq', 'bk', 'bv')}
+    if self.lora is not None:
+      layers[lora_lib.KEY] = lora_lib.specs(self.lora, tensor)
     top = {'embed': P(tensor, None), 'layers': layers, 'final_norm': P()}
     return top if self.tied_head else top | {'head': P(None, tensor)}
 
@@ -157,6 +163,8 @@ class DecoderConfig:
     if self.gated:
       layers['w_gate'] = (L, d, f)
     layers |= {k: (L, width) for k, width in self._extra_layer_leaves().items()}
+    if self.lora is not None:
+      layers[lora_lib.KEY] = lora_lib.shapes(self.lora, layers)
     top = {'embed': (self.vocab, d), 'layers': layers, 'final_norm': (d,)}
     return top if self.tied_head else top | {'head': (d, self.vocab)}
 
@@ -174,7 +182,14 @@ BIASES = ('bq', 'bk', 'bv', 'bo')
 
 
 def init_decoder(cfg: DecoderConfig, key: jax.Array, dtype=jnp.float32) -> dict[str, Any]:
-  """Initialises the parameters: normal(0, 0.02) matrices, unit norms, zero biases."""
+  """Initialises the parameters: normal(0, 0.02) matrices, unit norms, zero biases; LoRA
+  adapters as PEFT does (`lora.init`: B = 0, so the model is the base's)."""
+  if cfg.lora is not None:
+    key, adapters = jax.random.split(key)
+    params = init_decoder(dataclasses.replace(cfg, lora=None), key, dtype)
+    shaped = cfg.shapes()['layers'][lora_lib.KEY]
+    params['layers'][lora_lib.KEY] = lora_lib.init(cfg.lora, shaped, adapters, dtype)
+    return params
   shapes = cfg.shapes()
   leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
   keys = jax.random.split(key, len(leaves))
@@ -303,11 +318,11 @@ def _flash_attention(plan: plan_lib.ZeroPlan | None):
   )
 
 
-def _projection(cfg: DecoderConfig, h, p, name: str, heads: int, constrain):
+def _projection(cfg: DecoderConfig, h, p, name: str, heads: int, constrain, key=None):
   """One of the query, key and value projections, (batch, seq, heads, head_dim): its bias
   (Qwen2), its per-head norm (Qwen3) and its rotation added where the config has them."""
   b, t, _ = h.shape
-  y = h @ p['w' + name]
+  y = lora_lib.project(h, p, 'w' + name, cfg.lora, key)
   if 'b' + name in p:
     y = y + p['b' + name]
   y = y.reshape(b, t, heads, cfg.head_dim)
@@ -318,26 +333,28 @@ def _projection(cfg: DecoderConfig, h, p, name: str, heads: int, constrain):
   return _named(constrain(y, 'heads'), QKV)
 
 
-def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint):
+def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint, key=None):
+  """One block; `key` draws the LoRA adapters' dropout (None: none)."""
   b, t, _ = x.shape
+  proj = functools.partial(lora_lib.project, lora=cfg.lora, key=key)
   x = _named(constrain(x, 'residual'), LAYER_INPUT)
   h = _rms_norm(x, p['attn_norm'], cfg.norm_eps)
-  q = _projection(cfg, h, p, 'q', cfg.n_heads, constrain)
-  k = _projection(cfg, h, p, 'k', cfg.n_kv_heads, constrain)
-  v = _projection(cfg, h, p, 'v', cfg.n_kv_heads, constrain)
+  q = _projection(cfg, h, p, 'q', cfg.n_heads, constrain, key)
+  k = _projection(cfg, h, p, 'k', cfg.n_kv_heads, constrain, key)
+  v = _projection(cfg, h, p, 'v', cfg.n_kv_heads, constrain, key)
   attn = _named(attend(q, k, v), ATTENTION_OUT)
-  out = attn.reshape(b, t, cfg.n_heads * cfg.head_dim) @ p['wo']
+  out = proj(attn.reshape(b, t, cfg.n_heads * cfg.head_dim), p, 'wo')
   if 'bo' in p:
     out = out + p['bo']
   x = constrain(x + out, 'residual')
   x = _named(x, ATTENTION_RESIDUAL)
   h = _rms_norm(x, p['mlp_norm'], cfg.norm_eps)
   if cfg.gated:
-    gate = _named(constrain(h @ p['w_gate'], 'hidden'), MLP_HIDDEN)
-    h = jax.nn.silu(gate) * _named(constrain(h @ p['w_in'], 'hidden'), MLP_HIDDEN)
+    gate = _named(constrain(proj(h, p, 'w_gate'), 'hidden'), MLP_HIDDEN)
+    h = jax.nn.silu(gate) * _named(constrain(proj(h, p, 'w_in'), 'hidden'), MLP_HIDDEN)
   else:
-    h = jax.nn.gelu(_named(constrain(h @ p['w_in'], 'hidden'), MLP_HIDDEN))
-  return constrain(x + h @ p['w_out'], 'residual')
+    h = jax.nn.gelu(_named(constrain(proj(h, p, 'w_in'), 'hidden'), MLP_HIDDEN))
+  return constrain(x + proj(h, p, 'w_out'), 'residual')
 
 
 GatherFn = Callable[[Any, str, bool], Any]
@@ -370,18 +387,19 @@ def _split_layers(params: dict) -> bool:
   return any(gather.is_sharded_leaf(x) for x in leaves)
 
 
-def _layer_loop(block, x, layers, gather_fn: GatherFn | None, remat: str):
+def _layer_loop(block, x, layers, gather_fn: GatherFn | None, remat: str, keys=None):
   """The blocks as one `lax.scan`, each gathering its layer (if `gather_fn`) and
-  rematerialised per `remat`."""
+  rematerialised per `remat`; `keys`, one per layer, draw each block's dropout."""
 
-  def body(x, layer):
+  def body(x, xs):
+    layer, key = xs
     if gather_fn is not None:
       layer = gather_fn(layer, 'layers', True)
-    return block(x, layer), None
+    return block(x, layer, key), None
 
   if remat != 'none':
     body = jax.checkpoint(body, policy=remat_policy(remat))
-  x, _ = jax.lax.scan(body, x, layers)
+  x, _ = jax.lax.scan(body, x, (layers, keys))
   return x
 
 
@@ -422,6 +440,8 @@ class DecoderOptions:
       take each target's logit with a one-hot mask (`one_hot_cross_entropy`) rather than a
       gather, whose backward scatters into f32 logits kept live through the step. The same
       loss; less memory at the step's peak. `loss_chunk` has its own cross-entropy.
+    dropout_key: a PRNG key for the LoRA adapters' dropout (`LoraConfig.dropout`), one draw
+      per layer (the key folded with the layer's index); None (evaluation): no dropout.
 
   Raises:
     ValueError: an option's value, named (`remat`, `attention`, `attention_chunk` under flash,
@@ -438,6 +458,7 @@ class DecoderOptions:
   attention: str = 'xla'
   loss_chunk: int | None = None
   lean_head: bool = False
+  dropout_key: Any = None
 
   def __post_init__(self):
     remat, attention, loss_chunk = self.remat, self.attention, self.loss_chunk
@@ -454,6 +475,11 @@ class DecoderOptions:
       raise ValueError(
         f"decoder_loss: prefetch_next runs remat 'gathers' or 'full', not {remat!r}: its layer"
         ' loop (zerojax.scan_layers) keeps no named activations.'
+      )
+    if self.dropout_key is not None and self.prefetch_next:
+      raise ValueError(
+        'decoder_loss: dropout_key draws in the layer loop of lax.scan; prefetch_next runs'
+        " zerojax.scan_layers' loop, which takes no keys: drop one of them."
       )
     if loss_chunk is not None and (not isinstance(loss_chunk, int) or loss_chunk < 1):
       raise ValueError(f'decoder_loss: loss_chunk must be a whole number >= 1, got {loss_chunk!r}.')
@@ -534,7 +560,7 @@ def _hidden(params: dict[str, Any], inputs: jax.Array, cfg: DecoderConfig, o: De
     attend = _flash_attention(plan)
   else:
     attend = _xla_attention(o.attention_chunk, cfg.sliding_window)
-  block = lambda x, layer: _block(cfg, x, cast(layer), attend, constrain)
+  block = lambda x, layer, key=None: _block(cfg, x, cast(layer), attend, constrain, key)
   if o.prefetch_next and plan is not None and o.remat != 'none' and _split_layers(params):
     # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
     # loop, with layer i+1's gather issued while layer i computes.
@@ -547,7 +573,12 @@ def _hidden(params: dict[str, Any], inputs: jax.Array, cfg: DecoderConfig, o: De
       remat=o.remat,
     )
   else:
-    x = _layer_loop(block, x, params['layers'], gather_fn, o.remat)
+    keys = None
+    if o.dropout_key is not None and cfg.lora is not None and cfg.lora.dropout > 0:
+      keys = jax.vmap(functools.partial(jax.random.fold_in, o.dropout_key))(
+        jnp.arange(cfg.n_layers)
+      )
+    x = _layer_loop(block, x, params['layers'], gather_fn, o.remat, keys)
   if late_gather is not None:
     x, head = jax.lax.optimization_barrier((x, head))
     params = dict(params, head=late_gather({'head': head}, 'top', False)['head'])

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax._src import pretrained
+from zerojax._src import hf_adapter, pretrained
+from zerojax._src import lora as lora_lib
 from zerojax._src.decoder import DecoderConfig, Rope, init_decoder
 from zerojax._src.pretrained import Tensor
 
@@ -199,6 +200,8 @@ def load(
   *,
   cfg: DecoderConfig | None = None,
   dtype=jnp.float32,
+  lora: Any = None,
+  adapter: str | os.PathLike | None = None,
 ) -> tuple[Any, DecoderConfig]:
   """(the parameters, the config) of a Llama-family checkpoint folder, each process reading
   only its devices' slices, placed in `tx`'s ZeRO layout (`load_safetensors`, strict: a
@@ -210,10 +213,29 @@ def load(
     tx: the optimizer from `zerojax.zero_stage` (stacked={'layers': True}, or `cfg.stacked()`).
     cfg: default `config_from_hf(folder)`.
     dtype: the parameters' dtype (bf16 checkpoints are cast).
+    lora: new LoRA adapters (`zerojax.llama.LoraConfig`), initialised as PEFT does (B = 0:
+      the model starts as the checkpoint's); the config returned has it.
+    adapter: a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) to
+      read the adapters from instead (its `LoraConfig`; `lora`, if given, must equal it).
+
+  Raises:
+    ValueError: the checkpoint or the adapter does not fit (every problem named).
   """
   cfg = cfg or config_from_hf(folder)
+  if adapter is not None:
+    found = hf_adapter.lora_from_peft(adapter)
+    if lora is not None and lora != found:
+      raise ValueError(f'load: lora={lora} disagrees with the adapter in {adapter}: {found}.')
+    lora = found
+  if lora is not None:
+    cfg = hf_adapter.with_lora(cfg, lora)
   init = lambda key: init_decoder(cfg, key, dtype)
-  params = pretrained.load_safetensors(folder, init, jax.random.key(0), tx=tx, names=names(cfg))
+  fresh = (f'layers/{lora_lib.KEY}/*',) if cfg.lora is not None else ()
+  params = pretrained.load_safetensors(
+    folder, init, jax.random.key(0), tx=tx, names=names(cfg), init=fresh
+  )
+  if adapter is not None:
+    params = hf_adapter.load_adapter(adapter, params, cfg, tx)
   return params, cfg
 
 
@@ -232,7 +254,17 @@ def save(
 
   Returns:
     The files written (on process 0).
+
+  Raises:
+    ValueError: `cfg` has LoRA adapters: merge them first (`zerojax.llama.merge_lora`), or
+      save them alone (`zerojax.llama.save_adapter`).
   """
+  if cfg.lora is not None:
+    raise ValueError(
+      'save: this model has LoRA adapters, which a transformers checkpoint has no place for.'
+      ' Fold them into the weights first, params, cfg = zerojax.llama.merge_lora(params, cfg),'
+      ' or write them as a PEFT adapter: zerojax.llama.save_adapter(params, folder, cfg).'
+    )
   written = pretrained.save_safetensors(
     params, directory, names=names(cfg), max_shard_bytes=max_shard_bytes
   )

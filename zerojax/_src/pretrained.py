@@ -446,6 +446,21 @@ def load_safetensors(
   return jax.tree.unflatten(treedef, [loaded[leaf_name(p)] for p, _ in flat])
 
 
+def read_placed(path: str | os.PathLike, abstract: Any, shardings: Any, names: NameMap) -> Any:
+  """The leaves of `abstract` (ShapeDtypeStructs) read from the safetensors at `path` into
+  `shardings` (a tree of `abstract`'s structure), as strictly as `load_safetensors`: every
+  leaf from the file and every tensor of the file to a leaf, each problem listed in one
+  ValueError before anything is read; each process reads its devices' slices."""
+  entries = read_headers(os.fspath(path))
+  matched = match(abstract, entries, names)
+  flat_shardings = {leaf_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(shardings)[0]}
+  loaded = {
+    leaf.path: _place(entries, leaf, flat_shardings[leaf.path]) for leaf in matched.sources.values()
+  }
+  flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+  return jax.tree.unflatten(treedef, [loaded[leaf_name(p)] for p, _ in flat])
+
+
 def _initial(init_fn, init_args, paths: tuple[str, ...], shardings) -> dict[str, jax.Array]:
   """The leaves at `paths` from `init_fn`, computed in their layout (the rest is unused and
   the compiler drops it)."""
@@ -507,6 +522,7 @@ def save_safetensors(
   *,
   names: NameMap,
   max_shard_bytes: int = 1 << 30,
+  file_name: str = SINGLE,
 ) -> list[str]:
   """Writes parameters as safetensors in a checkpoint's names and layout: the map inverted.
 
@@ -521,6 +537,8 @@ def save_safetensors(
     directory: where to write; created if missing. Each file appears only once complete.
     names: the same name map `load_safetensors` takes.
     max_shard_bytes: the largest shard file, in tensor bytes.
+    file_name: the file's name when one holds everything (PEFT's adapters:
+      'adapter_model.safetensors').
 
   Returns:
     The files written (on process 0; empty elsewhere).
@@ -544,7 +562,7 @@ def save_safetensors(
     size += value.nbytes
     total += value.nbytes
   if not written_names:
-    return [_write(current, directory, SINGLE)]
+    return [_write(current, directory, file_name)]
   written_names.append(list(current))
   count = len(written_names)
   files = [f'model-{i + 1:05d}-of-{count:05d}.safetensors' for i in range(count)]
