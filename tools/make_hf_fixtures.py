@@ -229,16 +229,19 @@ def adapter(out: str, base: str, lora: dict) -> None:
 
 
 def nf4(out: str) -> None:
-  """A weight (out 48, in 80: 60 blocks of 64), quantized by bitsandbytes' NF4 with and without
-  double quantization, and dequantized by it."""
+  """Weights quantized by bitsandbytes' NF4 (blocks of 64 of the row-major flattened (out, in)
+  weight), with and without double quantization, and dequantized by it. 'weight' is (48, 128),
+  rows a whole number of blocks as in every published model; 'unaligned' is (48, 80), blocks
+  running across rows, recorded quantized only: bitsandbytes 0.50.2's CPU `dequantize_4bit`
+  places the scales by row there (its packed codes and scales are the same either way)."""
   import torch
   from bitsandbytes import functional as F
 
   os.makedirs(out, exist_ok=True)
   torch.manual_seed(3)
-  w = torch.randn(48, 80) * 0.05
+  w = torch.randn(48, 128) * 0.05
   w[3, 7], w[40, 70] = 1.5, -2.0  # outliers in two blocks
-  arrays = {'weight': w}
+  arrays = {'weight': w, 'unaligned': torch.randn(48, 80) * 0.05}
   for name, double in (('single', False), ('double', True)):
     packed, state = F.quantize_4bit(w, blocksize=64, quant_type='nf4', compress_statistics=double)
     arrays[f'{name}_packed'] = packed
@@ -248,6 +251,8 @@ def nf4(out: str) -> None:
       arrays['double_offset'] = state.offset.reshape(1)
       arrays['double_absmax2'] = state.state2.absmax
       arrays['double_code2'] = state.state2.code
+  packed, state = F.quantize_4bit(arrays['unaligned'], blocksize=64, quant_type='nf4')
+  arrays['unaligned_packed'], arrays['unaligned_absmax'] = packed, state.absmax
   arrays['code'] = F.get_4bit_type('nf4', device='cpu')
   _expected(out, **arrays)
 

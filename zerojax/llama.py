@@ -18,6 +18,9 @@ same model.
 - `save_adapter(params, folder, cfg)` and `load(..., adapter=folder)`: Hugging Face PEFT's adapter
   folders out and in; `lora_from_peft(folder)` their config; `merge_lora(params, cfg)` folds the
   adapters into the weights, for `save`.
+- `load(..., base_dtype='nf4' | 'int8')` and `quantize_base(params, tx)`: QLoRA's base, the
+  projections stored quantized (`QuantizedWeight`: NF4 as bitsandbytes stores it), gathered in
+  that form at stage 3 and dequantized inside the layer (`dequantize`).
 """
 
 from zerojax._src.decoder import DecoderConfig as DecoderConfig
@@ -33,10 +36,13 @@ from zerojax._src.hf_decoder import FAMILIES as FAMILIES
 from zerojax._src.hf_decoder import config_from_hf as config_from_hf
 from zerojax._src.hf_decoder import load as load
 from zerojax._src.hf_decoder import names as names
+from zerojax._src.hf_decoder import quantize_base as quantize_base
 from zerojax._src.hf_decoder import save as save
 from zerojax._src.hf_decoder import to_hf_config as to_hf_config
 from zerojax._src.lora import LoraConfig as LoraConfig
 from zerojax._src.lora import is_adapter as is_adapter
+from zerojax._src.qbase import QuantizedWeight as QuantizedWeight
+from zerojax._src.qbase import dequantize as dequantize
 
 __all__ = [
   'DecoderConfig',
@@ -56,4 +62,7 @@ __all__ = [
   'save_adapter',
   'lora_from_peft',
   'merge_lora',
+  'quantize_base',
+  'QuantizedWeight',
+  'dequantize',
 ]

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax._src import flash, gather, prefetch
+from zerojax._src import flash, gather, prefetch, qbase
 from zerojax._src import lora as lora_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src.remat_policies import (
@@ -554,7 +554,7 @@ def _hidden(params: dict[str, Any], inputs: jax.Array, cfg: DecoderConfig, o: De
   constrain = _no_constraint
   if plan is not None and 'tensor' in plan.mesh.axis_names and 'tensor' not in plan.axes:
     constrain = tensor_constraint(plan)
-  cast = lambda t: jax.tree.map(lambda x: x.astype(compute_dtype), t)
+  cast = lambda t: qbase.floating_cast(t, compute_dtype)
   x = jnp.take(cast(params['embed']), inputs, axis=0)
   if o.attention == 'flash':
     attend = _flash_attention(plan)

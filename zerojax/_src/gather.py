@@ -275,7 +275,8 @@ def _whole_with_scattered_grad(shard, whole, dim, axes, dtype, quantize=None):
   del shard
   # Named like a gather, so `recompute_gathers` takes it again from `whole` in
   # the backward pass instead of keeping a copy of every layer.
-  return checkpoint_name(whole if dtype is None else whole.astype(dtype), GATHERED)
+  cast = dtype is not None and jnp.issubdtype(whole.dtype, jnp.floating)
+  return checkpoint_name(whole.astype(dtype) if cast else whole, GATHERED)
 
 
 def _whole_fwd(shard, whole, dim, axes, dtype, quantize):

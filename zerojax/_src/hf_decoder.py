@@ -9,6 +9,7 @@ that transformers' `from_pretrained` reads the fine-tuned folder.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -19,8 +20,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax._src import hf_adapter, pretrained
+from zerojax._src import hf_adapter, pretrained, qbase, transform
 from zerojax._src import lora as lora_lib
+from zerojax._src import mesh as mesh_lib
+from zerojax._src import plan as plan_lib
 from zerojax._src.decoder import DecoderConfig, Rope, init_decoder
 from zerojax._src.pretrained import Tensor
 
@@ -202,6 +205,7 @@ def load(
   dtype=jnp.float32,
   lora: Any = None,
   adapter: str | os.PathLike | None = None,
+  base_dtype: str | None = None,
 ) -> tuple[Any, DecoderConfig]:
   """(the parameters, the config) of a Llama-family checkpoint folder, each process reading
   only its devices' slices, placed in `tx`'s ZeRO layout (`load_safetensors`, strict: a
@@ -217,6 +221,9 @@ def load(
       the model starts as the checkpoint's); the config returned has it.
     adapter: a PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) to
       read the adapters from instead (its `LoraConfig`; `lora`, if given, must equal it).
+    base_dtype: 'nf4' or 'int8': the projections' weights stored quantized (QLoRA; see
+      `quantize_base`), each quantized as soon as it is read, in its devices' slices; None:
+      as `dtype`.
 
   Raises:
     ValueError: the checkpoint or the adapter does not fit (every problem named).
@@ -231,12 +238,69 @@ def load(
     cfg = hf_adapter.with_lora(cfg, lora)
   init = lambda key: init_decoder(cfg, key, dtype)
   fresh = (f'layers/{lora_lib.KEY}/*',) if cfg.lora is not None else ()
+  convert = None if base_dtype is None else _quantizer(init, tx, base_dtype)
   params = pretrained.load_safetensors(
-    folder, init, jax.random.key(0), tx=tx, names=names(cfg), init=fresh
+    folder, init, jax.random.key(0), tx=tx, names=names(cfg), init=fresh, convert=convert
   )
   if adapter is not None:
     params = hf_adapter.load_adapter(adapter, params, cfg, tx)
   return params, cfg
+
+
+# The projections whose weights QLoRA stores quantized (every Linear of a block).
+PROJECTIONS = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_in', 'w_out')
+
+
+def _quantized(params: dict, kind: str) -> dict:
+  layers = dict(params['layers'])
+  for w in PROJECTIONS:
+    if w in layers and not qbase.is_quantized(layers[w]):
+      layers[w] = qbase.quantize(layers[w], kind)
+  return {**params, 'layers': layers}
+
+
+def _quantizer(init, tx, kind: str):
+  """`load_safetensors`' `convert`: each projection stack quantized in the plan's layout of the
+  quantized tree as it is read (its full-precision copy is dropped as soon as it is done)."""
+  abstract = jax.eval_shape(lambda k: _quantized(init(k), kind), jax.random.key(0))
+  config = transform.require_config(tx)
+  layouts = plan_lib.plan_of(config, abstract).params['layers']
+
+  def convert(path: str, x: jax.Array):
+    name = path.split('/')
+    if len(name) != 2 or name[0] != 'layers' or name[1] not in PROJECTIONS:
+      return x
+    return _in_layout(functools.partial(qbase.quantize, kind=kind), layouts[name[1]], config)(x)
+
+  return convert
+
+
+def quantize_base(params: Any, tx: optax.GradientTransformation, kind: str = 'nf4') -> Any:
+  """`params` with every block projection's weight stored quantized (`kind`: 'nf4', as
+  bitsandbytes' NF4 in blocks of 64, or 'int8'), in `tx`'s layout. The full-precision tree is
+  live beside the quantized one while this runs: to quantize on load instead, one leaf at a
+  time, use `load(..., base_dtype=kind)`. Train the adapters alone
+  (`zero_stage(..., trainable=zerojax.llama.is_adapter)`): quantized weights are frozen.
+
+  Raises:
+    ValueError: `kind` is not 'nf4' or 'int8'.
+  """
+  if kind not in qbase.KINDS:
+    raise ValueError(f'quantize_base: kind must be one of {qbase.KINDS}, got {kind!r}.')
+  run = functools.partial(_quantized, kind=kind)
+  config = transform.require_config(tx)
+  layouts = plan_lib.plan_of(config, jax.eval_shape(run, params)).params
+  return _in_layout(run, layouts, config)(params)
+
+
+def _in_layout(fn, layouts: Any, config: Any):
+  """`fn` jitted into `layouts`, its body free to reshape split arrays on any mesh (the
+  compiler places each device's blocks)."""
+
+  def body(x):
+    return mesh_lib.constrain(fn(x), layouts, config.mesh)
+
+  return jax.jit(mesh_lib.run_in_layout(body, config.mesh, layouts), out_shardings=layouts)
 
 
 def save(

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zerojax._src import qbase
+
 # The decoder's projections, by the short names LoRA configs use, and PEFT's module names.
 TARGETS: Mapping[str, str] = {
   'q': 'wq',
@@ -160,8 +162,9 @@ def is_adapter(path: tuple, leaf: Any = None) -> bool:
 
 
 def project(h: jax.Array, p: Mapping[str, Any], name: str, lora: LoraConfig | None, key=None):
-  """`h @ p[name]`, plus its adapter's `scale * (dropout(h) @ A) @ B` where `p` has one."""
-  y = h @ p[name]
+  """`h @ p[name]` (a stored quantized weight dequantized to `h`'s dtype first), plus its
+  adapter's `scale * (dropout(h) @ A) @ B` where `p` has one."""
+  y = h @ qbase.weight(p[name], h.dtype)
   adapters = p.get(KEY) if lora is not None else None
   if adapters is None or name not in adapters:
     return y
@@ -177,10 +180,13 @@ def project(h: jax.Array, p: Mapping[str, Any], name: str, lora: LoraConfig | No
 
 def merged(params: Mapping[str, Any], lora: LoraConfig) -> dict[str, Any]:
   """The parameters with each adapter folded into its weight (W + scale * A @ B, in float32,
-  rounded to W's dtype) and the adapters dropped: the base model's tree, for
-  `zerojax.llama.save` (a full checkpoint transformers reads)."""
+  rounded to W's dtype; a quantized W dequantized, the sum kept in float32) and the adapters
+  dropped: the base model's tree, for `zerojax.llama.save` (a full checkpoint transformers
+  reads). Quantized weights without an adapter are dequantized too."""
   layers = dict(params['layers'])
   adapters = layers.pop(KEY)
+  for w in [k for k, v in layers.items() if qbase.is_quantized(v)]:
+    layers[w] = qbase.dequantize(layers[w], jnp.float32)
   for w, ab in adapters.items():
     base = layers[w]
     delta = jnp.einsum('lir,lro->lio', ab['a'].astype(jnp.float32), ab['b'].astype(jnp.float32))

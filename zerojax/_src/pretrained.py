@@ -389,6 +389,7 @@ def load_safetensors(
   names: NameMap,
   skip: Sequence[str] = (),
   init: Sequence[str] = (),
+  convert: Callable[[str, jax.Array], Any] | None = None,
 ) -> optax.Params:
   """Parameters from a safetensors checkpoint, placed directly in `tx`'s ZeRO layout.
 
@@ -415,6 +416,9 @@ def load_safetensors(
     skip: glob patterns of checkpoint tensors not to read (e.g. a pretraining head).
     init: glob patterns of model leaf paths kept at their value from `init_fn` (e.g. a new
       classification head); `init_fn` runs for those leaves only, in their layout.
+    convert: `(leaf path, placed array) -> value`, applied to each leaf as soon as it is read
+      (before the next is), so a leaf stored in another form (a quantized base weight) is
+      never held beside the others at full precision.
 
   Returns:
     The parameter tree, each leaf a global `jax.Array` with the plan's sharding. A train
@@ -438,7 +442,10 @@ def load_safetensors(
   plan = plan_lib.plan_of(config, abstract)
   shardings = {leaf_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(plan.params)[0]}
   leaves = _progress(list(matched.sources.values()))
-  loaded = {leaf.path: _place(entries, leaf, shardings[leaf.path]) for leaf in leaves}
+  done = convert or (lambda path, x: x)
+  loaded = {
+    leaf.path: done(leaf.path, _place(entries, leaf, shardings[leaf.path])) for leaf in leaves
+  }
   if matched.at_init:
     loaded.update(_initial(init_fn, init_args, matched.at_init, shardings))
   _log_opt_outs(matched)
