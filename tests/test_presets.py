@@ -8,7 +8,7 @@ import pytest
 from _models import run_cli
 from _tolerance import assert_close, reordered
 
-from zerojax._src import decoder
+from zerojax._src import attention, decoder
 from zerojax._src.planner import presets
 
 
@@ -179,7 +179,7 @@ def test_each_policy_keeps_what_it_names_and_moves_what_it_offloads(remat, kept,
   params = presets.init_decoder(cfg, jax.random.key(0))
   layer = jax.tree.map(lambda x: x[0], params['layers'])
   x = jnp.ones((2, cfg.seq_len, cfg.d_model))
-  block = lambda x, layer: jnp.sum(decoder._block(cfg, x, layer, decoder._xla_attention(None)))
+  block = lambda x, layer: jnp.sum(decoder._block(cfg, x, layer, attention.xla_attention(None)))
   policy = presets.remat_policy(remat)
   jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(block, policy=policy), x, layer)
   lines = capsys.readouterr().out.splitlines()
@@ -202,7 +202,7 @@ def test_keeping_the_residual_after_the_attention_runs_no_output_projection_agai
   params = presets.init_decoder(cfg, jax.random.key(0))
   layer = jax.tree.map(lambda x: x[0], params['layers'])
   x = jnp.ones((2, cfg.seq_len, cfg.d_model))
-  block = lambda x, layer: jnp.sum(decoder._block(cfg, x, layer, decoder._xla_attention(None)))
+  block = lambda x, layer: jnp.sum(decoder._block(cfg, x, layer, attention.xla_attention(None)))
 
   def matmuls(jaxpr) -> list:
     found = []
@@ -231,7 +231,7 @@ def test_the_layer_loop_keeps_its_stack_of_block_inputs_where_the_policy_says(re
   cfg = presets.PRESETS['tiny']
   params = presets.init_decoder(cfg, jax.random.key(0))
   x = jnp.ones((2, cfg.seq_len, cfg.d_model))
-  block = lambda x, layer: decoder._block(cfg, x, layer, decoder._xla_attention(None))
+  block = lambda x, layer: decoder._block(cfg, x, layer, attention.xla_attention(None))
   loop = lambda params, x: jnp.sum(decoder._layer_loop(block, x, params['layers'], None, remat))
   jax.ad_checkpoint.print_saved_residuals(loop, params, x)
   kept = [line for line in capsys.readouterr().out.splitlines() if 'from the argument' not in line]

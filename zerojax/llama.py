@@ -21,6 +21,8 @@ same model.
 - `load(..., base_dtype='nf4' | 'int8')` and `quantize_base(params, tx)`: QLoRA's base, the
   projections stored quantized (`QuantizedWeight`: NF4 as bitsandbytes stores it), gathered in
   that form at stage 3 and dequantized inside the layer (`dequantize`).
+- `pack(examples, seq_len)`: supervised fine-tuning's packed rows (tokens, segment ids, loss
+  weights on completions), for `loss(..., segment_ids=..., loss_weights=...)`.
 """
 
 from zerojax._src.decoder import DecoderConfig as DecoderConfig
@@ -41,6 +43,7 @@ from zerojax._src.hf_decoder import save as save
 from zerojax._src.hf_decoder import to_hf_config as to_hf_config
 from zerojax._src.lora import LoraConfig as LoraConfig
 from zerojax._src.lora import is_adapter as is_adapter
+from zerojax._src.packing import pack as pack
 from zerojax._src.qbase import QuantizedWeight as QuantizedWeight
 from zerojax._src.qbase import dequantize as dequantize
 
@@ -63,6 +66,7 @@ __all__ = [
   'lora_from_peft',
   'merge_lora',
   'quantize_base',
+  'pack',
   'QuantizedWeight',
   'dequantize',
 ]

@@ -22,9 +22,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from zerojax._src import flash, gather, prefetch, qbase
+from zerojax._src import flash, gather, packing, prefetch, qbase
 from zerojax._src import lora as lora_lib
 from zerojax._src import plan as plan_lib
+from zerojax._src.attention import chunked_attention as chunked_attention
+from zerojax._src.attention import xla_attention
 from zerojax._src.remat_policies import (
   ATTENTION_OUT,
   ATTENTION_RESIDUAL,
@@ -211,34 +213,6 @@ def _rms_norm(x, scale, eps: float = 1e-6):
   return (x32 * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def chunked_attention(q, k, v, chunk: int, window: int | None = None):
-  """Causal attention computed `chunk` queries at a time, each chunk rematerialised.
-
-  The same arithmetic as `jax.nn.dot_product_attention(q, k, v, is_causal=True)`
-  (every chunk scores against all keys, masked), but only one chunk's scores
-  (batch, heads, chunk, keys) are live at a time, forward and backward: a
-  memory-efficient formulation in plain JAX, as flash attention kernels are in
-  fused form. `window`: each query attends to that many positions, itself included.
-  """
-  b, t, h, d = q.shape
-  if t % chunk:
-    raise ValueError(f'attention_chunk={chunk} does not divide the sequence length {t}.')
-  keys = jnp.arange(k.shape[1])
-
-  @jax.checkpoint
-  def one(args):
-    i, qi = args
-    rows = i * chunk + jnp.arange(chunk)
-    mask = rows[:, None] >= keys[None, :]
-    if window is not None:
-      mask &= rows[:, None] - keys[None, :] < window
-    return jax.nn.dot_product_attention(qi, k, v, mask=mask[None, None])
-
-  chunks = q.reshape(b, t // chunk, chunk, h, d).swapaxes(0, 1)
-  out = jax.lax.map(one, (jnp.arange(t // chunk), chunks))
-  return out.swapaxes(0, 1).reshape(b, t, h, d)
-
-
 def _named(x, name: str):
   return jax.ad_checkpoint.checkpoint_name(x, name)
 
@@ -277,18 +251,6 @@ def tensor_constraint(plan: plan_lib.ZeroPlan, tensor: str = 'tensor'):
 ATTENTION = ('xla', 'flash')
 
 
-def _xla_attention(chunk: int | None, window: int | None = None):
-  def attend(q, k, v):
-    local = window if window is not None and window < q.shape[1] else None
-    if chunk and chunk < q.shape[1]:
-      return chunked_attention(q, k, v, chunk, local)
-    if local is not None:  # positions i - window < j <= i
-      return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(local - 1, 0))
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-
-  return attend
-
-
 def _flash_attention(plan: plan_lib.ZeroPlan | None):
   """Flash attention, run per device under `plan`'s mesh (a Pallas kernel is not split by
   the compiler): the heads over a tensor-parallel 'tensor' axis and the batch over every other
@@ -318,7 +280,7 @@ def _flash_attention(plan: plan_lib.ZeroPlan | None):
   )
 
 
-def _projection(cfg: DecoderConfig, h, p, name: str, heads: int, constrain, key=None):
+def _projection(cfg: DecoderConfig, h, p, name: str, heads: int, constrain, key=None, pos=None):
   """One of the query, key and value projections, (batch, seq, heads, head_dim): its bias
   (Qwen2), its per-head norm (Qwen3) and its rotation added where the config has them."""
   b, t, _ = h.shape
@@ -329,18 +291,19 @@ def _projection(cfg: DecoderConfig, h, p, name: str, heads: int, constrain, key=
   if name in 'qk' and cfg.qk_norm:
     y = _rms_norm(y, p[name + '_norm'], cfg.norm_eps)
   if name in 'qk' and cfg.rope is not None:
-    y = rotate(y, cfg.rope)
+    y = rotate(y, cfg.rope, positions=pos)
   return _named(constrain(y, 'heads'), QKV)
 
 
-def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint, key=None):
-  """One block; `key` draws the LoRA adapters' dropout (None: none)."""
+def _block(cfg: DecoderConfig, x, p, attend, constrain=_no_constraint, key=None, pos=None):
+  """One block; `key` draws the LoRA adapters' dropout (None: none); `pos`: each token's
+  rotary position (batch, seq), for packed rows (None: 0, 1, ...)."""
   b, t, _ = x.shape
   proj = functools.partial(lora_lib.project, lora=cfg.lora, key=key)
   x = _named(constrain(x, 'residual'), LAYER_INPUT)
   h = _rms_norm(x, p['attn_norm'], cfg.norm_eps)
-  q = _projection(cfg, h, p, 'q', cfg.n_heads, constrain, key)
-  k = _projection(cfg, h, p, 'k', cfg.n_kv_heads, constrain, key)
+  q = _projection(cfg, h, p, 'q', cfg.n_heads, constrain, key, pos)
+  k = _projection(cfg, h, p, 'k', cfg.n_kv_heads, constrain, key, pos)
   v = _projection(cfg, h, p, 'v', cfg.n_kv_heads, constrain, key)
   attn = _named(attend(q, k, v), ATTENTION_OUT)
   out = proj(attn.reshape(b, t, cfg.n_heads * cfg.head_dim), p, 'wo')
@@ -395,7 +358,7 @@ def _layer_loop(block, x, layers, gather_fn: GatherFn | None, remat: str, keys=N
     layer, key = xs
     if gather_fn is not None:
       layer = gather_fn(layer, 'layers', True)
-    return block(x, layer, key), None
+    return (block(x, layer) if key is None else block(x, layer, key)), None
 
   if remat != 'none':
     body = jax.checkpoint(body, policy=remat_policy(remat))
@@ -442,6 +405,10 @@ class DecoderOptions:
       loss; less memory at the step's peak. `loss_chunk` has its own cross-entropy.
     dropout_key: a PRNG key for the LoRA adapters' dropout (`LoraConfig.dropout`), one draw
       per layer (the key folded with the layer's index); None (evaluation): no dropout.
+    segment_ids: packed rows (batch, seq) of ints, equal within one example: attention stays
+      within each example and rotary positions restart at each (`zerojax.llama.pack`).
+    loss_weights: `decoder_loss` only: each token's weight as a target, shaped like its
+      tokens (SFT: 1 on completions, 0 on prompts and padding).
 
   Raises:
     ValueError: an option's value, named (`remat`, `attention`, `attention_chunk` under flash,
@@ -459,6 +426,8 @@ class DecoderOptions:
   loss_chunk: int | None = None
   lean_head: bool = False
   dropout_key: Any = None
+  segment_ids: Any = None
+  loss_weights: Any = None
 
   def __post_init__(self):
     remat, attention, loss_chunk = self.remat, self.attention, self.loss_chunk
@@ -475,6 +444,12 @@ class DecoderOptions:
       raise ValueError(
         f"decoder_loss: prefetch_next runs remat 'gathers' or 'full', not {remat!r}: its layer"
         ' loop (zerojax.scan_layers) keeps no named activations.'
+      )
+    if self.segment_ids is not None and attention == 'flash':
+      raise ValueError(
+        "decoder_loss: segment_ids (packed rows) under attention='flash': zerojax's flash"
+        " kernels do not yet mask between examples; use attention='xla' (with"
+        ' attention_chunk=... for memory), which does.'
       )
     if self.dropout_key is not None and self.prefetch_next:
       raise ValueError(
@@ -512,18 +487,31 @@ def decoder_loss(
     tokens: int32 token ids.
     cfg: the model's shape.
     **options: `DecoderOptions`' fields (`plan=`, `compute_dtype=`, `remat=`, `attention=`,
-      `loss_chunk=`, `lean_head=`...).
+      `loss_chunk=`, `lean_head=`...). Here `segment_ids` and `loss_weights` are shaped like
+      `tokens`: packed rows, and each token's weight as a target (0 for a prompt's).
+
+  Returns:
+    The mean over every target; with `segment_ids` or `loss_weights`, a
+    `zerojax.WeightedMean` of the targets' weighted sum over their total weight (targets of
+    another example than their input's weigh 0), which `zerojax.value_and_grad` combines
+    over devices exactly (`.value` outside it).
   """
   o = DecoderOptions.of('decoder_loss', options)
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  weights = packing.target_weights(tokens, o.segment_ids, o.loss_weights)
+  if o.segment_ids is not None:
+    o = dataclasses.replace(o, segment_ids=o.segment_ids[:, :-1])
   x, head = _hidden(params, inputs, cfg, o)
   if o.loss_chunk and o.loss_chunk < x.shape[1]:
-    return chunked_cross_entropy(x, head, targets, o.loss_chunk)
+    return chunked_cross_entropy(x, head, targets, o.loss_chunk, weights)
   logits = (x @ head).astype(jnp.float32)
   if o.lean_head:
-    return one_hot_cross_entropy(logits, targets)
+    return one_hot_cross_entropy(logits, targets, weights)
   logp = jax.nn.log_softmax(logits, axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+  picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)
+  if weights is None:
+    return -jnp.mean(picked)
+  return packing.mean_of(-picked[..., 0], weights)
 
 
 def decoder_hidden(
@@ -556,16 +544,17 @@ def _hidden(params: dict[str, Any], inputs: jax.Array, cfg: DecoderConfig, o: De
     constrain = tensor_constraint(plan)
   cast = lambda t: qbase.floating_cast(t, compute_dtype)
   x = jnp.take(cast(params['embed']), inputs, axis=0)
+  pos = None if o.segment_ids is None else packing.positions_of(o.segment_ids)
   if o.attention == 'flash':
     attend = _flash_attention(plan)
   else:
-    attend = _xla_attention(o.attention_chunk, cfg.sliding_window)
-  block = lambda x, layer, key=None: _block(cfg, x, cast(layer), attend, constrain, key)
+    attend = xla_attention(o.attention_chunk, cfg.sliding_window, o.segment_ids)
+  block = lambda x, layer, key=None: _block(cfg, x, cast(layer), attend, constrain, key, pos)
   if o.prefetch_next and plan is not None and o.remat != 'none' and _split_layers(params):
     # Inside zerojax.value_and_grad(per_layer=True): the same rematerialised
     # loop, with layer i+1's gather issued while layer i computes.
     x = prefetch.scan_layers(
-      lambda x, layer: _block(cfg, x, cast(layer), attend),
+      lambda x, layer: _block(cfg, x, cast(layer), attend, pos=pos),
       x,
       params['layers'],
       plan,
@@ -596,22 +585,22 @@ def decoder_logits(
   return (x @ head).astype(jnp.float32)
 
 
-def one_hot_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+def one_hot_cross_entropy(logits: jax.Array, targets: jax.Array, weights=None) -> Any:
   """Mean of logsumexp(logits) - logits[target] over positions, the target's logit taken by
   a one-hot mask: elementwise forward and backward, no gather of `logits` (batch, seq, vocab)
-  and no scatter into its gradient."""
+  and no scatter into its gradient. With `weights` (batch, seq): their `WeightedMean`."""
   vocab = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
   picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-  return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+  return packing.mean_of(jax.nn.logsumexp(logits, axis=-1) - picked, weights)
 
 
-def chunked_cross_entropy(x, head, targets, chunk: int):
+def chunked_cross_entropy(x, head, targets, chunk: int, weights=None):
   """Mean next-token cross-entropy of `x @ head` against `targets`, `chunk` positions at a
   time, each chunk rematerialised: the logits of one chunk (batch, chunk, vocab) are live at a
   time, forward and backward, never those of the whole sequence.
 
   The same arithmetic as `log_softmax` over all the logits in f32 (a sum of the same
-  per-token terms, taken in another order).
+  per-token terms, taken in another order). With `weights` (batch, seq): their `WeightedMean`.
 
   Raises:
     ValueError: `chunk` does not divide the sequence length.
@@ -620,13 +609,16 @@ def chunked_cross_entropy(x, head, targets, chunk: int):
   if t % chunk:
     raise ValueError(f'loss_chunk={chunk} does not divide the sequence length {t}.')
 
+  w = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
+
   @jax.checkpoint
   def one(args):
-    xi, ti = args
+    xi, ti, wi = args
     logits = (xi @ head).astype(jnp.float32)
     picked = jnp.take_along_axis(logits, ti[..., None], axis=-1)[..., 0]
-    return jnp.sum(jax.nn.logsumexp(logits, axis=-1) - picked)
+    return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - picked) * wi)
 
   xs = x.reshape(b, t // chunk, chunk, d).swapaxes(0, 1)
-  ts = targets.reshape(b, t // chunk, chunk).swapaxes(0, 1)
-  return jnp.sum(jax.lax.map(one, (xs, ts))) / (b * t)
+  ts, ws = (a.reshape(b, t // chunk, chunk).swapaxes(0, 1) for a in (targets, w))
+  total = jnp.sum(jax.lax.map(one, (xs, ts, ws)))
+  return total / (b * t) if weights is None else packing.WeightedMean(total, jnp.sum(w))

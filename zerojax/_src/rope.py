@@ -55,18 +55,23 @@ class Rope:
     return np.where(between, blended, scaled).astype(np.float32)
 
 
-def rotate(x: jax.Array, rope: Rope, offset: int = 0) -> jax.Array:
-  """`x` (batch, seq, heads, head_dim) rotated by its positions (offset, offset + 1, ...) as
-  transformers rotates it: the angles' cosines and sines computed in float32 and cast to x's
-  dtype, then x * cos + flip(x) * sin in that dtype, flip(x) = (-x2, x1) of x's two halves.
+def rotate(x: jax.Array, rope: Rope, offset: int = 0, positions=None) -> jax.Array:
+  """`x` (batch, seq, heads, head_dim) rotated by its positions (offset, offset + 1, ...; or
+  `positions` (batch, seq), a packed row's per example) as transformers rotates it: the angles'
+  cosines and sines computed in float32 and cast to x's dtype, then x * cos + flip(x) * sin in
+  that dtype, flip(x) = (-x2, x1) of x's two halves.
 
   flip is a product with a fixed signed permutation of the head's dimensions, exact in any
   dtype (one nonzero term per output), which a TPU runs on its matrix unit rather than by
   moving halves of its 128-lane registers."""
   t, d = x.shape[1], x.shape[-1]
   inv = jnp.asarray(rope.inverse_frequencies(d))
-  angles = jnp.arange(offset, offset + t, dtype=jnp.float32)[:, None] * inv[None, :]
-  angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+  if positions is None:
+    angles = jnp.arange(offset, offset + t, dtype=jnp.float32)[:, None] * inv[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+  else:
+    angles = (positions + offset).astype(jnp.float32)[:, :, None] * inv
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
   cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
   half = np.arange(d // 2)
   flip = np.zeros((d, d), np.float32)
