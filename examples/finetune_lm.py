@@ -3,6 +3,18 @@
     python examples/finetune_lm.py --pretrained ~/Qwen2.5-0.5B-Instruct --data chat.jsonl \
         --stage 3 --steps 200 --seq-len 256 --export tuned/
     python examples/finetune_lm.py --compare --steps 30       # stages 0-3, a small random model
+    python examples/finetune_lm.py --pretrained ~/Llama-3.2-1B-Instruct --data chat.jsonl \
+        --lora 16 --qlora nf4 --pack --export adapter/             # QLoRA on packed rows
+
+--lora R trains rank-R LoRA adapters (PEFT's initialisation: the model starts as the checkpoint)
+on the projections --lora-targets names, and freezes everything else
+(`zero_stage(trainable=zerojax.llama.is_adapter)`: no gradient, optimizer state or master for
+the base). --qlora nf4|int8 stores the base's projections quantized (QLoRA; NF4 as bitsandbytes
+stores it), each quantized as it is read. --pack packs several examples into each row
+(`zerojax.llama.pack`: attention never crosses an example, rotary positions restart at each).
+With --lora, --export DIR writes the adapter as a PEFT folder (`peft.PeftModel.from_pretrained`
+reads it), or with --merge the base with the adapter folded in, as a full checkpoint.
+Tokens per second count real tokens only (not a row's padding).
 
 --pretrained DIR is a Hugging Face folder (config.json, model.safetensors or its shards with
 model.safetensors.index.json, tokenizer.json; fetch one with the hub's own tools, e.g.
@@ -35,6 +47,7 @@ import inspect
 import json
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import setup_devices  # noqa: E402
@@ -201,17 +214,34 @@ def trained_text(conversations: list[list[dict]], vocab: int) -> Text:
   return Text(tok._tokenizer, None, '<|end|>')
 
 
-def tokenize(text: Text, conversations, seq_len: int) -> dict[str, np.ndarray]:
-  """'tokens' (n, seq_len + 1) and 'weights' (n, seq_len) over the targets: 1 on completion
-  tokens, 0 on the prompt and the padding; an example longer than seq_len + 1 is cut."""
+def tokenize(text: Text, conversations, seq_len: int, pack: bool = False) -> dict[str, np.ndarray]:
+  """'tokens' (n, seq_len + 1); 'weights' (n, seq_len) over the targets: 1 on completion
+  tokens, 0 on the prompt, the padding and (packed) a target that starts another example;
+  'real' (n, seq_len): 1 on the inputs that are an example's tokens. With `pack`, several
+  examples per row (`zerojax.llama.pack`) and their 'segment_ids' (n, seq_len + 1); an example
+  longer than seq_len + 1 is cut either way."""
   pad = text.tokenizer.token_to_id(text.eos)
+  encoded = [text.encode(m) for m in common.progress(conversations, desc='tokenizing', leave=False)]
+  if pack:
+    pairs = [(ids[: mask.index(1)], ids[mask.index(1) :]) for ids, mask in encoded]
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore')  # cutting the long examples, as the unpacked rows do
+      rows = zerojax.llama.pack(pairs, seq_len, pad_id=pad)
+    seg = rows['segment_ids']
+    same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+    return {
+      'tokens': rows['tokens'],
+      'weights': rows['loss_weights'][:, 1:] * same,
+      'real': (seg[:, :-1] != 0).astype(np.float32),
+      'segment_ids': seg,
+    }
   tokens = np.full((len(conversations), seq_len + 1), pad, np.int32)
   weights = np.zeros((len(conversations), seq_len + 1), np.float32)
-  for i, messages in enumerate(common.progress(conversations, desc='tokenizing', leave=False)):
-    ids, mask = text.encode(messages)
+  real = np.zeros((len(conversations), seq_len + 1), np.float32)
+  for i, (ids, mask) in enumerate(encoded):
     ids, mask = ids[: seq_len + 1], mask[: seq_len + 1]
-    tokens[i, : len(ids)], weights[i, : len(mask)] = ids, mask
-  return {'tokens': tokens, 'weights': weights[:, 1:]}
+    tokens[i, : len(ids)], weights[i, : len(mask)], real[i, : len(ids)] = ids, mask, 1
+  return {'tokens': tokens, 'weights': weights[:, 1:], 'real': real[:, :-1]}
 
 
 # --- The model, its loss and one training run.
@@ -226,52 +256,74 @@ def small_config(vocab: int, seq_len: int) -> zerojax.llama.DecoderConfig:
   )  # fmt: skip
 
 
-def token_losses(params, batch, cfg, plan, remat: str, dtype):
-  """(per-token cross-entropy, hits) of the batch's targets, (batch, seq)."""
+def token_losses(params, batch, cfg, plan, remat: str, dtype, key=None):
+  """(per-token cross-entropy, hits) of the batch's targets, (batch, seq); `key`: LoRA's
+  dropout (None: off, as in evaluation)."""
   tokens = batch['tokens']
+  seg = batch.get('segment_ids')
   logits = zerojax.llama.logits(
-    params, tokens[:, :-1], cfg, plan=plan, remat=remat, compute_dtype=dtype
+    params,
+    tokens[:, :-1],
+    cfg,
+    plan=plan,
+    remat=remat,
+    compute_dtype=dtype,
+    dropout_key=key,
+    segment_ids=None if seg is None else seg[:, :-1],
   )
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
   return ce, (jnp.argmax(logits, -1) == tokens[:, 1:]).astype(jnp.float32)
 
 
 def train(cfg, params_fn, data, *, stage: int, steps: int, args) -> dict:
-  """Trains at `stage`; the losses, held-out figures, step times and memory of the run."""
+  """Trains at `stage` (the adapters alone where `cfg` has LoRA); the losses, held-out
+  figures, step times, real tokens per step and memory of the run."""
   import time
 
   mesh = common.make_mesh()
+  trainable = zerojax.llama.is_adapter if cfg.lora is not None else None
   tx = zerojax.zero_stage(optax.adamw(args.lr, weight_decay=0.0), stage, mesh=mesh,
-                          stacked=cfg.stacked())  # fmt: skip
+                          stacked=cfg.stacked(), trainable=trainable)  # fmt: skip
   state = zerojax.create_train_state(lambda p: p, params_fn(tx), tx=tx)
   plan = zerojax.plan_for(tx, state.params)
   dtype = jnp.bfloat16 if args.bf16 else jnp.float32
 
-  def loss_fn(params, batch):
-    ce, _ = token_losses(params, batch, cfg, plan, args.remat, dtype)
+  def loss_fn(params, batch, key):
+    ce, _ = token_losses(params, batch, cfg, plan, args.remat, dtype, key)
     w = batch['weights']
     return zerojax.WeightedMean(jnp.sum(ce * w), jnp.sum(w))
 
   grad_fn = zerojax.value_and_grad(loss_fn, tx, per_layer=stage >= 2)
 
   @jax.jit
-  def step(state, batch):
-    loss, grads = grad_fn(state.params, batch)
+  def step(state, batch, key):
+    loss, grads = grad_fn(state.params, batch, key)
     return state.apply_gradients(grads=grads), loss
 
   train_set, rng = data['train'], np.random.default_rng(args.seed)
+  keys = jax.random.split(jax.random.key(args.seed), steps)
   batch_at = lambda: {k: v[rng.integers(0, len(v), args.batch)] for k, v in train_set.items()}
-  compiled = step.lower(state, batch_at()).compile()
-  losses, seconds = [], []
+  first = batch_at()
+  compiled = step.lower(state, first, keys[0]).compile()
+  losses, seconds, real = [], [], []
   for i in common.progress(range(steps), desc=f'stage {stage}'):
+    batch = first if i == 0 else batch_at()
     start = time.perf_counter()
-    state, loss = compiled(state, batch_at())
+    state, loss = compiled(state, batch, keys[i])
     loss = float(loss)
     seconds.append(time.perf_counter() - start)
     losses.append((i, loss))
+    real.append(float(batch['real'].sum()))
   held = evaluate(state.params, data['heldout'], cfg, plan, args, dtype)
   return {'stage': stage, 'losses': losses, 'step_seconds': seconds, 'plan': plan,
-          'compiled': compiled, 'params': state.params, **held}  # fmt: skip
+          'compiled': compiled, 'params': state.params, 'real_tokens': real,
+          'tokens_per_second': tokens_per_second(real, seconds), **held}  # fmt: skip
+
+
+def tokens_per_second(real: list[float], seconds: list[float], warmup: int = 3) -> float:
+  """Real (not padding) tokens per second over the steps after `warmup` (all, if few)."""
+  at = warmup if len(seconds) > warmup else 0
+  return sum(real[at:]) / sum(seconds[at:])
 
 
 def evaluate(params, heldout, cfg, plan, args, dtype) -> dict:
@@ -292,34 +344,58 @@ def evaluate(params, heldout, cfg, plan, args, dtype) -> dict:
 # --- The command line.
 
 
+def lora_config(args) -> zerojax.llama.LoraConfig | None:
+  """The adapters --lora asks for (None without it)."""
+  if args.lora is None:
+    if args.qlora or args.merge:
+      raise SystemExit('--qlora and --merge train or export LoRA adapters: give --lora R too.')
+    return None
+  targets = tuple(t.strip() for t in args.lora_targets.split(',') if t.strip())
+  alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora
+  return zerojax.llama.LoraConfig(args.lora, alpha, targets, dropout=args.lora_dropout)
+
+
 def prepare(args) -> tuple:
   """(the config, a function of tx giving the parameters, the data, the text, the source)."""
   conversations = read_examples(args.data) if args.data else stdlib_examples()
   source = args.data or 'Python standard library docstrings (question -> first paragraph)'
+  lora = lora_config(args)
   if args.pretrained:
     text = checkpoint_text(args.pretrained)
     cfg = zerojax.llama.config_from_hf(args.pretrained, seq_len=args.seq_len)
-    params_fn = lambda tx: zerojax.llama.load(args.pretrained, tx, cfg=cfg)[0]
+    cfg = dataclasses.replace(cfg, lora=lora)
+    load = zerojax.llama.load
+    params_fn = lambda tx: load(args.pretrained, tx, cfg=cfg, base_dtype=args.qlora)[0]
   else:
     text = trained_text(conversations, args.vocab)
     cfg = small_config(text.tokenizer.get_vocab_size(), args.seq_len)
-    params_fn = lambda tx: _random_params(cfg, tx, args.seed)
-  arrays = tokenize(text, conversations, args.seq_len)
+    cfg = dataclasses.replace(cfg, lora=lora)
+    params_fn = lambda tx: _random_params(cfg, tx, args.seed, args.qlora)
+  arrays = tokenize(text, conversations, args.seq_len, pack=args.pack)
   train_set, heldout = common.split_heldout(arrays, HELDOUT)
   return cfg, params_fn, {'train': train_set, 'heldout': heldout}, text, source
 
 
-def _random_params(cfg, tx, seed: int):
-  """Random parameters created directly in tx's layout."""
+def _random_params(cfg, tx, seed: int, qlora: str | None = None):
+  """Random parameters created directly in tx's layout (the projections then quantized for
+  --qlora)."""
   abstract = jax.eval_shape(lambda k: zerojax.llama.init(cfg, k), jax.random.key(seed))
   shardings = zerojax.plan_for(tx, abstract).params
-  return jax.jit(lambda k: zerojax.llama.init(cfg, k), out_shardings=shardings)(
+  params = jax.jit(lambda k: zerojax.llama.init(cfg, k), out_shardings=shardings)(
     jax.random.key(seed)
   )
+  return params if qlora is None else zerojax.llama.quantize_base(params, tx, qlora)
 
 
 def export(args, cfg, params, text: Text) -> None:
-  """The tuned model in the checkpoint's names, with its config and tokenizer."""
+  """The tuned model in the checkpoint's names, with its config and tokenizer; with LoRA the
+  adapter as a PEFT folder, or (--merge) the model with the adapter folded in."""
+  if cfg.lora is not None and not args.merge:
+    zerojax.llama.save_adapter(params, args.export, cfg, base_model=args.pretrained)
+    print(f'exported the adapter (PEFT) to {args.export}')
+    return
+  if cfg.lora is not None:
+    params, cfg = zerojax.llama.merge_lora(params, cfg)
   zerojax.llama.save(params, args.export, cfg, source=args.pretrained)
   if args.pretrained is None and jax.process_index() == 0:  # the random model's own files
     eos = text.tokenizer.token_to_id(text.eos)
@@ -351,30 +427,47 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument('--compare', action='store_true', help='stages 0-3 on the same data and seed')
   p.add_argument('--out', default='finetune_lm_out', help='where --compare writes')
   p.add_argument('--export', default=None, help='write the tuned model to this folder')
+  p.add_argument('--lora', type=int, default=None, metavar='R', help='train rank-R adapters')
+  p.add_argument('--lora-alpha', type=float, default=None, help="LoRA's alpha (default 2R)")
+  p.add_argument('--lora-dropout', type=float, default=0.0, help="dropout on the adapters' input")
+  p.add_argument('--lora-targets', default='q,k,v,o,gate,up,down',
+                 help='the projections with adapters')  # fmt: skip
+  p.add_argument('--qlora', default=None, choices=('nf4', 'int8'), help='quantized base')
+  p.add_argument('--pack', action='store_true', help='several examples per row')
+  p.add_argument('--merge', action='store_true', help='--export the merged model, not the adapter')
   return p
 
 
 def stage_row(out: dict) -> dict:
-  """`common.stage_row`'s figures, and the held-out perplexity."""
-  return common.stage_row(out) | {'heldout_perplexity': out['heldout_perplexity']}
+  """`common.stage_row`'s figures, the held-out perplexity and the real tokens per second."""
+  extra = {
+    'heldout_perplexity': out['heldout_perplexity'],
+    'tokens_per_second': out['tokens_per_second'],
+  }
+  return common.stage_row(out) | extra
 
 
 def main(argv=None) -> int:
   args = parser().parse_args(argv)
   cfg, params_fn, data, text, source = prepare(args)
-  n = sum(
-    x.size
-    for x in jax.tree.leaves(jax.eval_shape(lambda: zerojax.llama.init(cfg, jax.random.key(0))))
-  )
-  print(f'model: {n:,} parameters, {cfg.n_layers} layers; {len(data["train"]["tokens"])} training'
-        f' and {len(data["heldout"]["tokens"])} held-out examples; data: {source}')  # fmt: skip
+  shapes = jax.eval_shape(lambda: zerojax.llama.init(cfg, jax.random.key(0)))
+  n = sum(x.size for x in jax.tree.leaves(shapes))
+  trained = n
+  if cfg.lora is not None:
+    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    trained = sum(x.size for path, x in leaves if zerojax.llama.is_adapter(path))
+  rows = 'packed rows' if args.pack else 'examples'
+  print(f'model: {n:,} parameters ({trained:,} trained), {cfg.n_layers} layers;'
+        f' {len(data["train"]["tokens"])} training and {len(data["heldout"]["tokens"])} held-out'
+        f' {rows}; data: {source}')  # fmt: skip
   stages = (0, 1, 2, 3) if args.compare else (args.stage,)
   runs = [train(cfg, params_fn, data, stage=s, steps=args.steps, args=args) for s in stages]
   for r in runs:
     print(f'stage {r["stage"]}: training loss {r["losses"][0][1]:.4f} -> {r["losses"][-1][1]:.4f};'
           f' held-out loss {r["heldout_loss"]:.4f}, perplexity {r["heldout_perplexity"]:.2f},'
           f' next-token accuracy {r["heldout_accuracy"]:.1%} over {r["heldout_tokens"]} completion'
-          f' tokens; {common.median_step_seconds(r) * 1e3:.1f} ms/step (median)')  # fmt: skip
+          f' tokens; {common.median_step_seconds(r) * 1e3:.1f} ms/step (median),'
+          f' {r["tokens_per_second"]:,.0f} real tokens/s')  # fmt: skip
   if args.compare:
     task = dataclasses.make_dataclass('T', ['name', 'batch'])('finetune_lm', args.batch)
     loaded = common.Data({}, {}, source, synthetic=False)

@@ -166,3 +166,73 @@ def test_a_published_folder_fine_tunes_with_its_tokenizer_and_chat_template(chat
   exported = sorted(os.listdir(tmp_path / 'o'))
   assert exported == ['config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']
   assert 'lm_head.weight' not in load_file(str(tmp_path / 'o' / 'model.safetensors'))  # tied
+
+
+def test_packed_rows_weigh_each_completion_and_count_real_tokens(chats_file):
+  text, conversations = _text(None)
+  alone = finetune_lm.tokenize(text, conversations[:12], 40)
+  packed = finetune_lm.tokenize(text, conversations[:12], 40, pack=True)
+  assert len(packed['tokens']) < 12 and packed['tokens'].shape[1] == 41
+  # The same real tokens and the same weighted targets as the examples one per row.
+  assert packed['real'].sum() == alone['real'].sum()
+  assert packed['weights'].sum() == alone['weights'].sum()
+  decode = lambda ids: text.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+  targets = lambda a: ''.join(decode(t[1:][w == 1]) for t, w in zip(a['tokens'], a['weights']))
+  assert targets(packed) == targets(alone)
+  # No target is the first token of another example than its input's.
+  seg = packed['segment_ids']
+  assert not np.any(packed['weights'] * (seg[:, 1:] != seg[:, :-1]))
+
+
+def _qwen_folder(tmp_path):
+  text, _ = _text(None)
+  folder = tmp_path / 'base'
+  config = small_config('qwen2', vocab_size=text.tokenizer.get_vocab_size())
+  write_checkpoint(folder, config, random_tensors(config))
+  text.tokenizer.save(str(folder / 'tokenizer.json'))
+  (folder / 'tokenizer_config.json').write_text(json.dumps({'eos_token': '<|end|>'}))
+  return folder
+
+
+def test_qlora_on_packed_rows_trains_the_adapters_alike_at_every_stage_and_exports_them(
+  chats_file, tmp_path
+):
+  folder, out, adapter = _qwen_folder(tmp_path), tmp_path / 'out', tmp_path / 'adapter'
+  argv = ['--pretrained', str(folder), '--data', chats_file, '--compare', '--steps', '3',
+          '--batch', '8', '--seq-len', '32', '--lora', '4', '--qlora', 'nf4', '--pack',
+          '--lr', '1e-2', '--out', str(out), '--export', str(adapter)]  # fmt: skip
+  assert finetune_lm.main(argv) == 0
+  rows = json.loads((out / 'finetune_lm_stages.json').read_text())['stages']
+  losses = np.array([[loss for _, loss in r['losses']] for r in rows])
+  np.testing.assert_allclose(losses, losses[:1].repeat(4, 0), rtol=2e-5)
+  assert losses[0, -1] < losses[0, 0]
+  assert all(r['tokens_per_second'] > 0 for r in rows)
+  args = finetune_lm.parser().parse_args(argv)
+  cfg, _, data, _, _ = finetune_lm.prepare(args)
+  # Gradients of the adapters alone, f32: whole at stages 0 and 1, an eighth from stage 2.
+  shapes = jax.eval_shape(lambda: zerojax.llama.init(cfg, jax.random.key(0)))
+  leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  adapters = sum(x.size for path, x in leaves if zerojax.llama.is_adapter(path))
+  assert [r['grads_bytes'] for r in rows[:2]] == [4 * adapters] * 2
+  assert all(r['grads_bytes'] <= 4 * adapters / 8 + 4 * 64 for r in rows[2:])
+  # The exported adapter (stage 3's), over the same base, gives the run's held-out loss.
+  assert sorted(os.listdir(adapter)) == ['adapter_config.json', 'adapter_model.safetensors']
+  tx = zerojax.zero_stage(optax.sgd(0.1), 3, mesh=jax.make_mesh((8,), ('data',)),
+                          stacked={'layers': True}, trainable=zerojax.llama.is_adapter)  # fmt: skip
+  params, got_cfg = zerojax.llama.load(folder, tx, cfg=cfg, adapter=adapter, base_dtype='nf4')
+  assert got_cfg.lora == cfg.lora
+  plan = zerojax.plan_for(tx, params)
+  held = finetune_lm.evaluate(params, data['heldout'], cfg, plan, args, jnp.float32)
+  assert held['heldout_loss'] == pytest.approx(rows[3]['heldout_loss'], rel=1e-5)
+
+
+def test_lora_merged_export_reads_back_without_adapters(chats_file, tmp_path):
+  argv = ['--data', chats_file, '--steps', '2', '--batch', '8', '--seq-len', '32', '--vocab',
+          '300', '--lora', '2', '--merge', '--export', str(tmp_path / 'merged')]  # fmt: skip
+  assert finetune_lm.main(argv) == 0
+  tensors = load_file(str(tmp_path / 'merged' / 'model.safetensors'))
+  assert (
+    not [k for k in tensors if 'lora' in k] and 'model.layers.0.self_attn.q_proj.weight' in tensors
+  )
+  with pytest.raises(SystemExit, match='give --lora R too'):
+    finetune_lm.main(['--qlora', 'nf4', '--steps', '1'])

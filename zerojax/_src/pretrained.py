@@ -481,14 +481,15 @@ def _initial(init_fn, init_args, paths: tuple[str, ...], shardings) -> dict[str,
 
 
 def _log_opt_outs(matched: Matched) -> None:
+  # The caller named both lists (skip=, init=): said, not warned of.
   if matched.skipped:
-    LOG.warning(
+    LOG.info(
       'load_safetensors: %d checkpoint tensor(s) not read (skip=): %s',
       len(matched.skipped),
       ', '.join(matched.skipped),
     )
   if matched.at_init:
-    LOG.warning(
+    LOG.info(
       'load_safetensors: %d model leaf(s) left at their initial values (init=): %s',
       len(matched.at_init),
       ', '.join(matched.at_init),
