@@ -20,7 +20,7 @@ README = Path(__file__).resolve().parent.parent / 'README.md'
 # The README, then the guides it links to, in the order their blocks run.
 GUIDES = [README] + [
   README.parent / 'docs' / f'{name}.md'
-  for name in ('training', 'checkpoints', 'multi-host', 'planner')
+  for name in ('training', 'checkpoints', 'multi-host', 'planner', 'lora')
 ]
 
 
