@@ -166,3 +166,28 @@ def test_stage_3_gathers_the_stored_form_and_holds_its_share(explicit_mesh):
   float_sizes = {'48,64', '64,48', '48,32', '32,48', '48,80', '80,48', '1,48,64', '1,48,80'}
   floats = [g for g in gathers if re.search(r'f32\[([\d,]+)\]', g)]
   assert not [g for g in floats if set(re.findall(r'f32\[([\d,]+)\]', g)) & float_sizes], floats
+
+
+@pytest.mark.parametrize('kind', ['nf4', 'int8'])
+@pytest.mark.parametrize('shape', [(128, 48), (64, 256), (80, 48)])
+def test_the_layer_multiplies_by_the_stored_weight_as_dequantized(kind, shape):
+  from zerojax._src import qbase
+
+  w = jax.random.normal(jax.random.key(3), shape)
+  q = qbase.quantize(w, kind)
+  h = jax.random.normal(jax.random.key(4), (2, 5, shape[0]))
+  want = np.asarray(h @ qbase.dequantize(q, jnp.float32))
+  got = np.asarray(qbase.matmul(h, q))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  # In bf16 each value is dequantize's, rounded once; the products summed in float32.
+  hb = h.astype(jnp.bfloat16)
+  ref = np.asarray(hb.astype(jnp.float32) @ qbase.dequantize(q, jnp.bfloat16).astype(jnp.float32))
+  np.testing.assert_allclose(
+    np.asarray(qbase.matmul(hb, q)).astype(np.float32),
+    ref,
+    rtol=2e-2,
+    atol=1e-2 * np.abs(ref).max(),
+  )
+  # No table lookup (a gather) and no interleave of the weight where blocks keep to rows.
+  text = jax.jit(qbase.matmul).lower(h, q).as_text()
+  assert ('gather' in text) == (shape[0] % 64 != 0 and kind == 'nf4')

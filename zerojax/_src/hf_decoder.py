@@ -247,16 +247,8 @@ def load(
   return params, cfg
 
 
-# The projections whose weights QLoRA stores quantized (every Linear of a block).
-PROJECTIONS = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_in', 'w_out')
-
-
-def _quantized(params: dict, kind: str) -> dict:
-  layers = dict(params['layers'])
-  for w in PROJECTIONS:
-    if w in layers and not qbase.is_quantized(layers[w]):
-      layers[w] = qbase.quantize(layers[w], kind)
-  return {**params, 'layers': layers}
+PROJECTIONS = lora_lib.PROJECTIONS
+_quantized = lora_lib.quantized_base
 
 
 def _quantizer(init, tx, kind: str):

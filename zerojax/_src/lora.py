@@ -154,6 +154,20 @@ def init(lora: LoraConfig, shaped: Mapping[str, Any], key: jax.Array, dtype=jnp.
   return out
 
 
+# The projections whose weights QLoRA stores quantized (every Linear of a block).
+PROJECTIONS = ('wq', 'wk', 'wv', 'wo', 'w_gate', 'w_in', 'w_out')
+
+
+def quantized_base(params: Mapping[str, Any], kind: str) -> dict[str, Any]:
+  """The decoder's parameters with every block projection's weight stored quantized as `kind`
+  ('nf4' or 'int8', `qbase.quantize`); one already quantized is kept."""
+  layers = dict(params['layers'])
+  for w in PROJECTIONS:
+    if w in layers and not qbase.is_quantized(layers[w]):
+      layers[w] = qbase.quantize(layers[w], kind)
+  return {**params, 'layers': layers}
+
+
 def is_adapter(path: tuple, leaf: Any = None) -> bool:
   """Whether the parameter at key path `path` is a LoRA adapter: the predicate for
   `zero_stage(trainable=zerojax.llama.is_adapter)`, which freezes everything else."""
@@ -164,7 +178,7 @@ def is_adapter(path: tuple, leaf: Any = None) -> bool:
 def project(h: jax.Array, p: Mapping[str, Any], name: str, lora: LoraConfig | None, key=None):
   """`h @ p[name]` (a stored quantized weight dequantized to `h`'s dtype first), plus its
   adapter's `scale * (dropout(h) @ A) @ B` where `p` has one."""
-  y = h @ qbase.weight(p[name], h.dtype)
+  y = qbase.matmul(h, p[name])
   adapters = p.get(KEY) if lora is not None else None
   if adapters is None or name not in adapters:
     return y

@@ -125,6 +125,37 @@ def dequantize(q: QuantizedWeight, dtype: Any = jnp.float32) -> jax.Array:
   return jnp.swapaxes(values.reshape(*lead, dout, din), -1, -2).astype(dtype)
 
 
+def _nf4_levels(nibbles: jax.Array) -> jax.Array:
+  """float32 NF4 levels of 4-bit indices, by a tree of 15 selects on the index's bits (a
+  table lookup would be a gather, which TPUs run slowly and lay out padded)."""
+  values = [jnp.float32(v) for v in NF4_LEVELS]
+  for bit in range(4):
+    on = ((nibbles >> bit) & 1).astype(bool)
+    values = [jnp.where(on, values[2 * k + 1], values[2 * k]) for k in range(len(values) // 2)]
+  return values[0]
+
+
+def matmul(h: jax.Array, w: Any) -> jax.Array:
+  """`h (..., in) @ w (in, out)` in `h`'s dtype, a stored quantized `w` of one layer
+  dequantized on the fly in its stored (out, in) order: each value computed in float32 as
+  `dequantize` computes it and rounded to `h`'s dtype, NF4's two values of a byte multiplied
+  with the even and the odd inputs apart, so no weight is interleaved or transposed."""
+  if not is_quantized(w):
+    return h @ w
+  din, dout = w.shape
+  if w.codes.ndim != 1 or din % BLOCK:  # a stack, or blocks that cross the rows
+    return h @ dequantize(w, h.dtype)
+  scales = jax.lax.bitcast_convert_type(w.scales, jnp.float32).reshape(dout, din // BLOCK)
+  dot = lambda x, v: jnp.einsum('...i,oi->...o', x, v, preferred_element_type=jnp.float32)
+  if w.kind == 'int8':
+    values = w.codes.reshape(dout, din).astype(jnp.float32) / 127
+    return dot(h, (values * jnp.repeat(scales, BLOCK, axis=-1)).astype(h.dtype)).astype(h.dtype)
+  codes, scales = w.codes.reshape(dout, din // 2), jnp.repeat(scales, BLOCK // 2, axis=-1)
+  high = (_nf4_levels(codes >> 4) * scales).astype(h.dtype)
+  low = (_nf4_levels(codes & 15) * scales).astype(h.dtype)
+  return (dot(h[..., 0::2], high) + dot(h[..., 1::2], low)).astype(h.dtype)
+
+
 def weight(w: Any, dtype: Any) -> jax.Array:
   """A weight ready for a matrix multiply in `dtype`: dequantized if stored quantized."""
   return dequantize(w, dtype) if is_quantized(w) else w

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax._src import checkpoint, hf_decoder, precision
+from zerojax._src import lora as lora_lib
 from zerojax._src.options import Options
 from zerojax._src.planner import (
   candidates,
@@ -84,7 +85,29 @@ def _mesh_shape(mesh: str, n: int, slices: int = 1) -> tuple[tuple[int, ...], tu
 def _model(args) -> Any:
   """The model of `--model`, as a `lowering.Target` takes it: a preset's name, a
   `presets.DecoderConfig` (decoder:...), or for module:function a function of (remat,
-  prefetch) returning its `ModelSpec` (a user's model runs its own layer loop)."""
+  prefetch) returning its `ModelSpec` (a user's model runs its own layer loop); with --lora,
+  the decoder with adapters."""
+  model = _base_model(args)
+  if getattr(args, 'lora', None) is None:
+    if getattr(args, 'base_dtype', None) is not None:
+      raise SystemExit('error: --base-dtype stores the frozen base of a LoRA model: give --lora R.')
+    return model
+  if callable(model):
+    raise SystemExit(
+      f'error: --lora adds adapters to the presets, decoder: and hf: models; --model'
+      f' {args.model} builds its own (freeze its base with'
+      ' zerojax.inspect.ModelSpec(trainable=...)).'
+    )
+  cfg = presets.PRESETS[model] if isinstance(model, str) else model
+  targets = tuple(t.strip() for t in args.lora_targets.split(',') if t.strip())
+  try:
+    lora = lora_lib.LoraConfig(args.lora, 2.0 * args.lora, targets)
+  except ValueError as e:
+    raise SystemExit(f'error: --lora-targets: {e}') from None
+  return dataclasses.replace(cfg, lora=lora)
+
+
+def _base_model(args) -> Any:
   if args.model.startswith('decoder:'):
     try:
       return presets.parse_decoder(args.model[len('decoder:') :], args.seq_len)
@@ -196,6 +219,7 @@ def _settings(args) -> presets.ModelSettings:
       attention_chunk=args.attention_chunk,
       loss_chunk=args.loss_chunk,
       per_layer=not getattr(args, 'gather_all', False),
+      base_dtype=getattr(args, 'base_dtype', None),
     )
   except (TypeError, ValueError) as e:
     raise SystemExit(f'error: {e}') from None
@@ -564,7 +588,14 @@ def _configure_jax(topology: str, slices: int = 1) -> None:
       count = int(topology[4:])
     except ValueError:
       raise SystemExit(f'error: --topology {topology!r}: expected cpu:N, e.g. cpu:8') from None
-    jax.config.update('jax_num_cpu_devices', count * slices)
+    try:
+      jax.config.update('jax_num_cpu_devices', count * slices)
+    except RuntimeError:  # jax started already (plan_target in a program): its devices serve
+      if len(jax.devices('cpu')) < count * slices:
+        raise SystemExit(
+          f'error: --topology {topology!r}: jax started with {len(jax.devices("cpu"))} CPU'
+          f' devices, fewer than {count * slices}; plan before any jax computation runs.'
+        ) from None
 
 
 if __name__ == '__main__':

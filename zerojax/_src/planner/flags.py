@@ -329,6 +329,26 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     help="presets: 'xla' (plain JAX, --attention-chunk applies) or 'flash' (fused Pallas kernels"
     ' on TPU, as MaxText runs: causal blocks skipped, scores never in HBM)',
   )
+  p.add_argument(
+    '--lora',
+    type=_positive_int,
+    default=None,
+    metavar='R',
+    help='presets, decoder: and hf: models: train rank-R LoRA adapters (alpha 2R) on the'
+    ' --lora-targets projections alone, the rest frozen (no gradient, optimizer state or master)',
+  )
+  p.add_argument(
+    '--lora-targets',
+    default='q,k,v,o,gate,up,down',
+    help='with --lora: the projections with adapters',
+  )
+  p.add_argument(
+    '--base-dtype',
+    choices=('bf16', 'int8', 'nf4'),
+    default=None,
+    help='with --lora: how the frozen base is stored: nf4 or int8 (QLoRA: the projections'
+    " quantized, gathered as stored at stage 3) or bf16; default: the parameters' dtype",
+  )
 
 
 def _slices_argument(p: argparse.ArgumentParser) -> None:

@@ -131,10 +131,15 @@ def model_label(target: Target) -> str:
 
 
 def zero_options(
-  c: Candidate, names: tuple[str, ...], stacked: Any = None, param_specs: Any = None
+  c: Candidate,
+  names: tuple[str, ...],
+  stacked: Any = None,
+  param_specs: Any = None,
+  trainable: Any = None,
 ) -> Options:
   """The `zerojax.Options` of a candidate, for ZeRO axes `names`, a model whose stacked layers
-  are `stacked` (`ModelSpec.stacked`) and tensor-parallel layouts `param_specs`."""
+  are `stacked` (`ModelSpec.stacked`), tensor-parallel layouts `param_specs` and trained
+  parameters `trainable` (`ModelSpec.trainable`)."""
   q = QUANTIZE[c.quantize]
   return Options(
     axis=names[0] if len(names) == 1 else names,
@@ -146,6 +151,7 @@ def zero_options(
     replica_axis=SLICE if c.slices > 1 else None,
     stacked=stacked,
     param_specs=param_specs,
+    trainable=trainable,
   )
 
 
@@ -205,7 +211,7 @@ class Lowered:
 def _abstract_state(target: Target, c: Candidate, spec: Any, mesh: Any, zero_axes: tuple):
   """(the abstract train state, its ZeRO plan) of a candidate, its optimizer wrapped for the
   candidate's stage over `zero_axes` of `mesh`."""
-  options = zero_options(c, zero_axes, spec.stacked, _tensor_specs(spec, mesh))
+  options = zero_options(c, zero_axes, spec.stacked, _tensor_specs(spec, mesh), spec.trainable)
   inner = target.optimizer()
   if target.mixed_precision:
     inner = precision.mixed_precision(inner)
@@ -227,6 +233,8 @@ def gradients(target: Target, c: Candidate) -> str:
 def _gradient_fn(target: Target, c: Candidate, spec: Any, state: Any, plan: Any):
   """(params, batch) -> (loss, gradients), through zerojax's or jax's value_and_grad."""
   loss = lambda p, b: spec.loss_fn(p, b, plan)
+  if gradients(target, c) == 'jax' and any(plan.frozen or ()):
+    return _trainable_value_and_grad(loss, plan.frozen)
   if gradients(target, c) == 'jax':
     return lambda p, b: jax.value_and_grad(lambda q: loss(q, b))(p)
   return grad_lib.value_and_grad(
@@ -235,6 +243,28 @@ def _gradient_fn(target: Target, c: Candidate, spec: Any, state: Any, plan: Any)
     per_layer=c.stage >= 2 and c.layout != 'hpz',
     micro_batches=c.micro_batches,
   )
+
+
+def _trainable_value_and_grad(loss: Any, frozen: tuple[bool, ...]):
+  """`jax.value_and_grad` of `loss` with respect to the trainable leaves alone, as a LoRA
+  program differentiates its adapters: the frozen leaves' gradients are zeros the update never
+  reads (the compiler drops them), so a quantized base is never differentiated."""
+
+  def value_and_grad(params, batch):
+    leaves, treedef = jax.tree.flatten(params)
+    held = [x for x, f in zip(leaves, frozen, strict=True) if f]
+
+    def of_trained(trained):
+      it, kept = iter(trained), iter(held)
+      full = [next(kept) if f else next(it) for f in frozen]
+      return loss(jax.tree.unflatten(treedef, full), batch)
+
+    value, grads = jax.value_and_grad(of_trained)([x for x, f in zip(leaves, frozen) if not f])
+    it = iter(grads)
+    full = [jnp.zeros_like(x) if f else next(it) for x, f in zip(leaves, frozen)]
+    return value, jax.tree.unflatten(treedef, full)
+
+  return value_and_grad
 
 
 def _check_tags(spec: presets.ModelSpec, remat: str, jaxpr: Any) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from zerojax._src import lora as lora_lib
 from zerojax._src import plan as plan_lib
 from zerojax._src.decoder import ATTENTION as ATTENTION
 from zerojax._src.decoder import DecoderConfig as DecoderConfig
@@ -57,6 +58,10 @@ PRESETS: dict[str, DecoderConfig] = {
 }
 
 
+# How a LoRA model's frozen base is stored (`ModelSettings.base_dtype`).
+BASE_DTYPES = (None, 'bf16', 'int8', 'nf4')
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
   """How the presets compute, the same for every candidate of a plan or a search: the settings
@@ -71,6 +76,9 @@ class ModelSettings:
     loss_chunk: the head's logits and loss this many positions at a time; None: at once.
     per_layer: gather each block's parameters inside the layer loop; False gathers every
       parameter up front.
+    base_dtype: for a decoder with LoRA adapters (`DecoderConfig.lora`), how its frozen base
+      is stored: 'nf4' or 'int8' (QLoRA: the projections quantized, `QuantizedWeight`),
+      'bf16', or None (the parameters' dtype).
   """
 
   seq_len: int | None = None
@@ -79,6 +87,7 @@ class ModelSettings:
   attention_chunk: int | None = None
   loss_chunk: int | None = None
   per_layer: bool = True
+  base_dtype: str | None = None
 
   def __post_init__(self):
     if self.attention not in ATTENTION:
@@ -92,6 +101,8 @@ class ModelSettings:
       if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f'`{field}` must be a whole number >= 1 or None, got {value!r}.')
     jnp.dtype(self.compute_dtype)  # an unknown dtype raises here, naming it
+    if self.base_dtype not in BASE_DTYPES:
+      raise ValueError(f'`base_dtype`={self.base_dtype!r}: choose one of {BASE_DTYPES}.')
 
   def decoder_options(self, **candidate: Any) -> DecoderOptions:
     """The decoder's options record (`DecoderOptions`, checked there) these settings give, with
@@ -111,7 +122,7 @@ class ModelSettings:
     defaults = ModelSettings()
     return tuple(
       f
-      for f in ('attention_chunk', 'attention', 'loss_chunk')
+      for f in ('attention_chunk', 'attention', 'loss_chunk', 'base_dtype')
       if getattr(self, f) != getattr(defaults, f)
     )
 
@@ -212,6 +223,7 @@ class ModelSpec:
       the size does not divide the model.
     stacked: which parameters are stacked layers (`zerojax.Options.stacked`, a
       prefix tree of bools), or None to leave it to the default rule.
+    trainable: which parameters train (`zerojax.Options.trainable`); None: all of them.
 
   >>> import jax, jax.numpy as jnp, zerojax
   >>> spec = zerojax.inspect.ModelSpec(
@@ -229,6 +241,7 @@ class ModelSpec:
   batch: Callable[[int], jax.ShapeDtypeStruct]
   tensor_specs: Callable[[str, int], Any] | None = None
   stacked: Any = None
+  trainable: Any = None
 
 
 def decoder_spec(
@@ -258,11 +271,30 @@ def decoder_spec(
   def loss_fn(params, tokens, plan):
     return decoder_loss(params, tokens, cfg, **dataclasses.replace(options, plan=plan).as_kwargs())
 
+  if settings.base_dtype is not None and cfg.lora is None:
+    raise ValueError(
+      f'`base_dtype`={settings.base_dtype!r} stores the frozen base of a LoRA model; the'
+      ' decoder has no adapters (DecoderConfig.lora; --lora R on the command line).'
+    )
   return ModelSpec(
     name=name,
-    init_fn=functools.partial(init_decoder, cfg),
+    init_fn=functools.partial(_init_stored, cfg, settings.base_dtype),
     loss_fn=loss_fn,
     batch=lambda global_batch: jax.ShapeDtypeStruct((global_batch, seq + 1), jnp.int32),
     tensor_specs=lambda axis, size: (cfg.check_tensor(size), cfg.param_specs(axis))[1],
     stacked=cfg.stacked(),
+    trainable=None if cfg.lora is None else lora_lib.is_adapter,
   )
+
+
+def _init_stored(cfg: DecoderConfig, base_dtype: str | None, key: jax.Array) -> dict[str, Any]:
+  """`init_decoder`'s parameters, a LoRA model's frozen base stored as `base_dtype` says (the
+  adapters in float32)."""
+  if base_dtype is None:
+    return init_decoder(cfg, key)
+  if base_dtype == 'bf16':
+    params = init_decoder(cfg, key, jnp.bfloat16)
+    adapters = params['layers'][lora_lib.KEY]
+    params['layers'][lora_lib.KEY] = jax.tree.map(lambda x: x.astype(jnp.float32), adapters)
+    return params
+  return lora_lib.quantized_base(init_decoder(cfg, key), base_dtype)

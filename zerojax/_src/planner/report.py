@@ -123,6 +123,23 @@ def zero_floor_bytes(
   return factor * num_params * bytes_per_param * (num_devices - 1) / num_devices
 
 
+def frozen_floor_bytes(plan: Any, num_devices: int, bytes_per_param: int = 4) -> float:
+  """ZeRO's floor per device for a plan with frozen leaves (LoRA's base): the trainable
+  leaves' gradients reduce-scattered (and, below stage 3, their updated values gathered) in
+  `bytes_per_param`, and at stage 3 every parameter gathered for the forward and again for the
+  backward pass, floating ones in `bytes_per_param` and the rest (a quantized base's codes and
+  scales) as stored; times (N-1)/N."""
+  rows = [r for r in plan.rows if r.group == 'params']
+  size = lambda r: int(np.prod(r.shape))
+  moved = lambda r: (
+    size(r)
+    * (bytes_per_param if np.issubdtype(r.dtype, np.floating) else np.dtype(r.dtype).itemsize)
+  )
+  trained = sum(size(r) for r in rows if not r.frozen) * bytes_per_param
+  total = 2 * sum(moved(r) for r in rows) + trained if plan.stage == 3 else 2 * trained
+  return total * (num_devices - 1) / num_devices
+
+
 @dataclasses.dataclass(frozen=True)
 class StepReport:
   """Measured cost of one compiled training step, per device.
@@ -147,6 +164,9 @@ class StepReport:
       the update, split over the ZeRO and any tensor-parallel axes) all-reduced across them
       once per step, 2·(Ψ/N)·bytes·(S-1)/S, in the floor's bytes per parameter (ZeRO split
       over the slices too moves the same: a reduce-scatter and an all-gather of that shard).
+    frozen_params: of `num_params`, the values of frozen leaves (`Options.trainable`): they
+      have no gradient to reduce and no update to gather, so the floor counts them only where
+      stage 3 gathers them (twice, as stored: `frozen_floor_bytes`).
   """
 
   memory: MemoryStats
@@ -159,6 +179,7 @@ class StepReport:
   quantized: str | None = None
   num_slices: int = 1
   dcn_floor_bytes: float | None = None
+  frozen_params: int = 0
 
   def per_process(self, process: int | None = None) -> MemoryStats:
     """Memory of all of one process's devices (default: this process)."""
@@ -233,17 +254,22 @@ def step_report(
       for r, s in zip(_param_rows(plan), jax.tree.leaves(plan.param_shards))
     )
     dcn_floor = 2 * shard * bytes_per_param * (num_slices - 1) / num_slices
+  frozen = sum(int(np.prod(r.shape)) for r in plan.rows if r.group == 'params' and r.frozen)
+  floor = zero_floor_bytes(plan.stage, num_params, n, bytes_per_param)
+  if frozen:
+    floor = frozen_floor_bytes(plan, n, bytes_per_param)
   return StepReport(
     memory,
     collectives,
     stage=plan.stage,
     num_params=num_params,
     num_devices=n,
-    floor_bytes=zero_floor_bytes(plan.stage, num_params, n, bytes_per_param),
+    floor_bytes=floor,
     process_devices=_process_devices(plan),
     quantized=_quantized(plan),
     num_slices=num_slices,
     dcn_floor_bytes=dcn_floor,
+    frozen_params=frozen,
   )
 
 
@@ -314,8 +340,16 @@ def format_report(report: StepReport) -> str:
     ici = c.total_ici_bytes if report.num_slices > 1 else c.total_ring_bytes
     ratio = ici / report.floor_bytes if report.floor_bytes else float('nan')
     factor = 3 if report.stage == 3 else 2
+    rule = f'{factor}Ψ(N-1)/N, Ψ={report.num_params:,}'
+    if report.frozen_params:
+      trained = report.num_params - report.frozen_params
+      rule = (
+        f'the {trained:,} trained values reduced'
+        + (', all gathered twice as stored' if report.stage == 3 else ' and gathered')
+        + f', {report.frozen_params:,} frozen'
+      )
     lines.append(
-      f'ZeRO floor (stage {report.stage}: {factor}Ψ(N-1)/N, Ψ={report.num_params:,},'
+      f'ZeRO floor (stage {report.stage}: {rule},'
       f' N={report.num_devices}): {report.floor_bytes:,.0f} bytes; measured/floor = {ratio:.3f}'
       + (' (ICI, within a slice)' if report.num_slices > 1 else '')
     )

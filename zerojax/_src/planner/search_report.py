@@ -63,7 +63,8 @@ def winner_code(report: SearchReport) -> str:
 def _zero_stage_args(report: SearchReport, names: tuple[str, ...]) -> list[str]:
   """The winner's `zerojax.zero_stage` arguments after the optimizer, over mesh axes `names`."""
   c, t = report.winner.candidate, report.target
-  options = zero_options(c, tuple(n for n in names if n != TENSOR), model_spec(t, c).stacked)
+  spec = model_spec(t, c)
+  options = zero_options(c, tuple(n for n in names if n != TENSOR), spec.stacked)
   args = [f'stage={c.stage}', 'mesh=mesh', f'axis={options.axis!r}']
   if options.replica_axis is not None:
     args.append(f'replica_axis={options.replica_axis!r}')
@@ -78,6 +79,8 @@ def _zero_stage_args(report: SearchReport, names: tuple[str, ...]) -> list[str]:
     args.append(f'quantize=zerojax.Quantize(weights={q["weights"]!r}, grads={q["grads"]!r})')
   if c.tensor > 1:
     args.append('param_specs=param_specs')
+  if spec.trainable is not None:  # a LoRA decoder's adapters
+    args.append('trainable=zerojax.llama.is_adapter')
   return args
 
 
