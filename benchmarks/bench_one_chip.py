@@ -114,12 +114,15 @@ SETTINGS = {
 CHIPS = ('v5e', 'v6e')
 
 
-def row(chip: str, shape: str, setting: str, r: search.Result, num_params: int) -> dict:
-  """One table row from the search's `Result` of that candidate."""
+def row(
+  chip: str, shape: str, setting: str, r: search.Result, num_params: int, model: str | None = None
+) -> dict:
+  """One table row from the search's `Result` of that candidate (`model`: default the
+  shape's name in `SHAPES`)."""
   out = dict(
     chip=chip,
     shape=shape,
-    model=SHAPES[shape][0],
+    model=model or SHAPES[shape][0],
     params=num_params,
     setting=setting,
     candidate=r.candidate.label(),
