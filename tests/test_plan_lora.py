@@ -100,3 +100,39 @@ def test_lora_on_a_users_own_model_names_its_spelling():
   proc = run_cli('plan', '--topology', 'cpu:8', '--model', '_custom_model:spec', '--lora', '4')
   assert proc.returncode != 0
   assert 'zerojax.inspect.ModelSpec(trainable=...)' in proc.stderr, proc.stderr[-2000:]
+
+
+def _bench():
+  import sys
+  from pathlib import Path
+
+  folder = str(Path(__file__).resolve().parent.parent / 'benchmarks')
+  sys.path.insert(0, folder)
+  try:
+    import bench_one_chip_lora
+  finally:
+    sys.path.remove(folder)
+  return bench_one_chip_lora
+
+
+def test_the_lora_table_rows_are_named_and_checked():
+  pytest.importorskip('libtpu', reason='the benchmark compiles for TPU (the tpu extra)')
+  bench = _bench()
+  assert bench.parse_rows('v5e-1:8B:qlora,v6e-1:70B:qlora+params') == [
+    ('v5e-1', '8B', 'qlora'),
+    ('v6e-1', '70B', 'qlora+params'),
+  ]
+  with pytest.raises(ValueError, match="unknown setting 'qlora4'; choose from"):
+    bench.parse_rows('v5e-1:8B:qlora4')
+  with pytest.raises(ValueError, match='is not runtime:shape:setting'):
+    bench.parse_rows('v5e-1:8B')
+  # The 70B shape is Llama 3.1 70B's published config.
+  cfg = bench.zerojax.llama.config_from_hf(bench.SHAPES['70B'][1])
+  assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff) == (
+    8192,
+    80,
+    64,
+    8,
+    28672,
+  )
+  assert 70.4e9 < cfg.num_params() < 70.7e9
